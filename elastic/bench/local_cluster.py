@@ -1,0 +1,153 @@
+"""A multi-node Ray cluster on one machine, for benchmarks and chaos tests.
+
+Owns the lifetime of a `ray.cluster_utils.Cluster`: a head node with no CPUs
+(so no training worker ever lands on it, and killing a worker node never takes
+the GCS or the driver with it) plus `num_worker_nodes` nodes of
+`cpus_per_node` CPUs each. Faults from `elastic.chaos.kill_own_node` kill a
+node behind Ray's back; `ensure_worker_nodes` tops the cluster up again and
+shutdown copes with the corpses.
+
+Ray's health-check settings (GCS pings each raylet every 3 s and declares it
+dead after 5 missed pings) are left at Ray's defaults on purpose: the recovery
+benchmarks must measure what a user's cluster does, and node-death detection
+time is part of that figure.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from typing import Iterator
+
+import ray
+from ray._private import ray_constants
+from ray.cluster_utils import Cluster
+
+logger = logging.getLogger(__name__)
+if not logger.handlers:
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("[local_cluster] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+# Node start on a loaded 2-core machine takes a few seconds; GCS registration
+# of many nodes at once can take longer.
+NODE_REGISTER_TIMEOUT_S = 120.0
+
+
+def _raylet_alive(node: "ray._private.node.Node") -> bool:
+    """Whether this node's raylet process (a child of ours) is still running.
+
+    The local process handle knows at once; the GCS only learns of a killed
+    raylet after its health checks time out, which is what we don't want to
+    wait for when counting usable nodes.
+    """
+    infos = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+    return bool(infos) and all(info.process.poll() is None for info in infos)
+
+
+class LocalCluster:
+    """Handle on a running local cluster; build it with `local_cluster()`."""
+
+    def __init__(self, cluster: Cluster, cpus_per_node: int):
+        self.cluster = cluster
+        self.cpus_per_node = cpus_per_node
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def alive_worker_nodes(self) -> list[dict]:
+        """Nodes the GCS considers alive that have CPUs (i.e. not the head), as `ray.nodes()` entries."""
+        return [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+
+    def ensure_worker_nodes(self, num_nodes: int, timeout_s: float = NODE_REGISTER_TIMEOUT_S) -> None:
+        """Top the cluster up to `num_nodes` running worker nodes after faults.
+
+        Nodes whose raylet died are dropped from the Cluster's bookkeeping (and
+        their leftover processes, e.g. the reaper, stopped) so that a later
+        shutdown does not trip over them. Returns once every running node is
+        registered with the GCS and shows its CPUs. The GCS may still list a
+        killed node as alive for a while (until its health checks fail); such
+        a node is not counted, since it can never run anything again.
+        """
+        for node in list(self.cluster.worker_nodes):
+            if not _raylet_alive(node):
+                self._drop_node(node)
+        running = [n for n in self.cluster.worker_nodes if _raylet_alive(n)]
+        for _ in range(num_nodes - len(running)):
+            self.cluster.add_node(num_cpus=self.cpus_per_node)
+            logger.info("added a worker node (%d running)", len(self.cluster.worker_nodes))
+        self._wait_registered(timeout_s)
+
+    def _wait_registered(self, timeout_s: float) -> None:
+        wanted = {n.node_id for n in self.cluster.worker_nodes}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = {n["NodeID"] for n in self.alive_worker_nodes()}
+            if wanted <= alive:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(wanted - alive)} of {len(wanted)} worker nodes not registered with CPUs after {timeout_s} s"
+                )
+            time.sleep(0.2)
+
+    def _drop_node(self, node: "ray._private.node.Node") -> None:
+        """Forget a dead node, stopping whatever of it still runs."""
+        try:
+            # No graceful period: the raylet is gone, nothing left listens for SIGTERM.
+            self.cluster.remove_node(node, allow_graceful=False)
+        except Exception as e:  # noqa: BLE001 - a half-dead node may fail in many ways; we clean up below
+            logger.info("remove_node(%s) failed (%s: %s); killing its leftovers", node.node_id[:8], type(e).__name__, e)
+            for _, proc in node.live_processes():
+                with contextlib.suppress(Exception):
+                    proc.kill()
+                    proc.wait(timeout=5)
+            self.cluster.worker_nodes.discard(node)
+
+    def shutdown(self) -> None:
+        """Disconnect, then stop every node; tolerates nodes killed behind Ray's back."""
+        try:
+            ray.shutdown()
+        except Exception as e:  # noqa: BLE001 - keep going: the nodes must be stopped regardless
+            logger.info("ray.shutdown() failed: %s: %s", type(e).__name__, e)
+        for node in list(self.cluster.worker_nodes):
+            self._drop_node(node)
+        try:
+            # Only the head is left: this stops it and resets the driver-side globals.
+            self.cluster.shutdown()
+        except Exception as e:  # noqa: BLE001
+            logger.info("stopping the head failed (%s: %s); killing its processes", type(e).__name__, e)
+            head = self.cluster.head_node
+            if head is not None:
+                for _, proc in head.live_processes():
+                    with contextlib.suppress(Exception):
+                        proc.kill()
+                        proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def local_cluster(num_worker_nodes: int = 4, cpus_per_node: int = 1) -> Iterator[LocalCluster]:
+    """Start a head (0 CPUs) and `num_worker_nodes` worker nodes, connect the driver, stop all on exit."""
+    if num_worker_nodes < 1:
+        raise ValueError(f"num_worker_nodes must be >= 1, got {num_worker_nodes}")
+    if cpus_per_node < 1:
+        raise ValueError(f"cpus_per_node must be >= 1, got {cpus_per_node}")
+    t0 = time.monotonic()
+    # The driver attaches to the head, and Ray Train's controller follows the
+    # driver's node: both survive any worker-node kill.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    handle = LocalCluster(cluster, cpus_per_node)
+    try:
+        for _ in range(num_worker_nodes):
+            cluster.add_node(num_cpus=cpus_per_node)
+        ray.init(address=cluster.address, logging_level=logging.WARNING)
+        handle._wait_registered(NODE_REGISTER_TIMEOUT_S)
+        logger.info("%d worker nodes up in %.1f s at %s", num_worker_nodes, time.monotonic() - t0, cluster.address)
+        yield handle
+    finally:
+        handle.shutdown()
+        logger.info("cluster stopped")

@@ -1,0 +1,49 @@
+"""The common benchmark workload (shared/BENCHMARKS.md): an MLP of about 1.3 M
+parameters on a fixed synthetic classification task. Same for every system
+compared, so only the framework differs."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IN_FEATURES = 256
+HIDDEN = 1024
+NUM_CLASSES = 10
+NUM_SAMPLES = 8192
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+        nn.Linear(HIDDEN, NUM_CLASSES),
+    )
+
+
+class TeacherDataset(torch.utils.data.Dataset):
+    """Inputs from a fixed seed, labels from a fixed random teacher: learnable, deterministic."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES, seed: int = 1234):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(num_samples, IN_FEATURES, generator=g)
+        teacher = torch.randn(IN_FEATURES, NUM_CLASSES, generator=g)
+        self.y = (self.x @ teacher).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def build_dataset() -> TeacherDataset:
+    return TeacherDataset()
+
+
+def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def build_optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-3)

@@ -1,0 +1,50 @@
+"""`elastic train job.yaml` and `elastic bench ...`: a thin entry point over Trainer and the benchmarks."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elastic", description="Fault-tolerant PyTorch training on Ray.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    tr = sub.add_parser("train", help="run a job from a YAML file on the current Ray cluster (or a local one)")
+    tr.add_argument("job", help="path to job.yaml")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench = sub.add_parser("bench", help="benchmarks: recovery")
+    from elastic.bench.cli import add_bench_args
+    add_bench_args(bench)
+    args = parser.parse_args(argv)
+
+    # 'module:function' references in a job are resolved relative to where the user runs us,
+    # as with `python -m`; console scripts do not put the working directory on sys.path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+    if args.cmd == "train":
+        return _train(args)
+    from elastic.bench.cli import run_bench
+    return run_bench(args)
+
+
+def _train(args) -> int:
+    from elastic.config import ConfigError
+    from elastic.trainer import Trainer, TrainingFailed
+    try:
+        trainer = Trainer(args.job)
+    except ConfigError as e:
+        print(f"elastic: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = trainer.fit(progress=not args.no_progress)
+    except TrainingFailed as e:
+        print(e.result.summary(), file=sys.stderr)
+        print(f"elastic: training failed: {e}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

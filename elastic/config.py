@@ -1,0 +1,174 @@
+"""User settings: pydantic models for every knob, YAML in, clear errors out.
+
+Every model forbids unknown keys, so a typo in `job.yaml` is an error that
+names the key instead of a silently ignored setting. Cross-field checks that
+need the whole job (batch plan vs. world size) live in `JobConfig`.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ScalingConfig(_Strict):
+    num_workers: int = Field(2, ge=1, description="Training ranks (one Ray actor each).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor.")
+    use_gpu: bool = Field(False, description="One GPU per worker and NCCL; gloo on CPU otherwise.")
+
+
+class FailureConfig(_Strict):
+    max_failures: int = Field(3, ge=0, description="Recoveries allowed before the run stops with an error.")
+    hang_factor: float = Field(
+        10.0, gt=1, description="A hang is no progress for hang_factor x the median step time..."
+    )
+    hang_floor_s: float = Field(20.0, gt=0, description="...but never less than this many seconds.")
+    ping_timeout_s: float = Field(
+        2.0, gt=0, description="A worker that does not answer a ping this fast after a peer error is lost."
+    )
+    rendezvous_timeout_s: float = Field(60.0, gt=0, description="Process-group formation timeout.")
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="Backstop timeout of one collective; hangs are caught earlier by the controller."
+    )
+    replacement_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for resources to start a replacement worker."
+    )
+
+
+class CheckpointConfig(_Strict):
+    storage_uri: str = Field("file://./runs", description="fsspec URI of the run root: file://, s3://, memory://.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, key, secret for s3)."
+    )
+    every_steps: int = Field(10, ge=1, description="Checkpoint after every this many steps.")
+    num_to_keep: int = Field(3, ge=1, description="Committed checkpoints kept; the newest is never removed.")
+    persist_retries: int = Field(5, ge=0, description="Retries of a background persist on storage errors.")
+    persist_retry_backoff_s: float = Field(1.0, ge=0, description="First backoff between persist retries (doubles).")
+
+
+class RunConfig(_Strict):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run folder name.")
+    seed: int = Field(0, ge=0)
+    num_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+
+
+class ChaosFault(_Strict):
+    """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
+    when it has completed `at_step` steps and before it starts the next one."""
+
+    action: Literal["kill_node", "kill_process", "hang"]
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+
+
+def _import_ref(ref: str, field: str) -> Callable:
+    if not isinstance(ref, str) or ref.count(":") != 1:
+        raise ValueError(f"{field}: expected 'module:function', got {ref!r}")
+    mod_name, fn_name = ref.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+        raise ValueError(f"{field}: cannot import module {mod_name!r} ({type(e).__name__}: {e}); "
+                         f"is it on PYTHONPATH / in the job's working dir?") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"{field}: module {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+class TrainSpec(_Strict):
+    """What to train. Each callable is given as 'module:function' so workers can import it."""
+
+    model: str = Field(description="module:function() -> torch.nn.Module")
+    dataset: str = Field(description="module:function() -> map-style dataset (len, getitem)")
+    loss: str = Field(description="module:function(model, batch) -> scalar loss, mean over the batch")
+    optimizer: str | None = Field(None, description="module:function(params) -> optimizer; default AdamW(lr=1e-3)")
+    global_batch_size: int = Field(ge=1, description="Samples per optimizer step, constant for the run.")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Samples per forward/backward on one rank; default: the whole per-rank share."
+    )
+    strategy: Literal["ddp"] = "ddp"
+
+    def resolve(self) -> dict[str, Callable | None]:
+        """Import every callable; raises ValueError naming the field that fails."""
+        return {
+            "model": _import_ref(self.model, "train.model"),
+            "dataset": _import_ref(self.dataset, "train.dataset"),
+            "loss": _import_ref(self.loss, "train.loss"),
+            "optimizer": _import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
+        }
+
+
+def batch_plan(global_batch_size: int, world_size: int, micro_batch_size: int | None) -> tuple[int, int]:
+    """(per-rank micro-batch, accumulation steps) for a world size; ValueError if it does not split."""
+    if global_batch_size % world_size:
+        raise ValueError(
+            f"train.global_batch_size={global_batch_size} is not divisible by {world_size} workers; "
+            f"choose a global batch that is a multiple of scaling.num_workers"
+        )
+    per_rank = global_batch_size // world_size
+    micro = micro_batch_size or per_rank
+    if per_rank % micro:
+        raise ValueError(
+            f"train.micro_batch_size={micro} does not divide the per-rank batch {per_rank} "
+            f"(global {global_batch_size} / {world_size} workers)"
+        )
+    return micro, per_rank // micro
+
+
+class JobConfig(_Strict):
+    run: RunConfig = Field(default_factory=RunConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    failure: FailureConfig = Field(default_factory=FailureConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    train: TrainSpec
+    chaos: list[ChaosFault] = Field(default_factory=list, description="Faults to inject (drills, tests, demo).")
+
+    @model_validator(mode="after")
+    def _check_plan(self) -> "JobConfig":
+        batch_plan(self.train.global_batch_size, self.scaling.num_workers, self.train.micro_batch_size)
+        for i, f in enumerate(self.chaos):
+            if f.rank >= self.scaling.num_workers:
+                raise ValueError(f"chaos[{i}].rank={f.rank} but scaling.num_workers={self.scaling.num_workers}")
+            if f.at_step >= self.run.num_steps:
+                raise ValueError(f"chaos[{i}].at_step={f.at_step} must be < run.num_steps={self.run.num_steps}")
+        return self
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(job)"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "value_error" and "input" in err and not isinstance(err["input"], dict) else ""))
+    return "invalid job config:\n" + "\n".join(lines)
+
+
+class ConfigError(ValueError):
+    """A user setting is wrong; the message names the field and what to do."""
+
+
+def load_job(path: str) -> JobConfig:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"job file {path!r} not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"job file {path!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"job file {path!r}: expected a mapping at the top level")
+    return parse_job(raw)
+
+
+def parse_job(raw: dict) -> JobConfig:
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None

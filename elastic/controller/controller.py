@@ -1,0 +1,282 @@
+"""The controller actor: schedule -> run -> detect -> decide -> recover.
+
+It holds no tensors. Every transition and every decision goes to the event
+log with its reason. Detection, fastest signal first:
+  * a survivor's collective fails the moment a peer's sockets close (process
+    or node death), so its `run()` returns "aborted" at once;
+  * Ray reports the dead actor (its `run()` or `poll()` raises);
+  * a rank that does not answer a ping within `ping_timeout_s` is lost (a
+    dead node that Ray has not noticed yet, or a stopped process);
+  * no step completed for max(floor, k x median step): a hang; the ranks that
+    do not answer are the culprits.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+
+import ray
+
+from elastic.checkpoint import checkpoints_root, committed_checkpoints
+from elastic.config import JobConfig
+from elastic.controller.states import (
+    TERMINAL, Errored, Finished, Forming, Recovering, Restoring, Running, Starting, State)
+from elastic.policies.failure import FailureObservation, LostRank, Raise, decide_failure, detect_hang
+from elastic.storage import Storage, join
+from elastic.telemetry import EventLog
+from elastic.worker_group import GroupError, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.2
+
+
+class Controller:
+    def __init__(self, job_json: str, runtime_env: dict | None = None):
+        self.job = JobConfig.model_validate_json(job_json)
+        ck = self.job.checkpoint
+        self.storage = Storage(ck.storage_uri, ck.storage_options)
+        self.run_dir = join(self.storage.uri, self.job.run.name)
+        self.root = checkpoints_root(self.storage.uri, self.job.run.name)
+        self.events = EventLog(self.storage, self.run_dir)
+        self.group = WorkerGroup(self.job, job_json, self.root, ray.get_runtime_context().current_actor, runtime_env)
+        self.state: State = Starting()
+        self.failures = 0
+        self.pending_faults = [f.model_dump() for f in self.job.chaos]
+        self._fault_lock = threading.Lock()
+        self.last_fault: dict | None = None  # set by report_fault, consumed by recovery bookkeeping
+        self.step = 0
+        self.max_step_seen = 0
+        self.loss: float | None = None
+        self.step_times: list[float] = []
+        self.last_progress_at = time.monotonic()
+        self.awaiting_first_step: dict | None = None  # recovery in progress until a step completes
+        self.last_committed: str | None = None
+        self.run_refs: dict = {}
+
+    # ---------------------------------------------------------------- public (called from the driver / workers)
+    def run(self) -> dict:
+        self.events.emit("run_started", run=self.job.run.name, num_workers=self.job.scaling.num_workers,
+                         num_steps=self.job.run.num_steps, run_dir=self.run_dir)
+        try:
+            while not isinstance(self.state, TERMINAL):
+                handler = getattr(self, f"_on_{type(self.state).__name__.lower()}")
+                self._set_state(handler(self.state))
+        except Exception as e:  # noqa: BLE001 - a controller bug must still end the run with a reason
+            log.exception("controller failed")
+            self._set_state(Errored(f"controller error: {type(e).__name__}: {e}"))
+        finally:
+            self.group.shutdown()
+        st = self.state
+        self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",
+                         step=self.step, loss=self.loss, error=getattr(st, "error", None),
+                         checkpoint=self.last_committed)
+        self.events.flush()
+        return {"status": "finished" if isinstance(st, Finished) else "error",
+                "error": getattr(st, "error", None), "step": self.step, "loss": self.loss,
+                "checkpoint": self.last_committed, "digests": getattr(st, "digests", {}),
+                "events": self.events.events, "run_dir": self.run_dir}
+
+    def progress(self, since_event: int = 0) -> dict:
+        return {"state": type(self.state).__name__, "step": self.step, "num_steps": self.job.run.num_steps,
+                "loss": self.loss, "world_size": len(self.group.members), "failures": self.failures,
+                "events": self.events.events[since_event:]}
+
+    def report_fault(self, fault: dict, rank: int, step: int, t: float) -> None:
+        with self._fault_lock:
+            if fault in self.pending_faults:
+                self.pending_faults.remove(fault)
+        self.last_fault = {"action": fault["action"], "rank": rank, "step": step, "t": t}
+        self.events.emit("fault_injected", action=fault["action"], rank=rank, step=step, fault_t=t)
+
+    # ---------------------------------------------------------------- states
+    def _set_state(self, new: State) -> None:
+        if type(new) is not type(self.state) or isinstance(new, Recovering):
+            self.events.emit("state", old=type(self.state).__name__, new=type(new).__name__)
+        self.state = new
+
+    def _on_starting(self, _: Starting) -> State:
+        n = self.job.scaling.num_workers
+        try:
+            self.group.start(list(range(n)), self.job.failure.replacement_timeout_s)
+        except GroupError as e:
+            return Errored(str(e))
+        self.events.emit("workers_started", ranks=list(range(n)),
+                         nodes={r: m.node_id[:12] for r, m in self.group.members.items()})
+        return Forming()
+
+    def _on_forming(self, _: Forming) -> State:
+        t0 = time.monotonic()
+        try:
+            self.group.form(self.job.failure.rendezvous_timeout_s)
+        except GroupError as e:
+            return self._lost_from(e, "group formation")
+        self.events.emit("group_formed", world_size=len(self.group.members), form_s=time.monotonic() - t0)
+        return Restoring()
+
+    def _on_restoring(self, _: Restoring) -> State:
+        skipped: list[tuple[str, str]] = []
+        candidates = committed_checkpoints(self.storage, self.root, on_skip=lambda u, r: skipped.append((u, r)))
+        for uri, why in skipped:
+            self.events.emit("checkpoint_skipped", uri=uri, reason=why)
+        try:
+            out = self.group.restore([c.uri for c in candidates], self.job.failure.collective_timeout_s)
+        except GroupError as e:
+            return self._lost_from(e, "restore")
+        r0 = out[0]
+        for uri, why in r0["skipped"]:
+            self.events.emit("checkpoint_skipped", uri=uri, reason=f"load failed: {why}")
+        self.step = self.max_step_seen = r0["step"]
+        self.last_committed = r0["uri"]
+        self.events.emit("restored", step=r0["step"], uri=r0["uri"] or "(fresh start from seed)",
+                         restore_s=max(o["restore_s"] for o in out.values()))
+        if self.awaiting_first_step is not None:
+            self.awaiting_first_step["resumed_step"] = r0["step"]
+        return Running()
+
+    def _on_running(self, _: Running) -> State:
+        cfg = self.job.failure
+        with self._fault_lock:
+            faults = list(self.pending_faults)
+        refs = self.run_refs = self.group.run(self.job.run.num_steps, faults)
+        ref_rank = {ref: r for r, ref in refs.items()}
+        done: dict[int, dict] = {}
+        self.last_progress_at = time.monotonic()
+        while True:
+            ready, _ = ray.wait(list(ref_rank), num_returns=len(ref_rank), timeout=POLL_INTERVAL_S)
+            lost: list[LostRank] = []
+            aborted = False
+            for ref in ready:
+                rank = ref_rank.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    lost.append(LostRank(rank, _cause(e), _short(e)))
+                    continue
+                if out["status"] == "done":
+                    done[rank] = out
+                elif out["status"] == "user_error":
+                    self.events.emit("user_error", rank=rank, step=out["step"], error=out["error"],
+                                     traceback=out.get("traceback"))
+                    return Recovering((), time.time(), user_error=f"rank {rank} at step {out['step']}: {out['error']}")
+                else:
+                    aborted = True
+                    self.events.emit("collective_failed", rank=rank, step=out["step"], error=out["error"][:300])
+            answers, silent = self.group.poll(cfg.ping_timeout_s)
+            self._absorb(answers)
+            if len(done) == len(self.group.members):
+                digests = {r: o["digest"] for r, o in done.items()}
+                self.events.emit("final_state", step=self.step, digests=digests,
+                                 replicas_identical=len(set(digests.values())) == 1)
+                return Finished(digests)
+            if lost or aborted:
+                lost += [LostRank(r, _silence(why), why) for r, why in silent.items()
+                         if r not in {x.rank for x in lost}]
+                return Recovering(tuple(lost), time.time())
+            if silent and any(why != "unresponsive" for why in silent.values()):
+                return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in silent.items()), time.time())
+            hung, reason = detect_hang(self.last_progress_at, self.step_times[-50:], cfg, time.monotonic())
+            if hung:
+                culprits = silent or {r: "no progress" for r in self.group.members}
+                self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
+                return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), time.time())
+
+    def _on_recovering(self, st: Recovering) -> State:
+        fault = self.last_fault
+        obs = FailureObservation(st.lost, len(self.group.members), self.failures, st.user_error, self.last_committed)
+        decision, reason = decide_failure(obs, self.job.failure, time.time())
+        self.events.emit("failure_detected", lost=[x.__dict__ for x in st.lost], step=self.step,
+                         detect_s=(st.detected_at - fault["t"]) if fault else None)
+        self.events.emit("decision", decision=type(decision).__name__, ranks=list(getattr(decision, "ranks", ())),
+                         reason=reason)
+        if isinstance(decision, Raise):
+            return Errored(decision.error)
+        self.failures += 1
+        if self.awaiting_first_step is None:  # a failure during a recovery keeps the original fault
+            fault_step = fault["step"] if fault else self.max_step_seen
+            self.awaiting_first_step = {"fault_t": fault["t"] if fault else st.detected_at,
+                                        "detected_t": st.detected_at, "fault_step": fault_step}
+        self.last_fault = None
+        t0 = time.monotonic()
+        for x in st.lost:
+            self.group.kill(x.rank)
+        # Survivors' collectives fail once the lost ranks' sockets close; their run() then returns.
+        # One that stays stuck cannot safely join a new group: replace it rather than wait on it.
+        grace_s = self.job.failure.ping_timeout_s * 3
+        stuck = self.group.wait_runs(self.run_refs, grace_s)
+        stuck.update(self.group.leave_all(grace_s))
+        self.run_refs = {}
+        for rank, why in stuck.items():
+            self.events.emit("worker_replaced", rank=rank, reason=f"did not leave its group: {why}")
+            self.group.kill(rank)
+        missing = [r for r in range(self.job.scaling.num_workers) if r not in self.group.members]
+        try:
+            self.group.start(missing, self.job.failure.replacement_timeout_s)
+        except GroupError as e:
+            return Errored(f"{e}; last committed checkpoint: {self.last_committed or 'none'}")
+        self.events.emit("workers_replaced", ranks=missing, start_s=time.monotonic() - t0,
+                         nodes={r: self.group.members[r].node_id[:12] for r in missing})
+        return Forming()
+
+    # ---------------------------------------------------------------- helpers
+    def _lost_from(self, e: GroupError, during: str) -> State:
+        self.events.emit("group_error", during=during, error=str(e)[:500])
+        return Recovering(tuple(LostRank(r, _silence(w), _last_line(w)) for r, w in e.ranks.items()), time.time())
+
+    def _absorb(self, answers: dict[int, dict]) -> None:
+        """Fold polled progress into run-level progress and events."""
+        for rank, a in answers.items():
+            for p in a.get("persists", []):
+                if p["committed"]:
+                    self.last_committed = p["uri"]
+                    self.events.emit("checkpoint_committed", step=p["step"], uri=p["uri"],
+                                     persist_s=p["persist_s"], attempts=p["attempts"])
+                elif p.get("error"):
+                    self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
+        steps = [a["step"] for a in answers.values()]
+        if not steps:
+            return
+        new_step = min(steps)
+        if new_step > self.step:
+            self.last_progress_at = time.monotonic()
+            step_s = [a["step_s"] for a in answers.values() if a.get("step_s")]
+            if step_s:
+                self.step_times.append(max(step_s))
+            losses = [a["loss"] for a in answers.values() if a.get("loss") is not None and a["step"] == new_step]
+            if losses:
+                self.loss = losses[0]
+            if self.awaiting_first_step is not None:
+                self._recovered(answers)
+        self.step = max(self.step, new_step)
+        self.max_step_seen = max(self.max_step_seen, max(steps))
+
+    def _recovered(self, answers: dict[int, dict]) -> None:
+        rec = self.awaiting_first_step
+        self.awaiting_first_step = None
+        ends = [a["first_step_end"] for a in answers.values() if a.get("first_step_end")]
+        first_step_t = max(ends) if ends else time.time()
+        resumed = rec.get("resumed_step", 0)
+        self.events.emit("recovered", recover_s=first_step_t - rec["fault_t"],
+                         detect_s=rec["detected_t"] - rec["fault_t"], resumed_step=resumed,
+                         fault_step=rec["fault_step"], lost_steps=max(0, rec["fault_step"] - resumed),
+                         world_size=len(self.group.members))
+
+
+def _cause(e: BaseException) -> str:
+    from elastic.worker_group import death_cause
+    return death_cause(e)
+
+
+def _silence(why: str) -> str:
+    return why if why in ("node_died", "process_died", "unresponsive") else "error"
+
+
+def _short(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in str(text).strip().splitlines() if x.strip()]
+    return lines[-1][:300] if lines else ""

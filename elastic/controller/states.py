@@ -1,0 +1,54 @@
+"""The controller's states, one small class each, holding only their own data.
+
+    Starting -> Forming -> Restoring -> Running -> Finished
+                   ^                        |
+                   +------ Recovering <-----+ (fault detected)
+                               |
+                               +-> Errored (policy says stop)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic.policies.failure import LostRank
+
+
+@dataclass(frozen=True)
+class Starting:
+    pass
+
+
+@dataclass(frozen=True)
+class Forming:
+    pass
+
+
+@dataclass(frozen=True)
+class Restoring:
+    pass
+
+
+@dataclass(frozen=True)
+class Running:
+    pass
+
+
+@dataclass(frozen=True)
+class Recovering:
+    lost: tuple[LostRank, ...]
+    detected_at: float
+    user_error: str | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    digests: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Errored:
+    error: str
+
+
+State = Starting | Forming | Restoring | Running | Recovering | Finished | Errored
+TERMINAL = (Finished, Errored)

@@ -1,0 +1,118 @@
+"""The storage seam: fsspec URIs as plain strings (file://, s3://, memory://).
+
+Paths stay `str` because pathlib mangles `s3://bucket/key`. Every error names
+the URI that failed. Small files are written whole (one PUT on object stores;
+temp file + rename on local disk) so a reader never sees half a file.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed; the message names the URI."""
+
+
+def normalize_uri(uri: str) -> str:
+    """Make `file://./runs` or a bare path absolute, so every node agrees on it."""
+    if "://" not in uri:
+        return "file://" + os.path.abspath(os.path.expanduser(uri))
+    if uri.startswith("file://"):
+        return "file://" + os.path.abspath(os.path.expanduser(uri[len("file://"):]))
+    return uri.rstrip("/")
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+class Storage:
+    def __init__(self, uri: str, options: dict[str, Any] | None = None):
+        self.uri = normalize_uri(uri)
+        self.options = dict(options or {})
+        try:
+            self.fs, self._root = fsspec.core.url_to_fs(self.uri, **self.options)
+        except Exception as e:  # noqa: BLE001
+            raise StorageError(f"cannot open storage {self.uri}: {type(e).__name__}: {e}") from e
+
+    def _path(self, uri: str) -> str:
+        # Strip our own scheme; fsspec filesystems take scheme-less paths.
+        return self.fs._strip_protocol(uri)
+
+    def _fail(self, op: str, uri: str, e: BaseException) -> StorageError:
+        return StorageError(f"{op} {uri} failed: {type(e).__name__}: {e}")
+
+    def exists(self, uri: str) -> bool:
+        try:
+            return self.fs.exists(self._path(uri))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("exists", uri, e) from e
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        path = self._path(uri)
+        try:
+            if isinstance(self.fs, LocalFileSystem):
+                self.fs.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            else:
+                self.fs.pipe_file(path, data)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("write", uri, e) from e
+
+    def read_bytes(self, uri: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(uri))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("read", uri, e) from e
+
+    def list_dir(self, uri: str) -> list[str]:
+        """Names (not paths) directly under `uri`; empty if it does not exist."""
+        path = self._path(uri)
+        try:
+            self.fs.invalidate_cache(path)
+            if not self.fs.exists(path):
+                return []
+            return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("list", uri, e) from e
+
+    def sizes(self, uri: str) -> dict[str, int]:
+        """name -> size of the files directly under `uri`."""
+        path = self._path(uri)
+        try:
+            self.fs.invalidate_cache(path)
+            return {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
+                    for d in self.fs.ls(path, detail=True) if d.get("type") != "directory"}
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("list", uri, e) from e
+
+    def remove_tree(self, uri: str) -> None:
+        try:
+            self.fs.rm(self._path(uri), recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("remove", uri, e) from e
+
+    def check_writable(self, uri: str) -> None:
+        """Fail fast at start, naming the URI, if we cannot write and delete there."""
+        probe = join(uri, f".elastic-probe-{uuid.uuid4().hex}")
+        try:
+            self.write_bytes(probe, b"ok")
+            if self.read_bytes(probe) != b"ok":
+                raise StorageError(f"storage {uri}: read back of a probe file returned other bytes")
+            self.fs.rm(self._path(probe))
+        except StorageError as e:
+            raise StorageError(f"storage {uri} is not writable: {e}") from e
+        except Exception as e:  # noqa: BLE001
+            raise StorageError(f"storage {uri} is not writable: {type(e).__name__}: {e}") from e

@@ -1,0 +1,1 @@
+"""Test and benchmark helpers (local S3 object storage via SeaweedFS)."""

@@ -1,0 +1,140 @@
+"""Driver side: validate the job, start the controller, stream progress, return a Result.
+
+The Trainer holds no training state; everything it shows comes from the
+controller's progress snapshots and events.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic.config import ConfigError, JobConfig, load_job, parse_job
+from elastic.controller import Controller
+from elastic.storage import Storage, StorageError, join
+
+
+class TrainingFailed(RuntimeError):
+    """The run stopped: the message says what failed, where, and the last committed checkpoint."""
+
+    def __init__(self, message: str, result: "Result"):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class Result:
+    metrics: dict[str, Any]
+    checkpoint: str | None  # URI of the last committed checkpoint
+    run_dir: str
+    events: list[dict] = field(default_factory=list)
+    digests: dict[int, str] = field(default_factory=dict)
+    error: str | None = None
+
+    def events_of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["kind"] == kind]
+
+    def summary(self) -> str:
+        from elastic.report import summarize
+        return summarize(self)
+
+
+class Trainer:
+    """`Trainer(job).fit()`: job is a JobConfig, a dict in the YAML's shape, or a YAML path."""
+
+    def __init__(self, job: JobConfig | dict | str):
+        if isinstance(job, str):
+            job = load_job(job)
+        elif isinstance(job, dict):
+            job = parse_job(job)
+        # Import the user's callables now: a bad 'module:function' fails here, before any worker starts.
+        try:
+            fns = job.train.resolve()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if len(fns["dataset"]()) < 1:
+            raise ConfigError("train.dataset: the dataset is empty")
+        uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
+        self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
+        storage = Storage(uri, job.checkpoint.storage_options)
+        try:
+            storage.check_writable(uri)
+        except StorageError as e:
+            raise ConfigError(f"checkpoint.storage_uri: {e}") from None
+
+    def fit(self, progress: bool = True) -> Result:
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+        here = ray.get_runtime_context().get_node_id()
+        controller = ray.remote(Controller).options(
+            num_cpus=0, max_concurrency=8,
+            # The controller must outlive any worker node: keep it beside the driver (the head).
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        ).remote(self.job.model_dump_json(), _worker_runtime_env())
+        done = controller.run.remote()
+        bar = _Progress(self.job.run.num_steps) if progress else None
+        seen = 0
+        while True:
+            ready, _ = ray.wait([done], timeout=0.5)
+            try:
+                p = ray.get(controller.progress.remote(seen), timeout=10)
+            except Exception:  # noqa: BLE001 - progress is best effort; the run's outcome is what counts
+                p = None
+            if p and bar:
+                bar.update(p)
+            if p:
+                seen += len(p["events"])
+            if ready:
+                break
+        out = ray.get(done)
+        if bar:
+            bar.close()
+        ray.kill(controller)
+        result = Result(
+            metrics={"loss": out["loss"], "step": out["step"]}, checkpoint=out["checkpoint"],
+            run_dir=out["run_dir"], events=out["events"], digests={int(k): v for k, v in out["digests"].items()},
+            error=out["error"])
+        if out["status"] != "finished":
+            raise TrainingFailed(out["error"], result)
+        return result
+
+
+def _worker_runtime_env() -> dict | None:
+    """Workers must import the job's 'module:function's. Under `ray job submit --working-dir`
+    Ray ships the code; otherwise (a local or embedded cluster sharing this disk) put the
+    driver's working directory on the workers' PYTHONPATH."""
+    job_env = ray.get_runtime_context().runtime_env or {}
+    if job_env.get("working_dir") or job_env.get("py_modules"):
+        return None
+    paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+
+
+class _Progress:
+    """A tqdm bar on the driver, with faults and recoveries printed above it as they happen."""
+
+    NOTABLE = {"fault_injected", "failure_detected", "decision", "recovered", "checkpoint_skipped",
+               "hang_detected", "user_error", "workers_replaced", "checkpoint_failed"}
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.t0 = time.time()
+
+    def update(self, p: dict) -> None:
+        from elastic.report import describe_event
+        for ev in p["events"]:
+            if ev["kind"] in self.NOTABLE:
+                self.bar.write(f"[{ev['t'] - self.t0:6.1f}s] {describe_event(ev)}")
+        self.bar.n = p["step"]
+        loss = f"{p['loss']:.4f}" if p["loss"] is not None else "-"
+        self.bar.set_postfix_str(f"{p['state']} world={p['world_size']} loss={loss} failures={p['failures']}")
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,266 @@
+"""One rank: a Ray actor that builds the model, joins a process group, restores
+state, runs steps, snapshots checkpoints and reports telemetry.
+
+The actor is threaded: `run()` trains on one thread while `poll()` and
+`ping()` answer on others, so the controller can see a rank that is blocked in
+a collective (it answers) apart from one that is dead or stopped (it does not).
+Workers talk to each other only through torch.distributed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import default_collate
+
+from elastic import chaos
+from elastic.checkpoint import AsyncCheckpointer, load_shards
+from elastic.config import JobConfig, batch_plan
+from elastic.data import GlobalOrder, cursor_after
+from elastic.storage import Storage
+from elastic.strategies import make_strategy
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """RNG seed for one rank's step. RNG state is a function of (seed, step, rank), so a
+    restored run draws exactly what the uninterrupted run drew, with nothing extra to save."""
+    return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, hung past the backstop, or the group was torn down."""
+
+
+class Worker:
+    def __init__(self, job_json: str, checkpoints_root: str, controller=None):
+        torch.set_num_threads(1)  # one CPU slot per rank; more threads only fight each other
+        self.job = JobConfig.model_validate_json(job_json)
+        self.fns = self.job.train.resolve()
+        self.dataset = self.fns["dataset"]()
+        self.order = GlobalOrder(len(self.dataset), self.job.run.seed)
+        self.storage = Storage(self.job.checkpoint.storage_uri, self.job.checkpoint.storage_options)
+        self.root = checkpoints_root
+        self.controller = controller
+        self.rank = self.world_size = -1
+        self.generation = 0  # bumped on every join; a run() only ever tears down its own group
+        self._running = threading.Event()
+        self.step = 0
+        self.model = self.optimizer = self.strategy = self.ckpt = None
+        self._lock = threading.Lock()
+        self._progress: dict = {"step": 0, "status": "idle", "loss": None, "step_end": None,
+                                "step_s": None, "compute_s": None}
+        self._persists: list[dict] = []
+
+    # ---------------------------------------------------------------- identity
+    def info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "actor_id": ctx.get_actor_id()}
+
+    def ping(self) -> bool:
+        return True
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    # ---------------------------------------------------------------- group
+    def join(self, addr: str, port: int, rank: int, world_size: int) -> None:
+        if self._running.is_set():
+            # A run() still blocked in a collective of the old group would, when it finally fails,
+            # tear down whatever group is current. Refuse; the controller replaces this worker.
+            raise RuntimeError("previous run() is still inside a collective of the old group")
+        self.leave()
+        self.generation += 1
+        fc = self.job.failure
+        dist.init_process_group(
+            "nccl" if self.job.scaling.use_gpu else "gloo", init_method=f"tcp://{addr}:{port}",
+            rank=rank, world_size=world_size, timeout=timedelta(seconds=fc.rendezvous_timeout_s))
+        self.rank, self.world_size = rank, world_size
+        self.mesh = init_device_mesh("cuda" if self.job.scaling.use_gpu else "cpu", (world_size,),
+                                     mesh_dim_names=("dp",))
+        # Checkpoint collectives run on their own group, from the persist thread, concurrently
+        # with training collectives on the default group.
+        self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
+        self.strategy = make_strategy(self.job.train.strategy, self.mesh)
+        self._set(status="joined")
+
+    def leave(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.wait(timeout_s=self.job.failure.collective_timeout_s)
+            self._collect_persists()
+            self.ckpt = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
+                pass
+
+    # ---------------------------------------------------------------- state
+    def _build(self) -> None:
+        torch.manual_seed(self.job.run.seed)
+        model = self.fns["model"]()
+        self.model = self.strategy.wrap(model)
+        make_opt = self.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))
+        self.optimizer = make_opt(self.model.parameters())
+
+    def restore(self, candidates: list[str]) -> dict:
+        """Fresh model and optimizer from the seed, then the newest loadable checkpoint among
+        `candidates` (committed folders, newest first). All ranks call this with the same
+        list; DCP raises on every rank when any rank fails to read, so they move to the next
+        candidate together. Returns what was loaded and what was skipped, and why."""
+        t0 = time.monotonic()
+        self._build()
+        self.step = 0
+        skipped = []
+        loaded = None
+        for uri in candidates:
+            state = self.strategy.state_dict(self.model, self.optimizer)
+            try:
+                load_shards(state, uri, self.storage.options, self.ckpt_pg)
+            except Exception as e:  # noqa: BLE001 - a corrupt or unreadable checkpoint: try the previous one
+                skipped.append((uri, f"{type(e).__name__}: {str(e)[:300]}"))
+                self._build()
+                continue
+            self.strategy.load_state_dict(self.model, self.optimizer, state)
+            self.step = int(self.storage.read_bytes(uri + "/COMMITTED").decode())
+            loaded = uri
+            break
+        self.ckpt = AsyncCheckpointer(
+            self.storage, self.root, self.rank, self.world_size, self.strategy.name, self.ckpt_pg,
+            self.job.checkpoint.persist_retries, self.job.checkpoint.persist_retry_backoff_s,
+            self.job.checkpoint.num_to_keep)
+        self._set(step=self.step, status="restored", step_end=None, first_step_end=None)
+        return {"step": self.step, "uri": loaded, "skipped": skipped, "restore_s": time.monotonic() - t0}
+
+    def state_digest(self) -> str:
+        """sha256 over model and optimizer tensors in a fixed order: equal digests, equal state."""
+        h = hashlib.sha256()
+        state = self.strategy.state_dict(self.model, self.optimizer)
+        for section in ("model", "optim"):
+            _hash_into(h, state[section])
+        return h.hexdigest()
+
+    # ---------------------------------------------------------------- training
+    def run(self, num_steps: int, faults: list[dict]) -> dict:
+        """Train until `num_steps` steps are done. Returns {"status": "done" | "aborted" |
+        "user_error", ...}; a collective failure aborts (the controller decides what next)."""
+        tr = self.job.train
+        micro, _ = batch_plan(tr.global_batch_size, self.world_size, tr.micro_batch_size)
+        self._set(status="running")
+        generation = self.generation
+        self._running.set()
+        try:
+            while self.step < num_steps:
+                for f in faults:
+                    if f["rank"] == self.rank and f["at_step"] == self.step:
+                        self._fire(f)
+                self._train_step(micro)
+                if self.step % self.job.checkpoint.every_steps == 0 or self.step == num_steps:
+                    stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
+                                             self.strategy.state_dict(self.model, self.optimizer),
+                                             {"loss": self._progress["loss"]})
+                    self._set(ckpt_stall_s=stall_s)
+                self._collect_persists()
+            self.ckpt.wait()
+            self._collect_persists()
+        except CollectiveError as e:
+            self._set(status="aborted")
+            self._teardown_after_failure(generation)
+            return {"status": "aborted", "step": self.step, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - the user's model/loss/data raised
+            self._set(status="user_error")
+            self._teardown_after_failure(generation)
+            return {"status": "user_error", "step": self.step,
+                    "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        finally:
+            self._running.clear()
+        self._set(status="done")
+        return {"status": "done", "step": self.step, "digest": self.state_digest()}
+
+    def _train_step(self, micro: int) -> None:
+        tr = self.job.train
+        t_start = time.perf_counter()
+        torch.manual_seed(step_seed(self.job.run.seed, self.step, self.rank))
+        idx = self.order.rank_indices(self.step, tr.global_batch_size, self.world_size, self.rank)
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = torch.zeros(())
+        for i in range(0, len(idx), micro):
+            chunk = idx[i:i + micro]
+            batch = default_collate([self.dataset[j] for j in chunk])
+            # The loss is a mean over the micro-batch; weight it so the sum over micro-batches
+            # and ranks (after the 1/W below) is the mean over the global batch.
+            loss = self.fns["loss"](self.model, batch) * (len(chunk) / len(idx))
+            loss.backward()
+            local_loss += loss.detach()
+        compute_s = time.perf_counter() - t_start
+        try:
+            self.strategy.reduce_gradients(self.model, 1.0 / self.world_size)
+            dist.all_reduce(local_loss, group=self.mesh.get_group("dp"))
+        except (RuntimeError, dist.DistError) as e:
+            raise CollectiveError(f"{type(e).__name__}: {e}") from e
+        self.optimizer.step()
+        self.step += 1
+        now = time.time()
+        self._set(step=self.step, loss=local_loss.item() / self.world_size, step_end=now,
+                  step_s=time.perf_counter() - t_start, compute_s=compute_s,
+                  first_step_end=self._progress.get("first_step_end") or now)
+
+    def _fire(self, fault: dict) -> None:
+        # Tell the controller first (it records the fault time and never hands this fault out
+        # again), then fault. The report must land before the process dies, hence ray.get.
+        if self.controller is not None:
+            ray.get(self.controller.report_fault.remote(fault, self.rank, self.step, time.time()))
+        chaos.inject(fault["action"])
+
+    def _teardown_after_failure(self, generation: int) -> None:
+        # Destroying our group closes our sockets, so peers still blocked on us fail fast
+        # instead of waiting for the collective timeout: the error cascades through the group.
+        if generation == self.generation and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ---------------------------------------------------------------- telemetry
+    def _set(self, **kv) -> None:
+        with self._lock:
+            self._progress = {**self._progress, **kv}
+
+    def _collect_persists(self) -> None:
+        if self.ckpt is None:
+            return
+        with self._lock:
+            self._persists.extend(r.__dict__ for r in self.ckpt.drain())
+
+    def poll(self) -> dict:
+        """Progress and finished persists since the last poll (each persist reported once)."""
+        self._collect_persists()
+        with self._lock:
+            out = dict(self._progress, rank=self.rank, persists=self._persists)
+            self._persists = []
+        return out
+
+
+def _hash_into(h, obj) -> None:
+    if isinstance(obj, torch.Tensor):
+        h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            h.update(str(k).encode())
+            _hash_into(h, obj[k])
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _hash_into(h, v)
+    else:
+        h.update(repr(obj).encode())
