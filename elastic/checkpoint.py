@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.storage import Storage, StorageError, join
 
@@ -233,7 +234,8 @@ class AsyncCheckpointer:
                 if self.rank == 0:
                     apply_retention(self.storage, self.root, self.num_to_keep)
                 return
-            except Exception as e:  # noqa: BLE001 - storage and peer errors alike end in a retry or a report
+            # DCP's CheckpointException is a BaseException, not an Exception.
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - storage and peer errors: retry or report
                 err = f"{type(e).__name__}: {e}"
                 if _is_peer_failure(e):
                     break  # the group is gone; the controller will recover, retrying is pointless

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.controller import Controller
@@ -70,11 +69,12 @@ class Trainer:
     def fit(self, progress: bool = True) -> Result:
         if not ray.is_initialized():
             ray.init(log_to_driver=False)
-        here = ray.get_runtime_context().get_node_id()
         controller = ray.remote(Controller).options(
             num_cpus=0, max_concurrency=8,
-            # The controller must outlive any worker node: keep it beside the driver (the head).
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            # The controller must outlive any worker node, so it runs on the head node (where
+            # `ray job submit` runs drivers too). Soft node affinity to the driver's node is not
+            # enough: with num_cpus=0 Ray was seen placing the actor on a worker node anyway.
+            resources={"node:__internal_head__": 0.001},
         ).remote(self.job.model_dump_json(), _worker_runtime_env())
         done = controller.run.remote()
         bar = _Progress(self.job.run.num_steps) if progress else None

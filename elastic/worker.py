@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
 from elastic import chaos
+from torch.distributed.checkpoint.api import CheckpointException
+
 from elastic.checkpoint import AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
@@ -128,7 +130,7 @@ class Worker:
             state = self.strategy.state_dict(self.model, self.optimizer)
             try:
                 load_shards(state, uri, self.storage.options, self.ckpt_pg)
-            except Exception as e:  # noqa: BLE001 - a corrupt or unreadable checkpoint: try the previous one
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
                 skipped.append((uri, f"{type(e).__name__}: {str(e)[:300]}"))
                 self._build()
                 continue

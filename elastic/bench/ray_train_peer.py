@@ -171,34 +171,38 @@ def _train_loop(config: dict) -> None:
 
 def _summarise(events: list[dict], *, fault_step: int) -> dict:
     """Turn the timeline into the benchmark's figures (None where an event never happened)."""
-    def first(name: str, after: float = float("-inf"), **match: Any) -> dict | None:
-        hits = [e for e in events if e["event"] == name and e["t"] >= after and all(e.get(k) == v for k, v in match.items())]
+    def first(name: str, after: float, **match: Any) -> dict | None:
+        hits = [e for e in events
+                if e["event"] == name and e["t"] >= after and all(e.get(k) == v for k, v in match.items())]
         return min(hits, key=lambda e: e["t"]) if hits else None
 
-    fault = first("fault")
-    if fault is None:
-        return {"fault_step": None, "resumed_step": None, "recover_s": None, "lost_steps": None, "detect_s": None}
-    fault_t = fault["fault_t"]
+    def since_fault(event: dict | None) -> float | None:
+        return event["t"] - fault_t if event is not None else None
+
+    fault = first("fault", after=float("-inf"))
+    fault_t = fault["fault_t"] if fault is not None else float("inf")  # no fault: nothing below matches
     saw = first("controller_saw_failure", after=fault_t)
     restart = first("train_fn_start", after=fault_t, rank=0)
-    recovered = first("first_step_after_recovery", after=fault_t)
-    resumed_step = restart["resume_step"] if restart else None
+    resumed_step = restart["resume_step"] if restart is not None else None
     return {
-        "fault_step": fault["step"],
-        "resumed_step": resumed_step,
-        "recover_s": recovered["t"] - fault_t if recovered else None,
+        "recover_s": since_fault(first("first_step_after_recovery", after=fault_t)),
         "lost_steps": fault_step - resumed_step if resumed_step is not None else None,
-        "detect_s": saw["t"] - fault_t if saw else None,
-        # Where the time goes: fault -> controller notices -> train function
-        # running again on rank 0 (new worker group up, checkpoint loaded) -> first step.
-        "restart_s": restart["t"] - fault_t if restart else None,
-        "controller_errors": saw["errors"] if saw else None,
+        "detect_s": since_fault(saw),
+        "fault_step": fault["step"] if fault is not None else None,
+        "resumed_step": resumed_step,
+        # Where the time goes: fault -> controller notices (detect_s) -> train
+        # function running again on rank 0, i.e. new worker group up and
+        # checkpoint loaded (restart_s) -> first step done (recover_s).
+        "restart_s": since_fault(restart),
+        "controller_errors": saw["errors"] if saw is not None else None,
+        # Ray Train counts a checkpoint only once the controller has polled the
+        # report of every rank; these two lists show which ones it lost.
         "checkpoints_reported_before_fault": sorted(
             e["step"] for e in events if e["event"] == "checkpoint_reported" and e["t"] < fault_t),
         "checkpoints_registered_before_fault": sorted(
             e["step"] for e in events
             if e["event"] == "controller_registered_report" and e["checkpoint"] and e["t"] < fault_t),
-        "num_restarts": sum(1 for e in events if e["event"] == "train_fn_start" and e["rank"] == 0) - 1,
+        "num_restarts": max(0, sum(1 for e in events if e["event"] == "train_fn_start" and e["rank"] == 0) - 1),
     }
 
 

@@ -30,7 +30,9 @@ real S3 has.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["S3Server", "find_weed", "seaweedfs_server"]
+
+logger = logging.getLogger(__name__)
 
 ACCESS_KEY = "elastic"
 SECRET_KEY = "elastic-secret"
@@ -192,6 +196,28 @@ def _weed_command(weed: str, data_dir: str, ports: dict[str, int], s3_config: st
     return cmd
 
 
+def _die_with_parent():
+    """``preexec_fn`` that makes the kernel SIGKILL weed when we die.
+
+    Without it a test run killed hard (SIGKILL, CI timeout) leaves weed running
+    -- possibly SIGSTOPped -- forever. Linux only; a no-op elsewhere. The
+    signal fires when the *thread* that started weed exits, so start the server
+    from a long-lived thread (pytest fixtures run on the main thread).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+
+    return preexec
+
+
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:
     if proc.poll() is not None:
         return
@@ -240,6 +266,7 @@ def _ensure_bucket(endpoint_url: str, bucket: str, storage_options: dict, deadli
                 fs.rm(probe)
                 return
         except Exception as e:  # noqa: BLE001 - any failure means "not ready yet"
+            logger.debug("SeaweedFS bucket probe failed: %r", e)
             last = e
         time.sleep(0.2)
     raise TimeoutError(f"bucket {bucket!r} not usable at {endpoint_url}: {last!r}")
@@ -251,7 +278,7 @@ def seaweedfs_server(
     bucket: str = "elastic",
     *,
     startup_timeout: float = 60.0,
-    stop_grace: float = 3.0,
+    stop_grace: float = 1.0,
 ) -> Iterator[S3Server]:
     """Run a SeaweedFS S3 server on loopback for the duration of the block.
 
@@ -299,6 +326,7 @@ def seaweedfs_server(
                     stderr=subprocess.STDOUT,
                     cwd=data_dir,  # weed also reads *.toml from its cwd
                     start_new_session=True,
+                    preexec_fn=_die_with_parent(),
                 )
             while proc.poll() is None and not _port_open(ports["s3"]):
                 if time.monotonic() > deadline:

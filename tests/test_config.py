@@ -1,0 +1,94 @@
+"""Bad input gets a clear error naming the field, before any worker starts."""
+import textwrap
+
+import pytest
+
+from elastic.cli import main
+from elastic.config import ConfigError, batch_plan, load_job, parse_job
+from elastic.trainer import Trainer
+
+TRAIN = {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
+         "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 96}
+
+
+def job(**over):
+    base = {"run": {"name": "t", "num_steps": 10}, "scaling": {"num_workers": 3}, "train": dict(TRAIN)}
+    for k, v in over.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    return base
+
+
+def test_valid_job_parses():
+    cfg = parse_job(job())
+    assert cfg.scaling.num_workers == 3 and cfg.train.global_batch_size == 96
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"scaling": {"num_workers": -1}}, "scaling.num_workers"),
+    ({"checkpoint": {"every_steps": 0}}, "checkpoint.every_steps"),
+    ({"scaling": {"num_wrkers": 2}}, "scaling.num_wrkers"),
+    ({"bogus": 1}, "bogus"),
+    ({"run": {"name": "has space"}}, "run.name"),
+])
+def test_errors_name_the_field(over, field):
+    with pytest.raises(ConfigError) as e:
+        parse_job(job(**over))
+    assert field in str(e.value)
+
+
+def test_global_batch_not_divisible_by_world():
+    with pytest.raises(ConfigError, match=r"global_batch_size=96 is not divisible by 5 workers"):
+        parse_job(job(scaling={"num_workers": 5}))
+
+
+def test_micro_batch_must_divide_the_per_rank_batch():
+    with pytest.raises(ConfigError, match=r"micro_batch_size=5 does not divide the per-rank batch 32"):
+        parse_job(job(train={**TRAIN, "micro_batch_size": 5}))
+    assert batch_plan(96, 3, 8) == (8, 4)
+
+
+def test_chaos_rank_must_exist():
+    with pytest.raises(ConfigError, match=r"chaos\[0\].rank=3"):
+        parse_job(job(chaos=[{"action": "kill_node", "rank": 3, "at_step": 2}]))
+
+
+def test_module_function_that_does_not_import(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.model: cannot import module 'no_such_mod'"):
+        Trainer(job(train={**TRAIN, "model": "no_such_mod:f"}, checkpoint={"storage_uri": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=r"train.loss: module 'elastic.bench.workload' has no callable 'nope'"):
+        Trainer(job(train={**TRAIN, "loss": "elastic.bench.workload:nope"}, checkpoint={"storage_uri": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=r"train.dataset: expected 'module:function'"):
+        Trainer(job(train={**TRAIN, "dataset": "justaname"}, checkpoint={"storage_uri": str(tmp_path)}))
+
+
+def test_unwritable_storage_fails_fast_naming_the_uri(tmp_path):
+    # A path below a regular file cannot be created, even by root (chmod would not stop root).
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"checkpoint.storage_uri: storage file://.*/file/sub is not writable"):
+        Trainer(job(checkpoint={"storage_uri": f"file://{blocked}/sub"}))
+
+
+def test_cli_reports_yaml_errors_before_any_worker(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent("""
+        run: {name: x, num_steps: 5}
+        scaling: {num_workers: 2, gpus: 1}
+        train:
+          model: elastic.bench.workload:build_model
+          dataset: elastic.bench.workload:build_dataset
+          loss: elastic.bench.workload:loss_fn
+          global_batch_size: 8
+    """))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "scaling.gpus" in err and "Extra inputs are not permitted" in err
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_job(str(tmp_path / "none.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_job(str(bad))

@@ -1,0 +1,44 @@
+from collections import Counter
+
+import pytest
+
+from elastic.data import GlobalOrder, cursor_after
+
+
+def test_every_sample_of_an_epoch_exactly_once():
+    order = GlobalOrder(num_samples=100, seed=3)
+    for epoch in range(3):
+        got = order.indices(epoch * 100, (epoch + 1) * 100)
+        assert sorted(got) == list(range(100))
+    # epochs are shuffled differently
+    assert order.indices(0, 100) != order.indices(100, 200)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
+def test_rank_slices_tile_the_global_batch_for_any_world_size(world_size):
+    order, batch = GlobalOrder(num_samples=50, seed=0), 12
+    for step in range(10):  # crosses epoch boundaries (50 is not a multiple of 12)
+        union = [i for r in range(world_size) for i in order.rank_indices(step, batch, world_size, r)]
+        assert union == order.indices(step * batch, (step + 1) * batch)
+
+
+def test_resizes_mid_run_still_see_each_sample_once_per_epoch():
+    order, batch, n = GlobalOrder(num_samples=96, seed=1), 24, 96
+    seen = Counter()
+    worlds = [3, 3, 2, 4, 1, 2, 3, 4]  # world size changes at every step boundary
+    for step, w in enumerate(worlds):
+        for r in range(w):
+            for i in order.rank_indices(step, batch, w, r):
+                seen[(step * batch) // n, i] += 1
+    assert all(c == 1 for c in seen.values())
+    assert len(seen) == len(worlds) * batch
+
+
+def test_cursor_is_positions_consumed():
+    assert cursor_after(0, 32) == 0
+    assert cursor_after(7, 32) == 224
+
+
+def test_empty_dataset_is_a_clear_error():
+    with pytest.raises(ValueError, match="dataset is empty"):
+        GlobalOrder(num_samples=0, seed=0)

@@ -1,0 +1,52 @@
+"""The failure policy and hang detection, with a fake clock: decisions and their reasons."""
+from elastic.config import FailureConfig
+from elastic.policies.failure import (
+    FailureObservation, LostRank, Raise, Restart, decide_failure, detect_hang, hang_bound_s)
+
+CFG = FailureConfig(max_failures=2, hang_factor=10, hang_floor_s=5)
+
+
+def obs(*lost, failures=0, user_error=None):
+    return FailureObservation(tuple(lost), world_size=3, failures_so_far=failures, user_error=user_error,
+                              last_checkpoint="s3://b/run/checkpoints/step_000000020")
+
+
+def test_lost_rank_within_budget_restarts_and_says_why():
+    decision, reason = decide_failure(obs(LostRank(1, "node_died")), CFG, now=100.0)
+    assert decision == Restart((1,))
+    assert "rank 1 node_died" in reason and "recovery 1/2" in reason
+
+
+def test_budget_exhausted_raises_naming_failure_and_checkpoint():
+    decision, reason = decide_failure(obs(LostRank(2, "process_died"), failures=2), CFG, now=0.0)
+    assert isinstance(decision, Raise)
+    assert "rank 2 process_died" in decision.error
+    assert "max_failures=2" in decision.error
+    assert "step_000000020" in decision.error
+    assert "limit 2" in reason
+
+
+def test_user_code_error_is_not_retried():
+    decision, reason = decide_failure(obs(user_error="ZeroDivisionError: boom"), CFG, now=0.0)
+    assert isinstance(decision, Raise) and "ZeroDivisionError" in decision.error
+    assert "retry would fail again" in reason
+
+
+def test_collective_error_without_a_lost_rank_reforms_the_same_group():
+    decision, reason = decide_failure(obs(), CFG, now=0.0)
+    assert decision == Restart(())
+    assert "none lost" in reason
+
+
+def test_hang_bound_is_factor_times_median_with_a_floor():
+    assert hang_bound_s([], CFG) == 5
+    assert hang_bound_s([0.1, 0.2, 0.1], CFG) == 5  # 10 x 0.1 = 1 s < floor
+    assert hang_bound_s([1.0, 2.0, 30.0], CFG) == 20  # median, not mean: one slow step does not stretch it
+
+
+def test_detect_hang_with_fake_clock():
+    times = [1.0] * 10
+    hung, reason = detect_hang(last_progress_at=100.0, step_times_s=times, cfg=CFG, now=109.0)
+    assert not hung and "<= bound 10.0s" in reason
+    hung, reason = detect_hang(last_progress_at=100.0, step_times_s=times, cfg=CFG, now=110.5)
+    assert hung and "no step completed for 10.5s" in reason
