@@ -153,7 +153,12 @@ def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
 # ---------------------------------------------------------------- shards (collective)
 
 def save_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:
-    dcp.save(state, storage_writer=FsspecWriter(folder, **storage_options), process_group=process_group)
+    # fsync only means something on local disk; on s3fs files DCP would fall back to a
+    # machine-wide os.sync() per file. Never pass checkpoint_id= as well: DCP would rebuild the
+    # filesystem from it without the storage options (credentials, endpoint).
+    local = folder.startswith("file://")
+    dcp.save(state, storage_writer=FsspecWriter(folder, sync_files=local, **storage_options),
+             process_group=process_group)
 
 
 def load_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:

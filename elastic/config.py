@@ -30,7 +30,7 @@ class FailureConfig(_Strict):
     )
     hang_floor_s: float = Field(20.0, gt=0, description="...but never less than this many seconds.")
     ping_timeout_s: float = Field(
-        2.0, gt=0, description="A worker that does not answer a ping this fast after a peer error is lost."
+        1.0, gt=0, description="A worker that does not answer a ping this fast after a peer error is lost."
     )
     rendezvous_timeout_s: float = Field(60.0, gt=0, description="Process-group formation timeout.")
     collective_timeout_s: float = Field(

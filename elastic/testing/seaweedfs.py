@@ -17,14 +17,29 @@ The gateway is started with a static identity (``-s3.config``) rather than in
 anonymous mode, so every request is SigV4-verified the way AWS does it: a
 client that signs wrongly, or forgets credentials, fails here too.
 
-Outage simulation: :meth:`S3Server.pause` / :meth:`S3Server.resume` send
-SIGSTOP / SIGCONT to the process group. While paused the kernel still accepts
-TCP connections into the listen backlog, so requests *stall* (nothing is
-refused); a client only notices through its own timeouts (botocore's default
-read_timeout is 60 s, retried by botocore and again by s3fs, i.e. minutes).
-Requests that were already sent are served after ``resume()``, so a write
-that timed out on the client side may still land later -- the same ambiguity
-real S3 has.
+Outage simulation: :meth:`S3Server.pause` / :meth:`S3Server.resume` (or the
+:meth:`S3Server.outage` context manager) send SIGSTOP / SIGCONT to weed's
+process group. Nothing is refused while paused -- the kernel keeps accepting
+TCP connections into the listen backlog -- so requests *stall*:
+
+* GET/HEAD/LIST fail only via the client's ``read_timeout`` (botocore default
+  60 s, retried up to 5 times by botocore and again by s3fs: many minutes).
+* PUTs (``pipe``, ``open("wb")``, multipart parts, hence DCP saves) hang for
+  as long as the outage lasts, whatever ``read_timeout`` says: botocore sends
+  them with ``Expect: 100-continue`` and aiohttp has no timeout while waiting
+  for the ``100``, nor while a large body is stuck in a full socket buffer.
+  Only a caller-side deadline (``asyncio.wait_for`` around the s3fs coroutine,
+  a watchdog) turns such a stall into an error.
+* Whatever is still waiting on its connection at ``resume()`` is served
+  then: a write whose caller merely gave up (thread still blocked) lands
+  after the outage; one whose coroutine was cancelled (connection closed)
+  does not.
+
+Known difference from AWS S3: after the last object under a prefix is
+deleted, the prefix stays visible as a "directory" (delimited listings, so
+``fs.ls`` / ``fs.exists`` / ``fs.find``) until SeaweedFS's empty-folder cleaner
+runs, 30 s to ~2 min later. Look for marker objects (e.g. DCP's
+``.metadata``) rather than trusting that a listed prefix has content.
 """
 
 from __future__ import annotations
@@ -43,7 +58,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 __all__ = ["S3Server", "find_weed", "seaweedfs_server"]
 
@@ -82,7 +100,9 @@ class S3Server:
     ``storage_options`` is what to pass to ``fsspec.filesystem("s3", **opts)``,
     ``fsspec.core.url_to_fs(uri, **opts)`` or DCP's ``FsspecWriter(path, **opts)``.
     Treat it as read-only (copy before changing it); it stays a plain dict so
-    it pickles (e.g. into Ray tasks).
+    it pickles (e.g. into Ray tasks). ``pid`` is weed's pid and process-group
+    id, so ``pause()``/``resume()`` also work from another process on the
+    same machine (e.g. an unpickled copy inside a chaos actor).
     """
 
     endpoint_url: str
@@ -93,7 +113,7 @@ class S3Server:
     log_path: str
     data_dir: str
 
-    def filesystem(self, **overrides: Any):
+    def filesystem(self, **overrides: Any) -> AbstractFileSystem:
         """A fresh (not instance-cached) s3fs filesystem; ``overrides`` win.
 
         Handy for clients that need different timeouts/retries than the shared,
@@ -105,7 +125,7 @@ class S3Server:
         return fsspec.filesystem("s3", **opts)
 
     def pause(self) -> None:
-        """Freeze the server (SIGSTOP): connections are accepted, never answered."""
+        """Freeze the server (SIGSTOP): requests are accepted but not answered."""
         os.killpg(self.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
@@ -251,7 +271,7 @@ def _ensure_bucket(endpoint_url: str, bucket: str, storage_options: dict, deadli
         "s3",
         **storage_options,
         skip_instance_cache=True,
-        config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}},
+        config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"total_max_attempts": 1}},
     )
     fs.retries = 1  # poll quickly here instead of s3fs's own backoff
     probe = f"{bucket}/.elastic-probe"
