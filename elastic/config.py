@@ -19,12 +19,18 @@ class _Strict(BaseModel):
 
 class ScalingConfig(_Strict):
     num_workers: int = Field(2, ge=1, description="Training ranks (one Ray actor each).")
+    num_spares: int = Field(
+        0, ge=0, description="Warm spare workers (model built, ready to receive state) that replace lost or slow ranks.")
+    wait_for_spares: bool = Field(
+        False, description="Start training only once the spares are warm (drills and benchmarks of the spare path).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor.")
     use_gpu: bool = Field(False, description="One GPU per worker and NCCL; gloo on CPU otherwise.")
 
 
 class FailureConfig(_Strict):
     max_failures: int = Field(3, ge=0, description="Recoveries allowed before the run stops with an error.")
+    peer_restore: bool = Field(
+        True, description="Recover state from a surviving replica's memory when one exists; false: always from storage.")
     hang_factor: float = Field(
         10.0, gt=1, description="A hang is no progress for hang_factor x the median step time..."
     )

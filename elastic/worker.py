@@ -109,18 +109,33 @@ class Worker:
                 pass
 
     # ---------------------------------------------------------------- state
+    def warm(self) -> dict:
+        """Build model and optimizer from the seed now, so that joining later costs only a
+        rendezvous and a state transfer. Spares are warmed before they are needed."""
+        if self.model is None:
+            self._build()
+        return self.info()
+
     def _build(self) -> None:
         torch.manual_seed(self.job.run.seed)
         model = self.fns["model"]()
-        self.model = self.strategy.wrap(model)
+        self.model = self.strategy.wrap(model) if self.strategy else model
         make_opt = self.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))
         self.optimizer = make_opt(self.model.parameters())
 
+    def _start_checkpointer(self) -> None:
+        self.ckpt = AsyncCheckpointer(
+            self.storage, self.root, self.rank, self.world_size, self.strategy.name, self.ckpt_pg,
+            self.job.checkpoint.persist_retries, self.job.checkpoint.persist_retry_backoff_s,
+            self.job.checkpoint.num_to_keep)
+        self._set(step=self.step, status="restored", step_end=None, first_step_end=None)
+
     def restore(self, candidates: list[str]) -> dict:
-        """Fresh model and optimizer from the seed, then the newest loadable checkpoint among
-        `candidates` (committed folders, newest first). All ranks call this with the same
-        list; DCP raises on every rank when any rank fails to read, so they move to the next
-        candidate together. Returns what was loaded and what was skipped, and why."""
+        """Storage path. Fresh model and optimizer from the seed, then the newest loadable
+        checkpoint among `candidates` (committed folders, newest first). All ranks call this
+        with the same list; DCP raises on every rank when any rank fails to read, so they move
+        to the next candidate together. With none loadable, rank 0's fresh init is broadcast.
+        Returns what was loaded and what was skipped, and why."""
         t0 = time.monotonic()
         self._build()
         self.step = 0
@@ -138,12 +153,27 @@ class Worker:
             self.step = int(self.storage.read_bytes(uri + "/COMMITTED").decode())
             loaded = uri
             break
-        self.ckpt = AsyncCheckpointer(
-            self.storage, self.root, self.rank, self.world_size, self.strategy.name, self.ckpt_pg,
-            self.job.checkpoint.persist_retries, self.job.checkpoint.persist_retry_backoff_s,
-            self.job.checkpoint.num_to_keep)
-        self._set(step=self.step, status="restored", step_end=None, first_step_end=None)
-        return {"step": self.step, "uri": loaded, "skipped": skipped, "restore_s": time.monotonic() - t0}
+        if loaded is None:
+            # Every rank built the same init from the seed; broadcasting rank 0's copy makes that
+            # an invariant rather than an assumption about the user's factory.
+            self.strategy.broadcast_state(self.model, None, src_rank=0)
+        self._start_checkpointer()
+        return {"step": self.step, "uri": loaded, "skipped": skipped, "restore_s": time.monotonic() - t0,
+                "source": "storage" if loaded else "init"}
+
+    def restore_from_peer(self, src_rank: int) -> dict:
+        """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
+        holds the newest state, through the new group. No storage read."""
+        t0 = time.monotonic()
+        if self.model is None:
+            self._build()
+        step = torch.tensor([self.step], dtype=torch.int64)
+        dist.broadcast(step, src=src_rank)
+        self.step = int(step.item())
+        self.strategy.broadcast_state(self.model, self.optimizer, src_rank)
+        self._start_checkpointer()
+        return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
+                "source": f"peer rank {src_rank}"}
 
     def state_digest(self) -> str:
         """sha256 over model and optimizer tensors in a fixed order: equal digests, equal state."""

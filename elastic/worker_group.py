@@ -63,6 +63,12 @@ class WorkerGroup:
             runtime_env=runtime_env or None,
         )
         self.members: dict[int, Member] = {}
+        self._polls: dict[int, tuple["ray.ObjectRef", float]] = {}  # rank -> (poll in flight, sent at)
+        # Spares: started and warmed (model built) before they are needed; not in the group.
+        self._pending_spares: dict["ray.ObjectRef", "ray.actor.ActorHandle"] = {}
+        self._on_demand: set["ray.ObjectRef"] = set()  # pending spares started by promote() itself
+        self.ready_spares: list[Member] = []
+        self.newly_ready: list[str] = []  # nodes of spares that became ready since the controller last looked
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
@@ -79,6 +85,91 @@ class WorkerGroup:
         for r, info in infos.items():
             self.members[r] = Member(r, handles[r], info["node_id"], info["ip"], info["pid"])
 
+    # ---------------------------------------------------------------- spares
+    def add_spares(self, n: int, on_demand: bool = False) -> None:
+        """Start n spare workers in the background; they warm up (build the model) on their own."""
+        for _ in range(max(0, n)):
+            h = self._actor_cls.remote(self.job_json, self.root, self.controller)
+            ref = h.warm.remote()
+            self._pending_spares[ref] = h
+            if on_demand:
+                self._on_demand.add(ref)
+
+    def wait_spares_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._pending_spares and time.monotonic() < deadline:
+            self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
+        return not self._pending_spares
+
+    def num_spares(self) -> int:
+        return len(self.ready_spares) + len(self._pending_spares)
+
+    def refresh_spares(self, wait_s: float = 0.0) -> list[str]:
+        """Move spares that finished warming to the ready list; returns why any were lost."""
+        lost: list[str] = []
+        if not self._pending_spares:
+            return lost
+        ready, _ = ray.wait(list(self._pending_spares), num_returns=len(self._pending_spares), timeout=wait_s)
+        for ref in ready:
+            h = self._pending_spares.pop(ref)
+            on_demand = ref in self._on_demand
+            self._on_demand.discard(ref)
+            try:
+                info = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a spare that died while warming is just gone
+                lost.append(f"spare died while warming: {type(e).__name__}")
+                ray.kill(h, no_restart=True)
+                continue
+            self.ready_spares.append(Member(-1 if not on_demand else -2, h, info["node_id"], info["ip"], info["pid"]))
+            self.newly_ready.append(info["node_id"][:12])
+        return lost
+
+    def check_spares(self, timeout_s: float) -> list[str]:
+        """Ping ready spares; drop (and report) the ones that are dead or silent."""
+        if not self.ready_spares:
+            return []
+        _, bad = self._gather({i: m.handle.ping.remote() for i, m in enumerate(self.ready_spares)}, timeout_s)
+        lost = []
+        for i in sorted(bad, reverse=True):
+            m = self.ready_spares.pop(i)
+            self._kill_member(m)
+            lost.append(f"spare on node {m.node_id[:12]} {bad[i]}")
+        return lost
+
+    def trim_spares(self, keep: int) -> None:
+        while self.num_spares() > keep:
+            if self._pending_spares:
+                ref, h = self._pending_spares.popitem()
+                ray.kill(h, no_restart=True)
+            else:
+                self._kill_member(self.ready_spares.pop())
+
+    def promote(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
+        """Fill `ranks` with spares: warm ones first, then ones still warming (waited for), then
+        freshly started workers. Returns {rank: "warm spare" | "warming spare" | "new worker"}."""
+        how: dict[int, str] = {}
+        self.refresh_spares()
+        need = list(ranks)
+        while need and self.ready_spares:
+            m = self.ready_spares.pop(0)
+            r = need.pop(0)
+            self.members[r] = Member(r, m.handle, m.node_id, m.ip, m.pid)
+            how[r] = "warm spare" if m.rank == -1 else "started on demand"
+        if need:
+            self.add_spares(len(need) - len(self._pending_spares), on_demand=True)
+            deadline = time.monotonic() + timeout_s
+            while need and self._pending_spares and time.monotonic() < deadline:
+                self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
+                while need and self.ready_spares:
+                    m = self.ready_spares.pop(0)
+                    r = need.pop(0)
+                    self.members[r] = Member(r, m.handle, m.node_id, m.ip, m.pid)
+                    how[r] = "spare, waited while it warmed" if m.rank == -1 else "started on demand"
+        if need:
+            raise GroupError(f"no worker could be started for ranks {need} within {timeout_s:.0f}s; is there a free "
+                             f"slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", {r: "unavailable" for r in need})
+        return how
+
     # ---------------------------------------------------------------- form / restore / run
     def form(self, timeout_s: float) -> None:
         """A fresh rendezvous (new port, so a fresh store) for the current members."""
@@ -94,14 +185,46 @@ class WorkerGroup:
             raise GroupError(f"process group formation failed for ranks {sorted(bad)}: {bad}", bad)
 
     def restore(self, candidates: list[str], timeout_s: float) -> dict[int, dict]:
-        refs = {r: m.handle.restore.remote(candidates) for r, m in self.members.items()}
+        return self._all("restore", timeout_s, candidates)
+
+    def restore_from_peer(self, src_rank: int, timeout_s: float) -> dict[int, dict]:
+        return self._all("restore_from_peer", timeout_s, src_rank)
+
+    def _all(self, method: str, timeout_s: float, *args) -> dict[int, dict]:
+        refs = {r: getattr(m.handle, method).remote(*args) for r, m in self.members.items()}
         out, bad = self._gather(refs, timeout_s)
         if bad:
-            raise GroupError(f"restore failed for ranks {sorted(bad)}: {bad}", bad)
+            raise GroupError(f"{method} failed for ranks {sorted(bad)}: {bad}", bad)
         return out
 
     def run(self, num_steps: int, faults: list[dict]) -> dict[int, "ray.ObjectRef"]:
         return {r: m.handle.run.remote(num_steps, faults) for r, m in self.members.items()}
+
+    def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
+        """Non-blocking poll for the run loop. Each member has at most one poll in flight; returns
+        the answers that arrived, and {rank: why} for members that died or whose poll has been
+        unanswered for longer than ping_timeout_s. A dead rank never blocks the loop."""
+        now = time.monotonic()
+        for r, m in self.members.items():
+            if r not in self._polls:
+                self._polls[r] = (m.handle.poll.remote(), now)
+        self._polls = {r: v for r, v in self._polls.items() if r in self.members}
+        refs = {v[0]: r for r, v in self._polls.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        answers, silent = {}, {}
+        for ref in ready:
+            r = refs[ref]
+            del self._polls[r]
+            try:
+                answers[r] = ray.get(ref)
+            except RayActorError as e:
+                silent[r] = death_cause(e)
+            except Exception as e:  # noqa: BLE001
+                silent[r] = f"error: {type(e).__name__}: {str(e)[:200]}"
+        for r, (ref, sent) in self._polls.items():
+            if now - sent > ping_timeout_s:
+                silent[r] = "unresponsive"
+        return answers, silent
 
     def poll(self, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
         """(answers by rank, {rank: why not} for those that died or did not answer in time)."""
@@ -113,8 +236,11 @@ class WorkerGroup:
         ends a stopped (SIGSTOP) process whose Ray core worker cannot act on a kill request.
         Fire and forget: on a dead node the second part never runs, and need not."""
         m = self.members.pop(rank, None)
-        if m is None:
-            return
+        self._polls.pop(rank, None)
+        if m is not None:
+            self._kill_member(m)
+
+    def _kill_member(self, m: Member) -> None:
         ray.kill(m.handle, no_restart=True)
         _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(m.node_id, soft=False)).remote(m.pid)
 
@@ -132,6 +258,7 @@ class WorkerGroup:
     def shutdown(self) -> None:
         for r in list(self.members):
             self.kill(r)
+        self.trim_spares(0)
 
     # ---------------------------------------------------------------- helpers
     @staticmethod

@@ -23,7 +23,8 @@ from elastic.checkpoint import checkpoints_root, committed_checkpoints
 from elastic.config import JobConfig
 from elastic.controller.states import (
     TERMINAL, Errored, Finished, Forming, Recovering, Restoring, Running, Starting, State)
-from elastic.policies.failure import FailureObservation, LostRank, Raise, decide_failure, detect_hang
+from elastic.policies.failure import (
+    FailureObservation, FromPeer, FromStorage, LostRank, Raise, choose_restore, decide_failure, detect_hang)
 from elastic.storage import Storage, join
 from elastic.telemetry import EventLog
 from elastic.worker_group import GroupError, WorkerGroup
@@ -55,6 +56,8 @@ class Controller:
         self.awaiting_first_step: dict | None = None  # recovery in progress until a step completes
         self.last_committed: str | None = None
         self.run_refs: dict = {}
+        self.restore_plan: FromPeer | FromStorage = FromStorage()
+        self._spares_checked_at = 0.0
 
     # ---------------------------------------------------------------- public (called from the driver / workers)
     def run(self) -> dict:
@@ -105,6 +108,12 @@ class Controller:
             return Errored(str(e))
         self.events.emit("workers_started", ranks=list(range(n)),
                          nodes={r: m.node_id[:12] for r, m in self.group.members.items()})
+        self.group.add_spares(self.job.scaling.num_spares)
+        if self.job.scaling.wait_for_spares and self.job.scaling.num_spares:
+            t0 = time.monotonic()
+            ok = self.group.wait_spares_ready(self.job.failure.replacement_timeout_s)
+            self.events.emit("spares_ready" if ok else "spares_not_ready", num_ready=len(self.group.ready_spares),
+                             wait_s=time.monotonic() - t0)
         return Forming()
 
     def _on_forming(self, _: Forming) -> State:
@@ -117,6 +126,13 @@ class Controller:
         return Restoring()
 
     def _on_restoring(self, _: Restoring) -> State:
+        plan, self.restore_plan = self.restore_plan, FromStorage()
+        if isinstance(plan, FromPeer):
+            try:
+                out = self.group.restore_from_peer(plan.src_rank, self.job.failure.collective_timeout_s)
+            except GroupError as e:
+                return self._lost_from(e, "restore from peer")
+            return self._restored(out)
         skipped: list[tuple[str, str]] = []
         candidates = committed_checkpoints(self.storage, self.root, on_skip=lambda u, r: skipped.append((u, r)))
         for uri, why in skipped:
@@ -125,15 +141,23 @@ class Controller:
             out = self.group.restore([c.uri for c in candidates], self.job.failure.collective_timeout_s)
         except GroupError as e:
             return self._lost_from(e, "restore")
-        r0 = out[0]
-        for uri, why in r0["skipped"]:
+        for uri, why in out[0]["skipped"]:
             self.events.emit("checkpoint_skipped", uri=uri, reason=f"load failed: {why}")
+        if out[0]["uri"]:
+            self.last_committed = out[0]["uri"]
+        return self._restored(out)
+
+    def _restored(self, out: dict[int, dict]) -> State:
+        r0 = out[0]
+        assert all(o["step"] == r0["step"] for o in out.values()), f"ranks restored different steps: {out}"
         self.step = self.max_step_seen = r0["step"]
-        self.last_committed = r0["uri"]
-        self.events.emit("restored", step=r0["step"], uri=r0["uri"] or "(fresh start from seed)",
+        self.events.emit("restored", step=r0["step"], source=r0["source"], uri=r0["uri"],
                          restore_s=max(o["restore_s"] for o in out.values()))
         if self.awaiting_first_step is not None:
             self.awaiting_first_step["resumed_step"] = r0["step"]
+        # Keep num_spares warm: replace the ones just used, drop extras started on demand.
+        self.group.trim_spares(self.job.scaling.num_spares)
+        self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares())
         return Running()
 
     def _on_running(self, _: Running) -> State:
@@ -143,17 +167,22 @@ class Controller:
         refs = self.run_refs = self.group.run(self.job.run.num_steps, faults)
         ref_rank = {ref: r for r, ref in refs.items()}
         done: dict[int, dict] = {}
+        aborted: set[int] = set()
+        lost: dict[int, LostRank] = {}
+        failing_since: float | None = None  # first failure signal; then we settle who is lost
         self.last_progress_at = time.monotonic()
         while True:
-            ready, _ = ray.wait(list(ref_rank), num_returns=len(ref_rank), timeout=POLL_INTERVAL_S)
-            lost: list[LostRank] = []
-            aborted = False
+            if ref_rank:
+                ready, _ = ray.wait(list(ref_rank), num_returns=len(ref_rank), timeout=POLL_INTERVAL_S)
+            else:
+                ready = []
+                time.sleep(POLL_INTERVAL_S)
             for ref in ready:
                 rank = ref_rank.pop(ref)
                 try:
                     out = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    lost.append(LostRank(rank, _cause(e), _short(e)))
+                    lost[rank] = LostRank(rank, _cause(e), _short(e))
                     continue
                 if out["status"] == "done":
                     done[rank] = out
@@ -162,21 +191,33 @@ class Controller:
                                      traceback=out.get("traceback"))
                     return Recovering((), time.time(), user_error=f"rank {rank} at step {out['step']}: {out['error']}")
                 else:
-                    aborted = True
+                    aborted.add(rank)
                     self.events.emit("collective_failed", rank=rank, step=out["step"], error=out["error"][:300])
-            answers, silent = self.group.poll(cfg.ping_timeout_s)
+            answers, silent = self.group.poll_nowait(cfg.ping_timeout_s)
             self._absorb(answers)
+            self._tend_spares()
+            for r, why in silent.items():
+                if why != "unresponsive" and r not in lost:  # Ray says it is dead: no need to wait
+                    lost[r] = LostRank(r, _silence(why), why)
             if len(done) == len(self.group.members):
                 digests = {r: o["digest"] for r, o in done.items()}
                 self.events.emit("final_state", step=self.step, digests=digests,
                                  replicas_identical=len(set(digests.values())) == 1)
                 return Finished(digests)
-            if lost or aborted:
-                lost += [LostRank(r, _silence(why), why) for r, why in silent.items()
-                         if r not in {x.rank for x in lost}]
-                return Recovering(tuple(lost), time.time())
-            if silent and any(why != "unresponsive" for why in silent.values()):
-                return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in silent.items()), time.time())
+            if (lost or aborted) and failing_since is None:
+                failing_since = time.monotonic()
+                # Start a replacement now, while we settle exactly who is lost: the slow part of a
+                # new worker (process start, imports, model build) overlaps with detection.
+                self.group.add_spares(max(len(lost), 1) - self.group.num_spares(), on_demand=True)
+            if failing_since is not None:
+                for r, why in silent.items():
+                    lost.setdefault(r, LostRank(r, _silence(why), why))
+                unaccounted = set(self.group.members) - aborted - set(done) - set(lost)
+                # Settled: every rank has failed its collective, finished, or is lost. Or the bound
+                # passed: a rank that still answers pings but never aborts is dealt with as stuck.
+                if not unaccounted or time.monotonic() - failing_since > cfg.ping_timeout_s + 1.0:
+                    return Recovering(tuple(lost[r] for r in sorted(lost)), time.time())
+                continue
             hung, reason = detect_hang(self.last_progress_at, self.step_times[-50:], cfg, time.monotonic())
             if hung:
                 culprits = silent or {r: "no progress" for r in self.group.members}
@@ -184,9 +225,10 @@ class Controller:
                 return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), time.time())
 
     def _on_recovering(self, st: Recovering) -> State:
+        cfg = self.job.failure
         fault = self.last_fault
         obs = FailureObservation(st.lost, len(self.group.members), self.failures, st.user_error, self.last_committed)
-        decision, reason = decide_failure(obs, self.job.failure, time.time())
+        decision, reason = decide_failure(obs, cfg, time.time())
         self.events.emit("failure_detected", lost=[x.__dict__ for x in st.lost], step=self.step,
                          detect_s=(st.detected_at - fault["t"]) if fault else None)
         self.events.emit("decision", decision=type(decision).__name__, ranks=list(getattr(decision, "ranks", ())),
@@ -200,25 +242,45 @@ class Controller:
                                         "detected_t": st.detected_at, "fault_step": fault_step}
         self.last_fault = None
         t0 = time.monotonic()
-        for x in st.lost:
-            self.group.kill(x.rank)
+        for x in decision.ranks:
+            self.group.kill(x)
         # Survivors' collectives fail once the lost ranks' sockets close; their run() then returns.
         # One that stays stuck cannot safely join a new group: replace it rather than wait on it.
-        grace_s = self.job.failure.ping_timeout_s * 3
+        grace_s = cfg.ping_timeout_s * 3
         stuck = self.group.wait_runs(self.run_refs, grace_s)
         stuck.update(self.group.leave_all(grace_s))
         self.run_refs = {}
         for rank, why in stuck.items():
             self.events.emit("worker_replaced", rank=rank, reason=f"did not leave its group: {why}")
             self.group.kill(rank)
+        answers, silent = self.group.poll(cfg.ping_timeout_s)
+        for rank in silent:
+            self.group.kill(rank)
+        self.restore_plan, why = choose_restore({r: a["step"] for r, a in answers.items()}, cfg)
+        self.events.emit("restore_plan", source=type(self.restore_plan).__name__, reason=why)
         missing = [r for r in range(self.job.scaling.num_workers) if r not in self.group.members]
         try:
-            self.group.start(missing, self.job.failure.replacement_timeout_s)
+            how = self.group.promote(missing, cfg.replacement_timeout_s)
         except GroupError as e:
             return Errored(f"{e}; last committed checkpoint: {self.last_committed or 'none'}")
-        self.events.emit("workers_replaced", ranks=missing, start_s=time.monotonic() - t0,
+        self.events.emit("workers_replaced", ranks=missing, start_s=time.monotonic() - t0, how=how,
                          nodes={r: self.group.members[r].node_id[:12] for r in missing})
         return Forming()
+
+    def _tend_spares(self) -> None:
+        """Background care of the spare pool: notice spares that finished warming, replace dead ones."""
+        now = time.monotonic()
+        if now - self._spares_checked_at < 2.0 or self.job.scaling.num_spares == 0:
+            return
+        self._spares_checked_at = now
+        lost = self.group.refresh_spares() + self.group.check_spares(self.job.failure.ping_timeout_s)
+        for node in self.group.newly_ready:
+            self.events.emit("spare_ready", node=node, num_ready=len(self.group.ready_spares))
+        self.group.newly_ready.clear()
+        for why in lost:
+            self.events.emit("spare_lost", reason=why)
+        if lost:
+            self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares())
 
     # ---------------------------------------------------------------- helpers
     def _lost_from(self, e: GroupError, during: str) -> State:

@@ -25,10 +25,24 @@ class FailureObservation:
 
 @dataclass(frozen=True)
 class Restart:
-    """Re-form the group at the same world size: replace `ranks` with new workers, keep the rest,
-    and restore every rank from the latest committed checkpoint."""
+    """Re-form the group at the same world size: replace `ranks` (spares first), keep the rest.
+    Where state comes from is decided after the survivors are known (`choose_restore`)."""
 
     ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FromPeer:
+    src_rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class FromStorage:
+    pass
+
+
+RestoreSource = FromPeer | FromStorage
 
 
 @dataclass(frozen=True)
@@ -50,8 +64,20 @@ def decide_failure(obs: FailureObservation, cfg: FailureConfig, now: float) -> t
                 f"{obs.failures_so_far} recoveries already, limit {cfg.max_failures}")
     ranks = tuple(sorted(x.rank for x in obs.lost))
     return (Restart(ranks),
-            f"{what}; recovery {obs.failures_so_far + 1}/{cfg.max_failures}: "
-            f"replace {list(ranks) or 'no rank'}, restore from the latest committed checkpoint")
+            f"{what}; recovery {obs.failures_so_far + 1}/{cfg.max_failures}: replace {list(ranks) or 'no rank'}")
+
+
+def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig) -> tuple[RestoreSource, str]:
+    """Memory first: a surviving replica that finished the newest step holds exact state (its
+    gradient all-reduce completed, so it includes every rank's contribution). Storage when no
+    replica survived, or when the user asked for storage."""
+    if not cfg.peer_restore:
+        return FromStorage(), "failure.peer_restore is off: restore from the latest committed checkpoint"
+    if not survivor_steps:
+        return FromStorage(), "no surviving replica holds state in memory: restore from the latest committed checkpoint"
+    step = max(survivor_steps.values())
+    src = min(r for r, s in survivor_steps.items() if s == step)
+    return FromPeer(src, step), f"state from the memory of rank {src} (step {step}), no storage read"
 
 
 def hang_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:

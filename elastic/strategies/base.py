@@ -18,6 +18,10 @@ class Strategy(ABC):
         return model
 
     @abstractmethod
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, src_rank: int) -> None:
+        """Make every rank's model (and optimizer, unless None) state equal to `src_rank`'s."""
+
+    @abstractmethod
     def reduce_gradients(self, model: nn.Module, grad_scale: float) -> None:
         """Combine gradients across the `dp` axis and scale them; after this, every rank steps."""
 

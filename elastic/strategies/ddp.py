@@ -20,18 +20,32 @@ from elastic.strategies.base import Strategy
 class DataParallel(Strategy):
     name = "ddp"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        # Every rank built the model from the same seed; broadcasting rank 0's copy makes
-        # that an invariant rather than an assumption about the user's factory.
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, src_rank: int) -> None:
+        """Every replica holds the whole state, so one broadcast per dtype of every model and
+        optimizer tensor, in a fixed key order, copies the source replica exactly. Used at a
+        fresh start (rank 0's init becomes everyone's) and to hand a survivor's state to a
+        replacement without touching storage."""
+        # optimizer=None: model only. A fresh optimizer must not go through get_state_dict, which
+        # initialises its state with a dummy zero-gradient step (Adam's step count would be off by one).
+        state = self.state_dict(model, optimizer) if optimizer is not None else {"model": model.state_dict()}
+        tensors = _tensors_in_order(state)
         group = self.mesh.get_group("dp")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
-            offset = 0
-            for p in model.parameters():
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        return model
+            for dtype in sorted(by_dtype, key=str):
+                ts = by_dtype[dtype]
+                flat = torch.cat([t.reshape(-1) for t in ts])
+                dist.broadcast(flat, src=src_rank, group=group)
+                offset = 0
+                for t in ts:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        if optimizer is not None:
+            self.load_state_dict(model, optimizer, state)
+        else:
+            model.load_state_dict(state["model"])
 
     def reduce_gradients(self, model: nn.Module, grad_scale: float) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -45,3 +59,13 @@ class DataParallel(Strategy):
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
+
+
+def _tensors_in_order(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors_in_order(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in_order(v)]
+    return []

@@ -1,0 +1,67 @@
+"""Benchmark output: one JSON object per result on stdout, a table of medians, and with
+`--out DIR` also results.jsonl, results.md and a PNG plot."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import defaultdict
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record, default=str), flush=True)
+
+
+def medians(records: list[dict], metrics: list[str], key: str = "system") -> dict[str, dict[str, float | None]]:
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by[r[key]].append(r)
+    out = {}
+    for system, rs in by.items():
+        out[system] = {"n": len(rs)}
+        for m in metrics:
+            vals = [r[m] for r in rs if r.get(m) is not None]
+            out[system][m] = statistics.median(vals) if vals else None
+    return out
+
+
+def markdown_table(med: dict[str, dict], metrics: list[str], title: str, notes: list[str] = ()) -> str:
+    lines = [f"### {title}", "", "| system | reps | " + " | ".join(f"median {m}" for m in metrics) + " |",
+             "|---|---|" + "---|" * len(metrics)]
+    for system, row in med.items():
+        cells = [("-" if row[m] is None else f"{row[m]:.2f}") for m in metrics]
+        lines.append(f"| {system} | {row['n']} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out_dir: str, name: str, records: list[dict], table_md: str, metric: str,
+                  key: str = "system") -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+    with open(os.path.join(out_dir, "results.md"), "a") as f:
+        f.write(table_md + "\n")
+    _plot(os.path.join(out_dir, f"{name}.png"), records, metric, key, title=f"{name}: {metric} per repetition")
+
+
+def _plot(path: str, records: list[dict], metric: str, key: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r[key] for r in records))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, s in enumerate(systems):
+        vals = [r[metric] for r in records if r[key] == s and r.get(metric) is not None]
+        if not vals:
+            continue
+        ax.bar(i, statistics.median(vals), color="#8fb3d9", width=0.6)
+        ax.scatter([i] * len(vals), vals, color="#1f4e79", zorder=3, s=14)
+    ax.set_xticks(range(len(systems)), systems)
+    ax.set_ylabel(metric)
+    ax.set_title(title + " (bar: median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,96 @@
+"""`elastic bench recovery`: the common workload with rank 1's node killed at a fixed step,
+elastic and Ray Train side by side on the same local cluster, interleaved per repetition.
+
+Figures (shared/BENCHMARKS.md): recover_s (fault -> first step completed by the recovered
+group), lost_steps (steps done before the fault that were done again), detect_s (fault ->
+the framework decided/noticed). On a user's own cluster the same code runs with --address.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+import uuid
+
+from elastic.bench.output import emit, markdown_table, medians, write_outputs
+
+NUM_WORKERS, NUM_STEPS, FAULT_STEP, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 25, 10, 96
+METRICS = ["recover_s", "lost_steps", "detect_s"]
+
+
+def elastic_job(storage_uri: str, storage_options: dict, num_spares: int = 0) -> dict:
+    return {
+        "run": {"name": f"bench-recovery-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
+        "scaling": {"num_workers": NUM_WORKERS},
+        "failure": {"max_failures": 3},
+        "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY},
+        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
+                  "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.workload:build_optimizer",
+                  "global_batch_size": GLOBAL_BATCH},
+        "chaos": [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
+    }
+
+
+def run_elastic(storage_uri: str, storage_options: dict) -> dict:
+    from elastic import Trainer
+    t0 = time.time()
+    result = Trainer(elastic_job(storage_uri, storage_options)).fit(progress=False)
+    rec = result.events_of("recovered")
+    r = rec[0] if rec else {}
+    return {"bench": "recovery", "system": "elastic", "recover_s": r.get("recover_s"),
+            "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
+            "resumed_step": r.get("resumed_step"), "final_step": result.metrics["step"],
+            "total_s": time.time() - t0, "num_workers": NUM_WORKERS, "ckpt_every": CKPT_EVERY,
+            "replicas_identical": len(set(result.digests.values())) == 1, "run_dir": result.run_dir}
+
+
+def run_ray_train(storage_dir: str) -> dict:
+    from elastic.bench.ray_train_peer import run_ray_train_recovery
+    return run_ray_train_recovery(storage_dir=storage_dir, num_workers=NUM_WORKERS, num_steps=NUM_STEPS,
+                                  fault_step=FAULT_STEP, ckpt_every=CKPT_EVERY, global_batch_size=GLOBAL_BATCH)
+
+
+def main(args) -> int:
+    from elastic.bench.local_cluster import local_cluster
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - {"elastic", "ray-train"}
+    if unknown:
+        print(f"elastic bench recovery: --systems: unknown {sorted(unknown)}; choose from elastic, ray-train",
+              file=sys.stderr)
+        return 2
+    if args.storage == "s3" and "ray-train" in systems:
+        print("note: ray-train checkpoints to local disk; only elastic uses s3 in this run", file=sys.stderr)
+    records: list[dict] = []
+    work = tempfile.mkdtemp(prefix="elastic-bench-")
+    with contextlib.ExitStack() as stack:
+        storage_uri, storage_options = "file://" + os.path.join(work, "runs"), {}
+        if args.storage == "s3":
+            from elastic.testing.seaweedfs import seaweedfs_server
+            s3 = stack.enter_context(seaweedfs_server())
+            storage_uri, storage_options = f"{s3.uri}/bench", s3.storage_options
+        cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1))
+        for rep in range(args.reps):
+            for system in systems:  # interleaved, so drift on a shared machine hits both alike
+                cluster.ensure_worker_nodes(NUM_WORKERS + 1)
+                rec = run_elastic(storage_uri, storage_options) if system == "elastic" else run_ray_train(work)
+                rec = {**rec, "rep": rep, "storage": args.storage if system == "elastic" else "file"}
+                records.append(rec)
+                emit(rec)
+    med = medians(records, METRICS)
+    notes = [f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
+             f"MLP 1.3M params, global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps, "
+             f"rank 1's node killed after step {FAULT_STEP}"]
+    if med.get("elastic", {}).get("recover_s") and med.get("ray-train", {}).get("recover_s"):
+        ratio = med["elastic"]["recover_s"] / med["ray-train"]["recover_s"]
+        notes.append(f"recover_s ratio elastic / ray-train (medians, same run): {ratio:.2f}")
+        emit({"bench": "recovery", "summary": True, "ratio_recover_s_elastic_over_ray_train": ratio,
+              **{f"median_{m}_{s}": v[m] for s, v in med.items() for m in METRICS}})
+    table = markdown_table(med, METRICS, "recovery (node kill)", notes)
+    print(table)
+    if args.out:
+        write_outputs(args.out, "recovery", records, table, "recover_s")
+        print(f"wrote {args.out}/results.jsonl, results.md, recovery.png")
+    return 0
