@@ -206,6 +206,11 @@ class AsyncCheckpointer:
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
         self.results: "queue.Queue[PersistResult]" = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._abort = threading.Event()
+
+    def abort(self) -> None:
+        """The group is being torn down: an in-flight persist stops retrying and is never committed."""
+        self._abort.set()
 
     def wait(self, timeout_s: float | None = None) -> float:
         """Block until the in-flight persist (if any) is done; returns seconds waited.
@@ -242,10 +247,11 @@ class AsyncCheckpointer:
             # DCP's CheckpointException is a BaseException, not an Exception.
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - storage and peer errors: retry or report
                 err = f"{type(e).__name__}: {e}"
-                if _is_peer_failure(e):
+                if self._abort.is_set() or _is_peer_failure(e):
                     break  # the group is gone; the controller will recover, retrying is pointless
                 log.warning("persist of step %d failed (attempt %d): %s", step, attempt, err)
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                if self._abort.wait(self.backoff_s * 2 ** (attempt - 1)):
+                    break
         self.results.put(PersistResult(step, folder, False, time.monotonic() - t0, attempt, err))
 
     def _commit_with_retries(self, folder: str, step: int, cursor: int, metrics: dict) -> None:
@@ -271,4 +277,4 @@ class AsyncCheckpointer:
 
 def _is_peer_failure(e: BaseException) -> bool:
     text = str(e).lower()
-    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "by peer"))
+    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "by peer", "not registered"))

@@ -28,7 +28,8 @@ class EventLog:
         self._flushed = 0
 
     def emit(self, kind: str, **fields: Any) -> dict:
-        ev = {"t": time.time(), "kind": kind, **fields}
+        # Round-trip through JSON so in-memory events equal what the log file holds (str keys).
+        ev = json.loads(json.dumps({"t": time.time(), "kind": kind, **fields}, default=str))
         with self._lock:
             self.events.append(ev)
         if self._echo:

@@ -258,6 +258,8 @@ class Worker:
     def _teardown_after_failure(self, generation: int) -> None:
         # Destroying our group closes our sockets, so peers still blocked on us fail fast
         # instead of waiting for the collective timeout: the error cascades through the group.
+        if self.ckpt is not None:
+            self.ckpt.abort()
         if generation == self.generation and dist.is_initialized():
             try:
                 dist.destroy_process_group()

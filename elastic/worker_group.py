@@ -198,7 +198,14 @@ class WorkerGroup:
         return out
 
     def run(self, num_steps: int, faults: list[dict]) -> dict[int, "ray.ObjectRef"]:
+        self._polls.clear()  # an answer to a poll sent before a recovery describes the old group
         return {r: m.handle.run.remote(num_steps, faults) for r, m in self.members.items()}
+
+    def drain_polls(self, timeout_s: float) -> dict[int, dict]:
+        """Answers of the polls still in flight (they may carry the last persist reports)."""
+        refs = {r: ref for r, (ref, _) in self._polls.items()}
+        self._polls.clear()
+        return self._gather(refs, timeout_s)[0]
 
     def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
         """Non-blocking poll for the run loop. Each member has at most one poll in flight; returns

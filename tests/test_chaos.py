@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from elastic import Trainer, TrainingFailed
-from elastic.checkpoint import step_dir
+from elastic.checkpoint import latest_committed, step_dir
 from elastic.storage import Storage, join
 from ray_fixtures import cluster, ray_cluster  # noqa: F401 - pytest fixtures
 
@@ -46,16 +46,29 @@ def baseline(ray_cluster, tmp_path_factory):  # noqa: F811
     return digests.pop()
 
 
-def assert_recovered_bit_identical(result, baseline_digest, action):
+def assert_recovered_bit_identical(result, baseline_digest, action, source="peer", fault_step=FAULT_STEP):
     assert len(result.digests) == 3
     assert all(d == baseline_digest for d in result.digests.values()), result.digests
     (fault,) = result.events_of("fault_injected")
-    assert fault["action"] == action and fault["step"] == FAULT_STEP and fault["rank"] == 1
+    assert fault["action"] == action and fault["step"] == fault_step and fault["rank"] == 1
     (decision,) = result.events_of("decision")
     assert decision["decision"] == "Restart" and decision["reason"]
     (rec,) = result.events_of("recovered")
-    # Nothing lost beyond the steps since the last committed checkpoint (step 10).
-    assert rec["resumed_step"] == 10 and rec["lost_steps"] == FAULT_STEP - 10
+    restored = result.events_of("restored")[-1]
+    if source == "peer":
+        # Survivors' memory: no storage read, no step redone.
+        assert restored["source"] == "peer rank 0" and restored["uri"] is None
+        assert rec["resumed_step"] == FAULT_STEP and rec["lost_steps"] == 0
+    else:
+        # Storage: nothing lost beyond the steps since the last committed checkpoint. A save waits
+        # for the previous persist, so past step 2 x EVERY the first checkpoint is surely committed;
+        # the newest may still have been in flight when the fault hit.
+        committed = [s for s in range(EVERY, fault_step, EVERY) if s + EVERY < fault_step]
+        possible = [0] + [s for s in range(EVERY, fault_step + 1, EVERY)]
+        assert restored["step"] in possible and restored["step"] >= max(committed, default=0)
+        if restored["step"]:
+            assert restored["source"] == "storage" and restored["uri"].endswith(f"step_{restored['step']:09d}")
+        assert rec["resumed_step"] == restored["step"] and rec["lost_steps"] == fault_step - restored["step"]
     assert rec["recover_s"] > 0 and rec["detect_s"] >= 0
     assert result.metrics["step"] == NUM_STEPS
 
@@ -63,6 +76,26 @@ def assert_recovered_bit_identical(result, baseline_digest, action):
 def test_node_kill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
     result = Trainer(job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}])).fit(progress=False)
     assert_recovered_bit_identical(result, baseline, "kill_node")
+    assert result.events_of("workers_replaced")[0]["how"] == {"1": "started on demand"}
+
+
+def test_node_kill_with_a_warm_spare_takes_no_storage_round_trip(cluster, baseline, tmp_path):  # noqa: F811
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
+            scaling={"num_spares": 1, "wait_for_spares": True})
+    result = Trainer(j).fit(progress=False)
+    assert_recovered_bit_identical(result, baseline, "kill_node")
+    (replaced,) = result.events_of("workers_replaced")
+    assert replaced["how"] == {"1": "warm spare"}
+    assert result.events_of("restore_plan")[0]["source"] == "FromPeer"
+    # The spare ran on a node other than the active workers'.
+    started = result.events_of("workers_started")[0]["nodes"]
+    assert replaced["nodes"]["1"] not in started.values()
+
+
+def test_node_kill_storage_path_when_peer_restore_is_off(cluster, baseline, tmp_path):  # noqa: F811
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], failure={"peer_restore": False})
+    result = Trainer(j).fit(progress=False)
+    assert_recovered_bit_identical(result, baseline, "kill_node", source="storage")
 
 
 def test_sigkill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
@@ -84,8 +117,13 @@ def test_past_max_failures_the_error_says_what_and_where(cluster, tmp_path):  # 
     with pytest.raises(TrainingFailed) as e:
         Trainer(j).fit(progress=False)
     msg = str(e.value)
-    assert "rank 2" in msg and "max_failures=0" in msg and "step_000000010" in msg
-    assert e.value.result.checkpoint.endswith("step_000000010")
+    # Whether step 10's background persist committed before the kill is a race; the message
+    # must name whatever storage holds as the latest committed checkpoint.
+    root = join("file://" + str(tmp_path / "runs"), j["run"]["name"], "checkpoints")
+    latest = latest_committed(Storage(root), root)
+    assert "rank 2" in msg and "max_failures=0" in msg
+    assert f"last committed checkpoint: {latest.uri if latest else 'none'}" in msg
+    assert e.value.result.checkpoint == (latest.uri if latest else None)
 
 
 def test_user_code_error_stops_at_once_with_the_traceback(cluster, tmp_path):  # noqa: F811
@@ -120,9 +158,10 @@ def test_corrupt_latest_checkpoint_is_skipped_and_resume_is_exact(cluster, basel
 @pytest.mark.s3
 def test_node_kill_with_checkpoints_on_s3(cluster, baseline, tmp_path, s3_server):  # noqa: F811
     uri = f"{s3_server.uri}/chaos-{uuid.uuid4().hex[:6]}"
-    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], storage_uri=uri,
-            storage_options=s3_server.storage_options)
+    # After step 25: the step-10 persist to S3 is surely committed (step 20's save waited for it).
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": 25}], storage_uri=uri,
+            storage_options=s3_server.storage_options, failure={"peer_restore": False})
     result = Trainer(j).fit(progress=False)
-    assert_recovered_bit_identical(result, baseline, "kill_node")
+    assert_recovered_bit_identical(result, baseline, "kill_node", source="storage", fault_step=25)
     assert result.checkpoint.startswith("s3://") and result.checkpoint.endswith("step_000000030")
-    assert result.events_of("restored")[-1]["uri"].startswith("s3://")
+    assert result.events_of("restored")[-1]["uri"].startswith("s3://")  # read back from S3

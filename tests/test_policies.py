@@ -1,7 +1,8 @@
 """The failure policy and hang detection, with a fake clock: decisions and their reasons."""
 from elastic.config import FailureConfig
 from elastic.policies.failure import (
-    FailureObservation, LostRank, Raise, Restart, decide_failure, detect_hang, hang_bound_s)
+    FailureObservation, FromPeer, FromStorage, LostRank, Raise, Restart, choose_restore, decide_failure, detect_hang,
+    hang_bound_s)
 
 CFG = FailureConfig(max_failures=2, hang_factor=10, hang_floor_s=5)
 
@@ -50,3 +51,16 @@ def test_detect_hang_with_fake_clock():
     assert not hung and "<= bound 10.0s" in reason
     hung, reason = detect_hang(last_progress_at=100.0, step_times_s=times, cfg=CFG, now=110.5)
     assert hung and "no step completed for 10.5s" in reason
+
+
+def test_restore_prefers_the_survivor_with_the_newest_step():
+    # rank 2 finished the step whose all-reduce completed: its state includes every gradient
+    source, reason = choose_restore({0: 25, 2: 26}, CFG)
+    assert source == FromPeer(2, 26) and "no storage read" in reason
+
+
+def test_restore_from_storage_without_survivors_or_when_asked():
+    assert choose_restore({}, CFG)[0] == FromStorage()
+    off = CFG.model_copy(update={"peer_restore": False})
+    source, reason = choose_restore({0: 25}, off)
+    assert source == FromStorage() and "peer_restore is off" in reason

@@ -19,7 +19,7 @@ import time
 
 import ray
 
-from elastic.checkpoint import checkpoints_root, committed_checkpoints
+from elastic.checkpoint import checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
 from elastic.controller.states import (
     TERMINAL, Errored, Finished, Forming, Recovering, Restoring, Running, Starting, State)
@@ -200,6 +200,13 @@ class Controller:
                 if why != "unresponsive" and r not in lost:  # Ray says it is dead: no need to wait
                     lost[r] = LostRank(r, _silence(why), why)
             if len(done) == len(self.group.members):
+                # Every run() waited for its last persist: the polls in flight and one more carry
+                # those reports. Storage has the last word on what is committed.
+                self._absorb(self.group.drain_polls(cfg.ping_timeout_s * 5))
+                self._absorb(self.group.poll(cfg.ping_timeout_s * 5)[0])
+                self.step = max(o["step"] for o in done.values())
+                latest = latest_committed(self.storage, self.root)
+                self.last_committed = latest.uri if latest else self.last_committed
                 digests = {r: o["digest"] for r, o in done.items()}
                 self.events.emit("final_state", step=self.step, digests=digests,
                                  replicas_identical=len(set(digests.values())) == 1)
@@ -227,6 +234,9 @@ class Controller:
     def _on_recovering(self, st: Recovering) -> State:
         cfg = self.job.failure
         fault = self.last_fault
+        # Storage, not what polls happened to report before the fault, says what is committed.
+        latest = latest_committed(self.storage, self.root)
+        self.last_committed = latest.uri if latest else None
         obs = FailureObservation(st.lost, len(self.group.members), self.failures, st.user_error, self.last_committed)
         decision, reason = decide_failure(obs, cfg, time.time())
         self.events.emit("failure_detected", lost=[x.__dict__ for x in st.lost], step=self.step,
