@@ -45,6 +45,15 @@ def hang_own_process() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def busy_wait(seconds: float) -> None:
+    """Burn CPU (not sleep) for `seconds`: a real slowdown of this process's compute, as a
+    throttled or contended machine would show, not a fake metric."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        x += 1
+
+
 ACTIONS = {"kill_node": kill_own_node, "kill_process": kill_own_process, "hang": hang_own_process}
 
 

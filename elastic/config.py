@@ -58,6 +58,16 @@ class CheckpointConfig(_Strict):
     persist_retry_backoff_s: float = Field(1.0, ge=0, description="First backoff between persist retries (doubles).")
 
 
+class StragglerConfig(_Strict):
+    """Straggler detection and mitigation (see elastic/policies/straggler.py)."""
+
+    enabled: bool = Field(False, description="Watch for stragglers and act on them.")
+    threshold: float = Field(1.5, gt=1, description="Slow = window-median compute above threshold x the others'.")
+    window_steps: int = Field(5, ge=1, description="Steps per window.")
+    consecutive_windows: int = Field(2, ge=1, description="Slow windows in a row before acting.")
+    cooldown_s: float = Field(30.0, ge=0, description="No new action this soon after the last one.")
+
+
 class RunConfig(_Strict):
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run folder name.")
     seed: int = Field(0, ge=0)
@@ -68,9 +78,10 @@ class ChaosFault(_Strict):
     """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
     when it has completed `at_step` steps and before it starts the next one."""
 
-    action: Literal["kill_node", "kill_process", "hang"]
+    action: Literal["kill_node", "kill_process", "hang", "slow"]
     rank: int = Field(ge=0)
-    at_step: int = Field(ge=1)
+    at_step: int = Field(ge=0)
+    factor: float = Field(3.0, gt=1, description="slow only: the process computes this many times slower from then on")
 
 
 def _import_ref(ref: str, field: str) -> Callable:
@@ -134,6 +145,7 @@ class JobConfig(_Strict):
     failure: FailureConfig = Field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     train: TrainSpec
+    stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
     chaos: list[ChaosFault] = Field(default_factory=list, description="Faults to inject (drills, tests, demo).")
 
     @model_validator(mode="after")

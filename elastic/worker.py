@@ -61,6 +61,9 @@ class Worker:
         self._progress: dict = {"step": 0, "status": "idle", "loss": None, "step_end": None,
                                 "step_s": None, "compute_s": None}
         self._persists: list[dict] = []
+        self._compute_log: list[tuple[int, float]] = []  # (step, own compute seconds), drained by poll()
+        self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
+        self.stop_at: int | None = None  # a planned stop at a step boundary (straggler swap)
 
     # ---------------------------------------------------------------- identity
     def info(self) -> dict:
@@ -114,7 +117,30 @@ class Worker:
         rendezvous and a state transfer. Spares are warmed before they are needed."""
         if self.model is None:
             self._build()
-        return self.info()
+        return {**self.info(), "calib_s": self.calibrate()}
+
+    def calibrate(self, reps: int = 3) -> float:
+        """Median compute time of one rank's share of a step (forward + backward) on this process:
+        how fast a spare would be, measured before it is trusted with a rank."""
+        tr = self.job.train
+        per_rank = tr.global_batch_size // self.job.scaling.num_workers
+        micro, _ = batch_plan(tr.global_batch_size, self.job.scaling.num_workers, tr.micro_batch_size)
+        idx = list(range(min(per_rank, len(self.dataset))))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for i in range(0, len(idx), micro):
+                batch = default_collate([self.dataset[j] for j in idx[i:i + micro]])
+                self.fns["loss"](self.model, batch).backward()
+            times.append((time.perf_counter() - t0) * self.slow_factor)
+        self.model.zero_grad(set_to_none=True)
+        return sorted(times)[len(times) // 2]
+
+    def request_stop(self, step: int) -> int:
+        """Stop run() at the boundary after `step` steps (all ranks get the same step). Returns
+        this rank's current step so the caller can check nobody is past it already."""
+        self.stop_at = step
+        return self.step
 
     def _build(self) -> None:
         torch.manual_seed(self.job.run.seed)
@@ -191,9 +217,15 @@ class Worker:
         micro, _ = batch_plan(tr.global_batch_size, self.world_size, tr.micro_batch_size)
         self._set(status="running")
         generation = self.generation
+        self.stop_at = None
         self._running.set()
         try:
             while self.step < num_steps:
+                if self.stop_at is not None and self.step >= self.stop_at:
+                    self.ckpt.wait()
+                    self._collect_persists()
+                    self._set(status="stopped")
+                    return {"status": "stopped", "step": self.step}
                 for f in faults:
                     if f["rank"] == self.rank and f["at_step"] == self.step:
                         self._fire(f)
@@ -235,6 +267,8 @@ class Worker:
             loss = self.fns["loss"](self.model, batch) * (len(chunk) / len(idx))
             loss.backward()
             local_loss += loss.detach()
+        if self.slow_factor > 1.0:
+            chaos.busy_wait((self.slow_factor - 1.0) * (time.perf_counter() - t_start))
         compute_s = time.perf_counter() - t_start
         try:
             self.strategy.reduce_gradients(self.model, 1.0 / self.world_size)
@@ -243,6 +277,8 @@ class Worker:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
         self.optimizer.step()
         self.step += 1
+        with self._lock:
+            self._compute_log.append((self.step, compute_s))
         now = time.time()
         self._set(step=self.step, loss=local_loss.item() / self.world_size, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
@@ -253,6 +289,9 @@ class Worker:
         # again), then fault. The report must land before the process dies, hence ray.get.
         if self.controller is not None:
             ray.get(self.controller.report_fault.remote(fault, self.rank, self.step, time.time()))
+        if fault["action"] == "slow":
+            self.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
+            return
         chaos.inject(fault["action"])
 
     def _teardown_after_failure(self, generation: int) -> None:
@@ -281,8 +320,9 @@ class Worker:
         """Progress and finished persists since the last poll (each persist reported once)."""
         self._collect_persists()
         with self._lock:
-            out = dict(self._progress, rank=self.rank, persists=self._persists)
+            out = dict(self._progress, rank=self.rank, persists=self._persists, compute_log=self._compute_log)
             self._persists = []
+            self._compute_log = []
         return out
 
 

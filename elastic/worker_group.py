@@ -32,6 +32,7 @@ class Member:
     node_id: str
     ip: str
     pid: int
+    calib_s: float | None = None  # spares: measured compute time of one rank's share of a step
 
 
 def death_cause(e: BaseException) -> str:
@@ -120,7 +121,8 @@ class WorkerGroup:
                 lost.append(f"spare died while warming: {type(e).__name__}")
                 ray.kill(h, no_restart=True)
                 continue
-            self.ready_spares.append(Member(-1 if not on_demand else -2, h, info["node_id"], info["ip"], info["pid"]))
+            self.ready_spares.append(Member(-1 if not on_demand else -2, h, info["node_id"], info["ip"], info["pid"],
+                                            info.get("calib_s")))
             self.newly_ready.append(info["node_id"][:12])
         return lost
 
@@ -143,6 +145,23 @@ class WorkerGroup:
                 ray.kill(h, no_restart=True)
             else:
                 self._kill_member(self.ready_spares.pop())
+
+    def request_stop(self, step: int, timeout_s: float) -> dict[int, int]:
+        out, bad = self._gather({r: m.handle.request_stop.remote(step) for r, m in self.members.items()}, timeout_s)
+        if bad:
+            raise GroupError(f"request_stop failed for ranks {sorted(bad)}: {bad}", bad)
+        return out
+
+    def take_spare_for(self, rank: int, max_calib_s: float) -> Member | None:
+        """Give `rank` to the fastest ready spare whose calibration is at most max_calib_s."""
+        self.refresh_spares()
+        ok = [m for m in self.ready_spares if m.calib_s is not None and m.calib_s <= max_calib_s]
+        if not ok:
+            return None
+        m = min(ok, key=lambda m: m.calib_s)
+        self.ready_spares.remove(m)
+        self.members[rank] = Member(rank, m.handle, m.node_id, m.ip, m.pid, m.calib_s)
+        return m
 
     def promote(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
         """Fill `ranks` with spares: warm ones first, then ones still warming (waited for), then

@@ -22,9 +22,10 @@ import ray
 from elastic.checkpoint import checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
 from elastic.controller.states import (
-    TERMINAL, Errored, Finished, Forming, Recovering, Restoring, Running, Starting, State)
+    TERMINAL, Errored, Finished, Forming, Recovering, Restoring, Running, Starting, State, Swapping)
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromStorage, LostRank, Raise, choose_restore, decide_failure, detect_hang)
+from elastic.policies.straggler import Report, StragglerState, Swap, decide_straggler, observe
 from elastic.storage import Storage, join
 from elastic.telemetry import EventLog
 from elastic.worker_group import GroupError, WorkerGroup
@@ -57,6 +58,10 @@ class Controller:
         self.last_committed: str | None = None
         self.run_refs: dict = {}
         self.restore_plan: FromPeer | FromStorage = FromStorage()
+        self.stragglers = StragglerState()
+        self.compute_log: dict[int, dict[int, float]] = {}  # rank -> {step: own compute seconds}
+        self.next_window_end = 0
+        self._swap_healthy_s = 0.0  # healthy ranks' median compute at the last Swap decision
         self._spares_checked_at = 0.0
 
     # ---------------------------------------------------------------- public (called from the driver / workers)
@@ -155,6 +160,9 @@ class Controller:
                          restore_s=max(o["restore_s"] for o in out.values()))
         if self.awaiting_first_step is not None:
             self.awaiting_first_step["resumed_step"] = r0["step"]
+        self.compute_log = {}
+        self.stragglers.slow_windows.clear()
+        self.next_window_end = r0["step"] + self.job.stragglers.window_steps
         # Keep num_spares warm: replace the ones just used, drop extras started on demand.
         self.group.trim_spares(self.job.scaling.num_spares)
         self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares())
@@ -167,6 +175,8 @@ class Controller:
         refs = self.run_refs = self.group.run(self.job.run.num_steps, faults)
         ref_rank = {ref: r for r, ref in refs.items()}
         done: dict[int, dict] = {}
+        stopped: set[int] = set()
+        swap: Swapping | None = None
         aborted: set[int] = set()
         lost: dict[int, LostRank] = {}
         failing_since: float | None = None  # first failure signal; then we settle who is lost
@@ -186,6 +196,8 @@ class Controller:
                     continue
                 if out["status"] == "done":
                     done[rank] = out
+                elif out["status"] == "stopped":
+                    stopped.add(rank)
                 elif out["status"] == "user_error":
                     self.events.emit("user_error", rank=rank, step=out["step"], error=out["error"],
                                      traceback=out.get("traceback"))
@@ -199,6 +211,10 @@ class Controller:
             for r, why in silent.items():
                 if why != "unresponsive" and r not in lost:  # Ray says it is dead: no need to wait
                     lost[r] = LostRank(r, _silence(why), why)
+            if swap is not None and failing_since is None and len(stopped | set(done)) == len(self.group.members):
+                if not done:
+                    return swap
+                swap = None  # the run reached its end before the stop: nothing left to swap for
             if len(done) == len(self.group.members):
                 # Every run() waited for its last persist: the polls in flight and one more carry
                 # those reports. Storage has the last word on what is committed.
@@ -225,6 +241,8 @@ class Controller:
                 if not unaccounted or time.monotonic() - failing_since > cfg.ping_timeout_s + 1.0:
                     return Recovering(tuple(lost[r] for r in sorted(lost)), time.time())
                 continue
+            if swap is None and self.job.stragglers.enabled:
+                swap = self._check_stragglers()
             hung, reason = detect_hang(self.last_progress_at, self.step_times[-50:], cfg, time.monotonic())
             if hung:
                 culprits = silent or {r: "no progress" for r in self.group.members}
@@ -277,6 +295,69 @@ class Controller:
                          nodes={r: self.group.members[r].node_id[:12] for r in missing})
         return Forming()
 
+    def _check_stragglers(self) -> Swapping | None:
+        """Fold every complete window of compute times into the straggler state; on a Swap
+        decision, ask all ranks to stop at a common step boundary a few steps ahead."""
+        sc = self.job.stragglers
+        ranks = list(self.group.members)
+        while all(self.next_window_end in self.compute_log.get(r, {}) for r in ranks):
+            w_end = self.next_window_end
+            window = {r: [self.compute_log[r][s] for s in range(w_end - sc.window_steps + 1, w_end + 1)
+                          if s in self.compute_log[r]] for r in ranks}
+            self.next_window_end += sc.window_steps
+            ratios = observe(self.stragglers, window, sc)
+            slow = {r: round(x, 2) for r, x in ratios.items() if x > sc.threshold}
+            if slow:
+                self.events.emit("slow_window", step=w_end, ratios={r: round(x, 2) for r, x in ratios.items()},
+                                 consecutive={r: self.stragglers.slow_windows[r] for r in slow})
+            healthy = [statistics.median(window[r]) for r in ranks if r not in slow and window[r]]
+            healthy_s = statistics.median(healthy) if healthy else 0.0
+            self.group.refresh_spares()
+            decision, reason = decide_straggler(self.stragglers, sc, time.monotonic(),
+                                                [m.calib_s for m in self.group.ready_spares if m.calib_s],
+                                                healthy_s)
+            if isinstance(decision, Report) and decision.rank not in self.stragglers.reported:
+                self.stragglers.reported.add(decision.rank)
+                self.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason)
+            if isinstance(decision, Swap):
+                stop_step = self.max_step_seen + 5  # ahead of every rank: they are within a step of each other
+                if stop_step >= self.job.run.num_steps:
+                    return None
+                self.stragglers.last_action_t = time.monotonic()
+                self.events.emit("decision", decision="Swap", ranks=[decision.rank], reason=reason,
+                                 stop_step=stop_step, healthy_compute_s=healthy_s)
+                try:
+                    self.group.request_stop(stop_step, self.job.failure.ping_timeout_s * 3)
+                except GroupError:
+                    return None  # a rank is failing anyway: the failure path takes over
+                self._swap_healthy_s = healthy_s
+                return Swapping(decision.rank, reason)
+        return None
+
+    def _on_swapping(self, st: Swapping) -> State:
+        """A planned replacement at a step boundary: nothing is lost, the spare gets state from a
+        healthy rank's memory."""
+        cfg = self.job.failure
+        t0 = time.monotonic()
+        self.run_refs = {}
+        bad = self.group.leave_all(cfg.ping_timeout_s * 3)
+        if bad:
+            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+        max_calib = self.job.stragglers.threshold * self._swap_healthy_s
+        old = self.group.members[st.rank]
+        self.group.kill(st.rank)
+        spare = self.group.take_spare_for(st.rank, max_calib)
+        how = "warm spare"
+        if spare is None:
+            self.group.promote([st.rank], cfg.replacement_timeout_s)
+            how = "started on demand"
+        src = min(r for r in self.group.members if r != st.rank)
+        self.restore_plan = FromPeer(src, self.step)
+        self.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
+                         new_node=self.group.members[st.rank].node_id[:12], swap_s=time.monotonic() - t0,
+                         spare_calib_s=spare.calib_s if spare else None)
+        return Forming()
+
     def _tend_spares(self) -> None:
         """Background care of the spare pool: notice spares that finished warming, replace dead ones."""
         now = time.monotonic()
@@ -307,6 +388,9 @@ class Controller:
                                      persist_s=p["persist_s"], attempts=p["attempts"])
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
+        for rank, a in answers.items():
+            for step, compute_s in a.get("compute_log", []):
+                self.compute_log.setdefault(rank, {})[step] = compute_s
         steps = [a["step"] for a in answers.values()]
         if not steps:
             return

@@ -3,8 +3,9 @@
     Starting -> Forming -> Restoring -> Running -> Finished
                    ^                        |
                    +------ Recovering <-----+ (fault detected)
-                               |
-                               +-> Errored (policy says stop)
+                   |           |
+                   |           +-> Errored (policy says stop)
+                   +------ Swapping <-------+ (straggler: planned stop at a step boundary)
 """
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ class Recovering:
 
 
 @dataclass(frozen=True)
+class Swapping:
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Finished:
     digests: dict[int, str] = field(default_factory=dict)
 
@@ -50,5 +57,5 @@ class Errored:
     error: str
 
 
-State = Starting | Forming | Restoring | Running | Recovering | Finished | Errored
+State = Starting | Forming | Restoring | Running | Recovering | Swapping | Finished | Errored
 TERMINAL = (Finished, Errored)
