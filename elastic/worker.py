@@ -63,7 +63,8 @@ class Worker:
         self._persists: list[dict] = []
         self._compute_log: list[tuple[int, float]] = []  # (step, own compute seconds), drained by poll()
         self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
-        self.stop_at: int | None = None  # a planned stop at a step boundary (straggler swap)
+        self.stop_requested = False  # a planned stop (straggler swap), agreed on through the next all-reduce
+        self._stop_agreed = False
 
     # ---------------------------------------------------------------- identity
     def info(self) -> dict:
@@ -136,10 +137,11 @@ class Worker:
         self.model.zero_grad(set_to_none=True)
         return sorted(times)[len(times) // 2]
 
-    def request_stop(self, step: int) -> int:
-        """Stop run() at the boundary after `step` steps (all ranks get the same step). Returns
-        this rank's current step so the caller can check nobody is past it already."""
-        self.stop_at = step
+    def request_stop(self) -> int:
+        """Ask run() to stop at a step boundary. The request rides on the next step's all-reduce,
+        so every rank learns of it in the same step and they all stop after that same step,
+        however far behind the controller's view of the step is."""
+        self.stop_requested = True
         return self.step
 
     def _build(self) -> None:
@@ -217,11 +219,11 @@ class Worker:
         micro, _ = batch_plan(tr.global_batch_size, self.world_size, tr.micro_batch_size)
         self._set(status="running")
         generation = self.generation
-        self.stop_at = None
+        self.stop_requested = self._stop_agreed = False
         self._running.set()
         try:
             while self.step < num_steps:
-                if self.stop_at is not None and self.step >= self.stop_at:
+                if self._stop_agreed:
                     self.ckpt.wait()
                     self._collect_persists()
                     self._set(status="stopped")
@@ -259,6 +261,7 @@ class Worker:
         idx = self.order.rank_indices(self.step, tr.global_batch_size, self.world_size, self.rank)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = torch.zeros(())
+        stop_flag = 1.0 if self.stop_requested else 0.0
         for i in range(0, len(idx), micro):
             chunk = idx[i:i + micro]
             batch = default_collate([self.dataset[j] for j in chunk])
@@ -272,7 +275,8 @@ class Worker:
         compute_s = time.perf_counter() - t_start
         try:
             self.strategy.reduce_gradients(self.model, 1.0 / self.world_size)
-            dist.all_reduce(local_loss, group=self.mesh.get_group("dp"))
+            stats = torch.stack([local_loss, torch.tensor(stop_flag)])
+            dist.all_reduce(stats, group=self.mesh.get_group("dp"))
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
         self.optimizer.step()
@@ -280,7 +284,8 @@ class Worker:
         with self._lock:
             self._compute_log.append((self.step, compute_s))
         now = time.time()
-        self._set(step=self.step, loss=local_loss.item() / self.world_size, step_end=now,
+        self._stop_agreed = bool(stats[1].item() > 0)
+        self._set(step=self.step, loss=stats[0].item() / self.world_size, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
                   first_step_end=self._progress.get("first_step_end") or now)
 

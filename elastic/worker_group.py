@@ -69,7 +69,7 @@ class WorkerGroup:
         self._pending_spares: dict["ray.ObjectRef", "ray.actor.ActorHandle"] = {}
         self._on_demand: set["ray.ObjectRef"] = set()  # pending spares started by promote() itself
         self.ready_spares: list[Member] = []
-        self.newly_ready: list[str] = []  # nodes of spares that became ready since the controller last looked
+        self.newly_ready: list[tuple[str, int]] = []  # (node, pid) of spares that became ready since the controller last looked
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
@@ -123,7 +123,7 @@ class WorkerGroup:
                 continue
             self.ready_spares.append(Member(-1 if not on_demand else -2, h, info["node_id"], info["ip"], info["pid"],
                                             info.get("calib_s")))
-            self.newly_ready.append(info["node_id"][:12])
+            self.newly_ready.append((info["node_id"][:12], info["pid"]))
         return lost
 
     def check_spares(self, timeout_s: float) -> list[str]:
@@ -146,8 +146,8 @@ class WorkerGroup:
             else:
                 self._kill_member(self.ready_spares.pop())
 
-    def request_stop(self, step: int, timeout_s: float) -> dict[int, int]:
-        out, bad = self._gather({r: m.handle.request_stop.remote(step) for r, m in self.members.items()}, timeout_s)
+    def request_stop(self, timeout_s: float) -> dict[int, int]:
+        out, bad = self._gather({r: m.handle.request_stop.remote() for r, m in self.members.items()}, timeout_s)
         if bad:
             raise GroupError(f"request_stop failed for ranks {sorted(bad)}: {bad}", bad)
         return out

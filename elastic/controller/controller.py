@@ -320,14 +320,11 @@ class Controller:
                 self.stragglers.reported.add(decision.rank)
                 self.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason)
             if isinstance(decision, Swap):
-                stop_step = self.max_step_seen + 5  # ahead of every rank: they are within a step of each other
-                if stop_step >= self.job.run.num_steps:
-                    return None
                 self.stragglers.last_action_t = time.monotonic()
                 self.events.emit("decision", decision="Swap", ranks=[decision.rank], reason=reason,
-                                 stop_step=stop_step, healthy_compute_s=healthy_s)
+                                 healthy_compute_s=healthy_s)
                 try:
-                    self.group.request_stop(stop_step, self.job.failure.ping_timeout_s * 3)
+                    self.group.request_stop(self.job.failure.ping_timeout_s * 3)
                 except GroupError:
                     return None  # a rank is failing anyway: the failure path takes over
                 self._swap_healthy_s = healthy_s
@@ -365,8 +362,8 @@ class Controller:
             return
         self._spares_checked_at = now
         lost = self.group.refresh_spares() + self.group.check_spares(self.job.failure.ping_timeout_s)
-        for node in self.group.newly_ready:
-            self.events.emit("spare_ready", node=node, num_ready=len(self.group.ready_spares))
+        for node, pid in self.group.newly_ready:
+            self.events.emit("spare_ready", node=node, pid=pid, num_ready=len(self.group.ready_spares))
         self.group.newly_ready.clear()
         for why in lost:
             self.events.emit("spare_lost", reason=why)
