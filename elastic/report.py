@@ -40,20 +40,28 @@ def summarize(result) -> str:
         f"wall time: {t1 - t0:.1f}s",
         f"  checkpoints committed: {len(commits)}   last: {result.checkpoint or 'none'}",
     ]
-    faults = [e for e in ev if e["kind"] == "fault_injected"]
-    recoveries = [e for e in ev if e["kind"] == "recovered"]
-    decisions = [e for e in ev if e["kind"] == "decision"]
-    if not faults and not recoveries:
+    # Walk the log in order: injected faults, failures elastic detected on its own (a pod deleted
+    # from outside, a real crash), the decision taken for each, and how the recovery went.
+    incidents = 0
+    for e in ev:
+        k = e["kind"]
+        if k == "fault_injected":
+            incidents += 1
+            lines.append(f"  fault: {e['action']} on rank {e['rank']} after step {e['step']} (injected)")
+        elif k == "failure_detected" and (not incidents or lines[-1].startswith("    ")):
+            incidents += 1
+            lost = ", ".join(f"rank {x['rank']} {x['cause']}" for x in e["lost"]) or "collective error"
+            lines.append(f"  failure: {lost} at step {e['step']}")
+        elif k == "decision":
+            lines.append(f"    decided: {e['decision']} ({e['reason']})")
+        elif k == "swapped":
+            lines.append(f"    swapped rank {e['rank']} for a {e['how']} in {_f(e['swap_s'], 2)}s")
+        elif k == "recovered":
+            lines.append(f"    detected in {_f(e['detect_s'], 2)}s, recovered in {_f(e['recover_s'], 2)}s "
+                         f"(fault -> first step done), resumed at step {e['resumed_step']}, "
+                         f"{e['lost_steps']} step(s) redone")
+    if not incidents:
         lines.append("  faults: none")
-    for i, f in enumerate(faults):
-        lines.append(f"  fault {i + 1}: {f['action']} on rank {f['rank']} after step {f['step']}")
-        if i < len(decisions):
-            lines.append(f"    decided: {decisions[i]['decision']} ({decisions[i]['reason']})")
-        if i < len(recoveries):
-            r = recoveries[i]
-            lines.append(f"    detected in {_f(r['detect_s'], 2)}s, recovered in {_f(r['recover_s'], 2)}s "
-                         f"(fault -> first step done), resumed at step {r['resumed_step']}, "
-                         f"{r['lost_steps']} step(s) redone")
     final = [e for e in ev if e["kind"] == "final_state"]
     if final:
         lines.append(f"  all ranks hold identical final state: {final[-1]['replicas_identical']}")

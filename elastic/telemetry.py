@@ -26,6 +26,14 @@ class EventLog:
         self._lock = threading.Lock()
         self._echo = echo
         self._flushed = 0
+        # A resumed run (same name, same storage) appends to the log it left, never replaces it.
+        self._prefix = b""
+        if storage is not None and self.uri is not None:
+            try:
+                if storage.exists(self.uri):
+                    self._prefix = storage.read_bytes(self.uri)
+            except StorageError as e:
+                log.warning("previous event log not read: %s", e)
 
     def emit(self, kind: str, **fields: Any) -> dict:
         # Round-trip through JSON so in-memory events equal what the log file holds (str keys).
@@ -43,7 +51,7 @@ class EventLog:
         with self._lock:
             if self._flushed == len(self.events):
                 return
-            body = "".join(json.dumps(e, default=str) + "\n" for e in self.events).encode()
+            body = self._prefix + "".join(json.dumps(e, default=str) + "\n" for e in self.events).encode()
             n = len(self.events)
         try:
             # Rewritten whole: object stores cannot append, and the log is small.

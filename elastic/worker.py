@@ -46,6 +46,8 @@ class Worker:
     def __init__(self, job_json: str, checkpoints_root: str, controller=None):
         torch.set_num_threads(1)  # one CPU slot per rank; more threads only fight each other
         self.job = JobConfig.model_validate_json(job_json)
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
+        self.device = torch.device("cuda", 0) if self.job.scaling.use_gpu else torch.device("cpu")
         self.fns = self.job.train.resolve()
         self.dataset = self.fns["dataset"]()
         self.order = GlobalOrder(len(self.dataset), self.job.run.seed)
@@ -131,7 +133,7 @@ class Worker:
         for _ in range(reps):
             t0 = time.perf_counter()
             for i in range(0, len(idx), micro):
-                batch = default_collate([self.dataset[j] for j in idx[i:i + micro]])
+                batch = _to(default_collate([self.dataset[j] for j in idx[i:i + micro]]), self.device)
                 self.fns["loss"](self.model, batch).backward()
             times.append((time.perf_counter() - t0) * self.slow_factor)
         self.model.zero_grad(set_to_none=True)
@@ -146,7 +148,7 @@ class Worker:
 
     def _build(self) -> None:
         torch.manual_seed(self.job.run.seed)
-        model = self.fns["model"]()
+        model = self.fns["model"]().to(self.device)
         self.model = self.strategy.wrap(model) if self.strategy else model
         make_opt = self.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))
         self.optimizer = make_opt(self.model.parameters())
@@ -195,7 +197,7 @@ class Worker:
         t0 = time.monotonic()
         if self.model is None:
             self._build()
-        step = torch.tensor([self.step], dtype=torch.int64)
+        step = torch.tensor([self.step], dtype=torch.int64, device=self.device)
         dist.broadcast(step, src=src_rank)
         self.step = int(step.item())
         self.strategy.broadcast_state(self.model, self.optimizer, src_rank)
@@ -260,11 +262,11 @@ class Worker:
         torch.manual_seed(step_seed(self.job.run.seed, self.step, self.rank))
         idx = self.order.rank_indices(self.step, tr.global_batch_size, self.world_size, self.rank)
         self.optimizer.zero_grad(set_to_none=True)
-        local_loss = torch.zeros(())
+        local_loss = torch.zeros((), device=self.device)
         stop_flag = 1.0 if self.stop_requested else 0.0
         for i in range(0, len(idx), micro):
             chunk = idx[i:i + micro]
-            batch = default_collate([self.dataset[j] for j in chunk])
+            batch = _to(default_collate([self.dataset[j] for j in chunk]), self.device)
             # The loss is a mean over the micro-batch; weight it so the sum over micro-batches
             # and ranks (after the 1/W below) is the mean over the global batch.
             loss = self.fns["loss"](self.model, batch) * (len(chunk) / len(idx))
@@ -275,7 +277,7 @@ class Worker:
         compute_s = time.perf_counter() - t_start
         try:
             self.strategy.reduce_gradients(self.model, 1.0 / self.world_size)
-            stats = torch.stack([local_loss, torch.tensor(stop_flag)])
+            stats = torch.stack([local_loss, torch.tensor(stop_flag, device=self.device)])
             dist.all_reduce(stats, group=self.mesh.get_group("dp"))
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
@@ -329,6 +331,19 @@ class Worker:
             self._persists = []
             self._compute_log = []
         return out
+
+
+def _to(batch, device: torch.device):
+    """Move a collated batch (tensors, possibly nested in tuples/lists/dicts) to the device."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
 
 
 def _hash_into(h, obj) -> None:

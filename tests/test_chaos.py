@@ -153,6 +153,8 @@ def test_corrupt_latest_checkpoint_is_skipped_and_resume_is_exact(cluster, basel
     assert any(s["uri"] == folder and "manifest says" in s["reason"] for s in skipped)
     assert result.events_of("restored")[0]["step"] == 10
     assert all(d == baseline for d in result.digests.values())
+    log = (tmp_path / "runs" / name / "events.jsonl").read_text()
+    assert log.count('"kind": "run_started"') == 2  # the resumed run appended to the first run's log
 
 
 @pytest.mark.s3

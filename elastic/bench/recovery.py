@@ -20,11 +20,21 @@ NUM_WORKERS, NUM_STEPS, FAULT_STEP, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 25, 10, 96
 METRICS = ["recover_s", "lost_steps", "detect_s"]
 
 
-def elastic_job(storage_uri: str, storage_options: dict, num_spares: int = 0) -> dict:
+# elastic's recovery paths, each a system of its own in the table.
+ELASTIC_SYSTEMS = {
+    "elastic-storage": ({"num_workers": NUM_WORKERS}, {"peer_restore": False}),  # reload from storage
+    "elastic": ({"num_workers": NUM_WORKERS}, {}),  # survivors' memory + a worker started on demand
+    "elastic-spare": ({"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True}, {}),  # warm spare
+}
+SYSTEMS = [*ELASTIC_SYSTEMS, "ray-train"]
+
+
+def elastic_job(system: str, storage_uri: str, storage_options: dict) -> dict:
+    scaling, failure = ELASTIC_SYSTEMS[system]
     return {
         "run": {"name": f"bench-recovery-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
-        "scaling": {"num_workers": NUM_WORKERS},
-        "failure": {"max_failures": 3},
+        "scaling": scaling,
+        "failure": {"max_failures": 3, **failure},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY},
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.workload:build_optimizer",
@@ -33,13 +43,15 @@ def elastic_job(storage_uri: str, storage_options: dict, num_spares: int = 0) ->
     }
 
 
-def run_elastic(storage_uri: str, storage_options: dict) -> dict:
+def run_elastic(system: str, storage_uri: str, storage_options: dict) -> dict:
     from elastic import Trainer
     t0 = time.time()
-    result = Trainer(elastic_job(storage_uri, storage_options)).fit(progress=False)
+    result = Trainer(elastic_job(system, storage_uri, storage_options)).fit(progress=False)
     rec = result.events_of("recovered")
     r = rec[0] if rec else {}
-    return {"bench": "recovery", "system": "elastic", "recover_s": r.get("recover_s"),
+    restored = result.events_of("restored")[-1]
+    return {"bench": "recovery", "system": system, "recover_s": r.get("recover_s"),
+            "restore_source": restored["source"],
             "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
             "resumed_step": r.get("resumed_step"), "final_step": result.metrics["step"],
             "total_s": time.time() - t0, "num_workers": NUM_WORKERS, "ckpt_every": CKPT_EVERY,
@@ -56,9 +68,9 @@ def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - {"elastic", "ray-train"}
+    unknown = set(systems) - set(SYSTEMS)
     if unknown:
-        print(f"elastic bench recovery: --systems: unknown {sorted(unknown)}; choose from elastic, ray-train",
+        print(f"elastic bench recovery: --systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}",
               file=sys.stderr)
         return 2
     if args.storage == "s3" and "ray-train" in systems:
@@ -75,19 +87,23 @@ def main(args) -> int:
         for rep in range(args.reps):
             for system in systems:  # interleaved, so drift on a shared machine hits both alike
                 cluster.ensure_worker_nodes(NUM_WORKERS + 1)
-                rec = run_elastic(storage_uri, storage_options) if system == "elastic" else run_ray_train(work)
-                rec = {**rec, "rep": rep, "storage": args.storage if system == "elastic" else "file"}
+                if system == "ray-train":
+                    rec = {**run_ray_train(work), "storage": "file"}
+                else:
+                    rec = {**run_elastic(system, storage_uri, storage_options), "storage": args.storage}
+                rec["rep"] = rep
                 records.append(rec)
                 emit(rec)
     med = medians(records, METRICS)
     notes = [f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
              f"MLP 1.3M params, global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps, "
              f"rank 1's node killed after step {FAULT_STEP}"]
-    if med.get("elastic", {}).get("recover_s") and med.get("ray-train", {}).get("recover_s"):
-        ratio = med["elastic"]["recover_s"] / med["ray-train"]["recover_s"]
-        notes.append(f"recover_s ratio elastic / ray-train (medians, same run): {ratio:.2f}")
-        emit({"bench": "recovery", "summary": True, "ratio_recover_s_elastic_over_ray_train": ratio,
-              **{f"median_{m}_{s}": v[m] for s, v in med.items() for m in METRICS}})
+    peer = med.get("ray-train", {}).get("recover_s")
+    ratios = {s: med[s]["recover_s"] / peer for s in ELASTIC_SYSTEMS if peer and med.get(s, {}).get("recover_s")}
+    for s, ratio in ratios.items():
+        notes.append(f"recover_s ratio {s} / ray-train (medians, same run): {ratio:.3f}")
+    emit({"bench": "recovery", "summary": True, **{f"ratio_recover_s_{s}_over_ray_train": r for s, r in ratios.items()},
+          **{f"median_{m}_{s}": v[m] for s, v in med.items() for m in METRICS}})
     table = markdown_table(med, METRICS, "recovery (node kill)", notes)
     print(table)
     if args.out:
