@@ -3,8 +3,9 @@
 Each event is one JSON object with `t` (wall-clock seconds), `kind` and its
 own fields; faults, decisions (with their reason), recoveries and checkpoints
 are all events, so the log alone is enough to draw the run's timeline.
-Writing the log never blocks or fails training: a storage error is retried on
-the next event.
+Writing the log never blocks the controller or training: one background thread
+rewrites the file whenever there is something new, so a storage outage delays
+the log (and is retried) but never detection or recovery.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ class EventLog:
         self._lock = threading.Lock()
         self._echo = echo
         self._flushed = 0
+        self._dirty = threading.Event()
+        self._write_lock = threading.Lock()  # one writer at a time, so an older body never lands last
+        self._closed = False
+        self._writer: threading.Thread | None = None
         # A resumed run (same name, same storage) appends to the log it left, never replaces it.
         self._prefix = b""
         if storage is not None and self.uri is not None:
@@ -42,23 +47,43 @@ class EventLog:
             self.events.append(ev)
         if self._echo:
             self._echo(ev)
-        self.flush()
+        if self.storage is not None and self.uri is not None:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="event-log", daemon=True)
+                self._writer.start()
+            self._dirty.set()
         return ev
 
-    def flush(self) -> None:
+    def _write_loop(self) -> None:
+        while not self._closed:
+            self._dirty.wait()
+            self._dirty.clear()
+            self._write()
+            time.sleep(0.2)  # coalesce bursts of events into one write
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Write everything now (end of run); gives up after timeout_s if storage does not answer."""
         if self.storage is None or self.uri is None:
             return
-        with self._lock:
-            if self._flushed == len(self.events):
-                return
-            body = self._prefix + "".join(json.dumps(e, default=str) + "\n" for e in self.events).encode()
-            n = len(self.events)
-        try:
-            # Rewritten whole: object stores cannot append, and the log is small.
-            self.storage.write_bytes(self.uri, body)
-            self._flushed = n
-        except StorageError as e:
-            log.warning("event log not written yet: %s", e)
+        done = threading.Thread(target=self._write, daemon=True)
+        done.start()
+        done.join(timeout_s)
+
+    def _write(self) -> None:
+        with self._write_lock:
+            with self._lock:
+                if self._flushed == len(self.events):
+                    return
+                body = self._prefix + "".join(json.dumps(e, default=str) + "\n" for e in self.events).encode()
+                n = len(self.events)
+            try:
+                # Rewritten whole: object stores cannot append, and the log is small.
+                self.storage.write_bytes(self.uri, body)
+                self._flushed = n
+            except StorageError as e:
+                log.warning("event log not written yet (will retry): %s", e)
+                time.sleep(1.0)
+                self._dirty.set()
 
     def of_kind(self, kind: str) -> list[dict]:
         with self._lock:

@@ -219,3 +219,37 @@ def test_a_dead_spare_is_replaced_without_disturbing_training(cluster, baseline,
     assert len(result.events_of("spare_ready")) >= 2  # a replacement spare warmed up
     assert not result.events_of("failure_detected") and not result.events_of("recovered")
     assert result.metrics["step"] == 300 and len(set(result.digests.values())) == 1
+
+
+@pytest.mark.s3
+def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_path, s3_server):  # noqa: F811
+    """SeaweedFS stops answering for a few seconds while checkpoints persist in the background:
+    training goes on, persists wait or retry, and every checkpoint that ends up committed is whole."""
+    import threading
+    import time
+
+    from elastic.checkpoint import committed_checkpoints, validate
+
+    uri = f"{s3_server.uri}/outage-{uuid.uuid4().hex[:6]}"
+    j = job(tmp_path, storage_uri=uri, storage_options=s3_server.storage_options)
+    j["train"]["micro_batch_size"] = 8  # slower steps: the outage overlaps the step-10 and step-20 persists
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))
+    t.start()
+    storage = Storage(uri, s3_server.storage_options)
+    root = join(uri, j["run"]["name"], "checkpoints")
+    deadline = time.monotonic() + 120
+    while not storage.list_dir(root) and time.monotonic() < deadline:  # the first persist has begun
+        time.sleep(0.05)
+    with s3_server.outage():
+        time.sleep(4)
+    t.join(timeout=240)
+    result = out["result"]
+    assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
+    assert not result.events_of("failure_detected")
+    # The outage really hit a persist in flight: it waited it out, and training did not stop.
+    assert max(e["persist_s"] for e in result.events_of("checkpoint_committed")) > 3
+    committed = committed_checkpoints(storage, root)
+    assert committed and committed[0].step == NUM_STEPS
+    for c in committed:
+        validate(storage, c.uri)  # raises if any file is missing or short
