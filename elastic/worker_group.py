@@ -33,6 +33,7 @@ class Member:
     ip: str
     pid: int
     calib_s: float | None = None  # spares: measured compute time of one rank's share of a step
+    on_demand: bool = False  # spares: started for a recovery in progress, not ahead of time
 
 
 def death_cause(e: BaseException) -> str:
@@ -121,8 +122,8 @@ class WorkerGroup:
                 lost.append(f"spare died while warming: {type(e).__name__}")
                 ray.kill(h, no_restart=True)
                 continue
-            self.ready_spares.append(Member(-1 if not on_demand else -2, h, info["node_id"], info["ip"], info["pid"],
-                                            info.get("calib_s")))
+            self.ready_spares.append(Member(-1, h, info["node_id"], info["ip"], info["pid"], info.get("calib_s"),
+                                            on_demand))
             self.newly_ready.append((info["node_id"][:12], info["pid"]))
         return lost
 
@@ -159,31 +160,34 @@ class WorkerGroup:
         if not ok:
             return None
         m = min(ok, key=lambda m: m.calib_s)
-        self.ready_spares.remove(m)
-        self.members[rank] = Member(rank, m.handle, m.node_id, m.ip, m.pid, m.calib_s)
+        self._assign(rank, m)
         return m
+
+    def _assign(self, rank: int, spare: Member) -> None:
+        self.ready_spares.remove(spare)
+        self.members[rank] = Member(rank, spare.handle, spare.node_id, spare.ip, spare.pid, spare.calib_s)
 
     def promote(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
         """Fill `ranks` with spares: warm ones first, then ones still warming (waited for), then
-        freshly started workers. Returns {rank: "warm spare" | "warming spare" | "new worker"}."""
+        freshly started workers. Returns {rank: how it was filled}, for the event log."""
         how: dict[int, str] = {}
-        self.refresh_spares()
         need = list(ranks)
-        while need and self.ready_spares:
-            m = self.ready_spares.pop(0)
-            r = need.pop(0)
-            self.members[r] = Member(r, m.handle, m.node_id, m.ip, m.pid)
-            how[r] = "warm spare" if m.rank == -1 else "started on demand"
+
+        def take_ready(label_if_planned: str) -> None:
+            while need and self.ready_spares:
+                m = self.ready_spares[0]
+                r = need.pop(0)
+                self._assign(r, m)
+                how[r] = "started on demand" if m.on_demand else label_if_planned
+
+        self.refresh_spares()
+        take_ready("warm spare")
         if need:
             self.add_spares(len(need) - len(self._pending_spares), on_demand=True)
             deadline = time.monotonic() + timeout_s
             while need and self._pending_spares and time.monotonic() < deadline:
                 self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
-                while need and self.ready_spares:
-                    m = self.ready_spares.pop(0)
-                    r = need.pop(0)
-                    self.members[r] = Member(r, m.handle, m.node_id, m.ip, m.pid)
-                    how[r] = "spare, waited while it warmed" if m.rank == -1 else "started on demand"
+                take_ready("spare, waited while it warmed")
         if need:
             raise GroupError(f"no worker could be started for ranks {need} within {timeout_s:.0f}s; is there a free "
                              f"slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", {r: "unavailable" for r in need})

@@ -12,6 +12,7 @@ sys.path.insert(0, os.getcwd())  # so workers and driver import `examples.charlm
 from elastic import Trainer  # noqa: E402
 from elastic.bench.local_cluster import local_cluster  # noqa: E402
 from elastic.config import load_job  # noqa: E402
+from elastic.timeline import plot  # noqa: E402
 
 
 def main() -> int:
@@ -23,6 +24,9 @@ def main() -> int:
     with local_cluster(num_worker_nodes=4, cpus_per_node=1):
         result = Trainer(job).fit()
     print(result.summary())
+    png = os.path.join(result.run_dir.removeprefix("file://"), "timeline.png")
+    plot(result.events, png, title=f"{job.run.name}: {job.chaos[0].action} on rank {job.chaos[0].rank}")
+    print(f"timeline of the run (states, fault, recovery, checkpoints): {png}")
     return 0
 
 
