@@ -185,6 +185,7 @@ class PersistResult:
     persist_s: float
     attempts: int
     error: str | None = None
+    metrics: dict = field(default_factory=dict)
 
 
 class AsyncCheckpointer:
@@ -240,7 +241,8 @@ class AsyncCheckpointer:
                 save_shards(snap, folder, self.storage.options, self.pg)
                 if self.rank == 0:
                     self._commit_with_retries(folder, step, cursor, metrics)
-                self.results.put(PersistResult(step, folder, self.rank == 0, time.monotonic() - t0, attempt))
+                self.results.put(PersistResult(step, folder, self.rank == 0, time.monotonic() - t0, attempt,
+                                               metrics=metrics))
                 if self.rank == 0:
                     apply_retention(self.storage, self.root, self.num_to_keep)
                 return

@@ -40,6 +40,12 @@ def summarize(result) -> str:
         f"wall time: {t1 - t0:.1f}s",
         f"  checkpoints committed: {len(commits)}   last: {result.checkpoint or 'none'}",
     ]
+    losses = [(c["step"], c["loss"]) for c in commits if c.get("loss") is not None]
+    if len(losses) >= 2:
+        picks = losses[:: max(1, len(losses) // 5)]
+        if picks[-1] != losses[-1]:
+            picks.append(losses[-1])
+        lines.append("  loss by checkpoint: " + ", ".join(f"step {s} {x:.3f}" for s, x in picks))
     # Walk the log in order: injected faults, failures elastic detected on its own (a pod deleted
     # from outside, a real crash), the decision taken for each, and how the recovery went.
     incidents = 0
@@ -54,6 +60,12 @@ def summarize(result) -> str:
             lines.append(f"  failure: {lost} at step {e['step']}")
         elif k == "decision":
             lines.append(f"    decided: {e['decision']} ({e['reason']})")
+        elif k == "workers_replaced":
+            how = ", ".join(f"rank {r} by a {h}" for r, h in e["how"].items())
+            lines.append(f"    replaced {how} in {_f(e['start_s'], 2)}s")
+        elif k == "restored" and incidents and e["source"] != "init":
+            src = f"the memory of {e['source']} (no storage read)" if e["source"].startswith("peer") else e["uri"]
+            lines.append(f"    state from {src}, at step {e['step']}")
         elif k == "swapped":
             lines.append(f"    swapped rank {e['rank']} for a {e['how']} in {_f(e['swap_s'], 2)}s")
         elif k == "recovered":

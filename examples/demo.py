@@ -18,7 +18,7 @@ from elastic.timeline import plot  # noqa: E402
 def main() -> int:
     job = load_job(os.path.join(os.path.dirname(__file__), "demo.yaml"))
     job = job.model_copy(update={"run": job.run.model_copy(update={"name": f"demo-{time.strftime('%Y%m%d-%H%M%S')}"})})
-    print("elastic demo: 3 DDP workers on a local Ray cluster (head + 4 one-CPU nodes);\n"
+    print("elastic demo: 3 DDP workers and 1 warm spare on a local Ray cluster (head + 4 one-CPU nodes);\n"
           f"the node of rank {job.chaos[0].rank} is killed after step {job.chaos[0].at_step}.\n"
           "Starting the cluster (about 15 s)...", flush=True)
     with local_cluster(num_worker_nodes=4, cpus_per_node=1):

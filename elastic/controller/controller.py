@@ -382,7 +382,7 @@ class Controller:
                 if p["committed"]:
                     self.last_committed = p["uri"]
                     self.events.emit("checkpoint_committed", step=p["step"], uri=p["uri"],
-                                     persist_s=p["persist_s"], attempts=p["attempts"])
+                                     persist_s=p["persist_s"], attempts=p["attempts"], loss=p["metrics"].get("loss"))
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
         for rank, a in answers.items():
