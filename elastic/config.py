@@ -18,13 +18,37 @@ class _Strict(BaseModel):
 
 
 class ScalingConfig(_Strict):
-    num_workers: int = Field(2, ge=1, description="Training ranks (one Ray actor each).")
+    num_workers: int = Field(2, ge=1, description="Training ranks (one Ray actor each); the target size.")
+    min_workers: int | None = Field(
+        None, ge=1, description="Shrink down to this many ranks when lost ones cannot be replaced; default num_workers.")
+    max_workers: int | None = Field(
+        None, ge=1, description="Grow up to this many ranks when capacity appears; default num_workers.")
+    shrink_after_s: float = Field(
+        10.0, ge=0, description="How long a recovery waits for a replacement before shrinking (min_workers < size).")
+    grow_check_s: float = Field(10.0, gt=0, description="How often a run below max_workers looks for capacity.")
     num_spares: int = Field(
         0, ge=0, description="Warm spare workers (model built, ready to receive state) that replace lost or slow ranks.")
     wait_for_spares: bool = Field(
         False, description="Start training only once the spares are warm (drills and benchmarks of the spare path).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor.")
     use_gpu: bool = Field(False, description="One GPU per worker and NCCL; gloo on CPU otherwise.")
+
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ScalingConfig":
+        lo, hi = self.min_size, self.max_size
+        if not lo <= self.num_workers <= hi:
+            raise ValueError(f"scaling: need min_workers <= num_workers <= max_workers, got {lo} <= "
+                             f"{self.num_workers} <= {hi}")
+        return self
+
+    @property
+    def min_size(self) -> int:
+        return self.min_workers if self.min_workers is not None else self.num_workers
+
+    @property
+    def max_size(self) -> int:
+        return self.max_workers if self.max_workers is not None else self.num_workers
 
 
 class FailureConfig(_Strict):
@@ -125,10 +149,7 @@ class TrainSpec(_Strict):
 def batch_plan(global_batch_size: int, world_size: int, micro_batch_size: int | None) -> tuple[int, int]:
     """(per-rank micro-batch, accumulation steps) for a world size; ValueError if it does not split."""
     if global_batch_size % world_size:
-        raise ValueError(
-            f"train.global_batch_size={global_batch_size} is not divisible by {world_size} workers; "
-            f"choose a global batch that is a multiple of scaling.num_workers"
-        )
+        raise ValueError(f"train.global_batch_size={global_batch_size} is not divisible by {world_size} workers")
     per_rank = global_batch_size // world_size
     micro = micro_batch_size or per_rank
     if per_rank % micro:
@@ -150,7 +171,22 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_plan(self) -> "JobConfig":
-        batch_plan(self.train.global_batch_size, self.scaling.num_workers, self.train.micro_batch_size)
+        # The global batch is a constant of the run: it must split for every world size the run may take.
+        sc, tr = self.scaling, self.train
+        bad = {}
+        for w in range(sc.min_size, sc.max_size + 1):
+            try:
+                batch_plan(tr.global_batch_size, w, tr.micro_batch_size)
+            except ValueError as e:
+                bad[w] = str(e)
+        if bad and sc.min_size == sc.max_size:
+            raise ValueError(next(iter(bad.values())) + "; choose a multiple of scaling.num_workers")
+        if bad:
+            raise ValueError(
+                f"train.global_batch_size={tr.global_batch_size} cannot be split for world sizes {sorted(bad)} "
+                f"allowed by scaling.min_workers..max_workers={sc.min_size}..{sc.max_size}: "
+                + "; ".join(f"{w}: {why}" for w, why in bad.items())
+                + ". Choose a global batch divisible by every allowed size, or narrow the range.")
         for i, f in enumerate(self.chaos):
             if f.rank >= self.scaling.num_workers:
                 raise ValueError(f"chaos[{i}].rank={f.rank} but scaling.num_workers={self.scaling.num_workers}")

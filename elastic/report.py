@@ -66,6 +66,9 @@ def summarize(result) -> str:
         elif k == "restored" and incidents and e["source"] != "init":
             src = f"the memory of {e['source']} (no storage read)" if e["source"].startswith("peer") else e["uri"]
             lines.append(f"    state from {src}, at step {e['step']}")
+        elif k == "resized":
+            lines.append(f"  resized: {e['old_world_size']} -> {e['new_world_size']} ranks ({e['reason'][:120]}), "
+                         f"state from {e['path']}")
         elif k == "swapped":
             lines.append(f"    swapped rank {e['rank']} for a {e['how']} in {_f(e['swap_s'], 2)}s")
         elif k == "recovered":

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 STATE_COLORS = {"Starting": "#cccccc", "Forming": "#9ecae1", "Restoring": "#6baed6", "Running": "#74c476",
-                "Recovering": "#fd8d3c", "Swapping": "#fdd0a2", "Finished": "#ffffff", "Errored": "#de2d26"}
+                "Recovering": "#fd8d3c", "Swapping": "#fdd0a2", "Growing": "#c6dbef", "Finished": "#ffffff", "Errored": "#de2d26"}
 MARKERS = {"fault_injected": ("x", "#de2d26", "fault"), "failure_detected": ("v", "#e6550d", "detected"),
            "recovered": ("^", "#31a354", "recovered"), "swapped": ("s", "#756bb1", "swapped"),
-           "slow_window": (".", "#9e9ac8", "slow window")}
+           "slow_window": (".", "#9e9ac8", "slow window"), "resized": ("D", "#3182bd", "resized")}
 
 
 def load(path: str) -> list[dict]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -162,6 +162,13 @@ class WorkerGroup:
         m = min(ok, key=lambda m: m.calib_s)
         self._assign(rank, m)
         return m
+
+    def renumber(self) -> dict[int, int]:
+        """After a shrink: ranks 0..k-1 for the k members, in their old order. Returns old -> new."""
+        mapping = {old: new for new, old in enumerate(sorted(self.members))}
+        self.members = {mapping[o]: replace(m, rank=mapping[o]) for o, m in self.members.items()}
+        self._polls.clear()
+        return mapping
 
     def _assign(self, rank: int, spare: Member) -> None:
         self.ready_spares.remove(spare)

@@ -92,3 +92,17 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("run: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_job(str(bad))
+
+
+def test_global_batch_must_split_for_every_allowed_world_size():
+    cfg = parse_job(job(scaling={"num_workers": 3, "min_workers": 2, "max_workers": 4},
+                        train={**TRAIN, "global_batch_size": 48}))
+    assert (cfg.scaling.min_size, cfg.scaling.max_size) == (2, 4)
+    with pytest.raises(ConfigError, match=r"cannot be split for world sizes \[4\]"):
+        parse_job(job(scaling={"num_workers": 3, "min_workers": 2, "max_workers": 4},
+                      train={**TRAIN, "global_batch_size": 54}))
+
+
+def test_min_and_max_must_bracket_num_workers():
+    with pytest.raises(ConfigError, match="min_workers <= num_workers <= max_workers"):
+        parse_job(job(scaling={"num_workers": 3, "min_workers": 4}))

@@ -22,7 +22,7 @@ import ray
 from elastic.checkpoint import checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
 from elastic.controller.states import (
-    TERMINAL, Errored, Finished, Forming, Recovering, Restoring, Running, Starting, State, Swapping)
+    TERMINAL, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State, Swapping)
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromStorage, LostRank, Raise, choose_restore, decide_failure, detect_hang)
 from elastic.policies.straggler import Report, StragglerState, Swap, decide_straggler, observe
@@ -61,6 +61,8 @@ class Controller:
         self.stragglers = StragglerState()
         self.compute_log: dict[int, dict[int, float]] = {}  # rank -> {step: own compute seconds}
         self.next_window_end = 0
+        self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
+        self._grow_checked_at = time.monotonic()
         self._swap_healthy_s = 0.0  # healthy ranks' median compute at the last Swap decision
         self._spares_checked_at = 0.0
 
@@ -163,8 +165,10 @@ class Controller:
         self.compute_log = {}
         self.stragglers.slow_windows.clear()
         self.next_window_end = r0["step"] + self.job.stragglers.window_steps
-        # Keep num_spares warm: replace the ones just used, drop extras started on demand.
-        self.group.trim_spares(self.job.scaling.num_spares)
+        # Keep num_spares warm: replace the ones just used, drop extras started on demand, except
+        # those that can bring a shrunk world back up (they wait for capacity, then we grow).
+        headroom = self.job.scaling.max_size - self.world_size
+        self.group.trim_spares(self.job.scaling.num_spares + headroom)
         self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares())
         return Running()
 
@@ -176,7 +180,7 @@ class Controller:
         ref_rank = {ref: r for r, ref in refs.items()}
         done: dict[int, dict] = {}
         stopped: set[int] = set()
-        swap: Swapping | None = None
+        swap: Swapping | Growing | None = None  # a planned stop in progress
         aborted: set[int] = set()
         lost: dict[int, LostRank] = {}
         failing_since: float | None = None  # first failure signal; then we settle who is lost
@@ -243,6 +247,8 @@ class Controller:
                 continue
             if swap is None and self.job.stragglers.enabled:
                 swap = self._check_stragglers()
+            if swap is None:
+                swap = self._check_growth()
             hung, reason = detect_hang(self.last_progress_at, self.step_times[-50:], cfg, time.monotonic())
             if hung:
                 culprits = silent or {r: "no progress" for r in self.group.members}
@@ -286,11 +292,16 @@ class Controller:
             self.group.kill(rank)
         self.restore_plan, why = choose_restore({r: a["step"] for r, a in answers.items()}, cfg)
         self.events.emit("restore_plan", source=type(self.restore_plan).__name__, reason=why)
-        missing = [r for r in range(self.job.scaling.num_workers) if r not in self.group.members]
+        sc = self.job.scaling
+        missing = [r for r in range(self.world_size) if r not in self.group.members]
+        may_shrink = sc.min_size <= len(self.group.members) < self.world_size
         try:
-            how = self.group.promote(missing, cfg.replacement_timeout_s)
+            how = self.group.promote(missing, sc.shrink_after_s if may_shrink else cfg.replacement_timeout_s)
         except GroupError as e:
-            return Errored(f"{e}; last committed checkpoint: {self.last_committed or 'none'}")
+            if len(self.group.members) < sc.min_size:
+                return Errored(f"{e}; scaling.min_workers={sc.min_size}; "
+                               f"last committed checkpoint: {self.last_committed or 'none'}")
+            return self._shrink(str(e), t0)
         self.events.emit("workers_replaced", ranks=missing, start_s=time.monotonic() - t0, how=how,
                          nodes={r: self.group.members[r].node_id[:12] for r in missing})
         return Forming()
@@ -353,6 +364,63 @@ class Controller:
         self.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
                          new_node=self.group.members[st.rank].node_id[:12], swap_s=time.monotonic() - t0,
                          spare_calib_s=spare.calib_s if spare else None)
+        return Forming()
+
+    def _shrink(self, why: str, t0: float) -> State:
+        """Go on with the ranks we have: renumber them 0..k-1 and re-form. The global batch and the
+        sample order do not change; each rank's share of the batch grows."""
+        old = self.world_size
+        mapping = self.group.renumber()
+        self.world_size = len(self.group.members)
+        if isinstance(self.restore_plan, FromPeer):
+            self.restore_plan = FromPeer(mapping[self.restore_plan.src_rank], self.restore_plan.step)
+        self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
+                         path="memory" if isinstance(self.restore_plan, FromPeer) else "storage",
+                         reason=f"no replacement within scaling.shrink_after_s={self.job.scaling.shrink_after_s}s "
+                                f"({why.splitlines()[0][:200]}); scaling.min_workers={self.job.scaling.min_size}",
+                         decide_s=time.monotonic() - t0)
+        return Forming()
+
+    def _check_growth(self) -> Growing | None:
+        """Below max_workers, keep workers waiting for capacity; once some are warm, plan a stop
+        at a step boundary and grow (never in the middle of a step or of a checkpoint persist)."""
+        sc = self.job.scaling
+        now = time.monotonic()
+        if self.world_size >= sc.max_size or now - self._grow_checked_at < sc.grow_check_s:
+            return None
+        self._grow_checked_at = now
+        want = sc.max_size - self.world_size
+        self.group.add_spares(sc.num_spares + want - self.group.num_spares())  # queued until capacity exists
+        self.group.refresh_spares()
+        extra = len(self.group.ready_spares) - sc.num_spares
+        if extra < 1:
+            return None
+        n = min(extra, want)
+        try:
+            self.group.request_stop(self.job.failure.ping_timeout_s * 3)
+        except GroupError:
+            return None  # a rank is failing anyway: the failure path takes over
+        self.events.emit("decision", decision="Grow", ranks=list(range(self.world_size, self.world_size + n)),
+                         reason=f"{n} warm worker(s) available and world size {self.world_size} < "
+                                f"scaling.max_workers={sc.max_size}: grow at the next step boundary")
+        return Growing(n)
+
+    def _on_growing(self, st: Growing) -> State:
+        t0 = time.monotonic()
+        self.run_refs = {}
+        bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
+        if bad:
+            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+        old = self.world_size
+        new_ranks = list(range(old, old + st.num_new))
+        try:
+            self.group.promote(new_ranks, self.job.failure.replacement_timeout_s)
+        except GroupError:
+            self.group.renumber()  # whatever joined keeps consecutive ranks
+        self.world_size = len(self.group.members)
+        self.restore_plan = FromPeer(0, self.step)
+        self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path="memory",
+                         reason="capacity appeared", decide_s=time.monotonic() - t0)
         return Forming()
 
     def _tend_spares(self) -> None:

@@ -6,6 +6,7 @@
                    |           |
                    |           +-> Errored (policy says stop)
                    +------ Swapping <-------+ (straggler: planned stop at a step boundary)
+                   +------ Growing <--------+ (capacity appeared: planned stop, add ranks)
 """
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ class Swapping:
 
 
 @dataclass(frozen=True)
+class Growing:
+    num_new: int
+
+
+@dataclass(frozen=True)
 class Finished:
     digests: dict[int, str] = field(default_factory=dict)
 
@@ -57,5 +63,5 @@ class Errored:
     error: str
 
 
-State = Starting | Forming | Restoring | Running | Recovering | Swapping | Finished | Errored
+State = Starting | Forming | Restoring | Running | Recovering | Swapping | Growing | Finished | Errored
 TERMINAL = (Finished, Errored)
