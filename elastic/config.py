@@ -96,6 +96,9 @@ class RunConfig(_Strict):
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run folder name.")
     seed: int = Field(0, ge=0)
     num_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    sample_ledger: bool = Field(
+        False, description="Record which sample ids every step trained on (ledger.json in the run dir): "
+                           "proof of exact-once data across failures and resizes. Costs memory; for drills.")
 
 
 class ChaosFault(_Strict):

@@ -64,6 +64,7 @@ class Worker:
                                 "step_s": None, "compute_s": None}
         self._persists: list[dict] = []
         self._compute_log: list[tuple[int, float]] = []  # (step, own compute seconds), drained by poll()
+        self._ledger: list[tuple[int, int, int, list[int]]] = []  # (step, world, rank, sample ids), if enabled
         self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
         self.stop_requested = False  # a planned stop (straggler swap), agreed on through the next all-reduce
         self._stop_agreed = False
@@ -285,6 +286,8 @@ class Worker:
         self.step += 1
         with self._lock:
             self._compute_log.append((self.step, compute_s))
+            if self.job.run.sample_ledger:
+                self._ledger.append((self.step, self.world_size, self.rank, idx))
         now = time.time()
         self._stop_agreed = bool(stats[1].item() > 0)
         self._set(step=self.step, loss=stats[0].item() / self.world_size, step_end=now,
@@ -327,9 +330,11 @@ class Worker:
         """Progress and finished persists since the last poll (each persist reported once)."""
         self._collect_persists()
         with self._lock:
-            out = dict(self._progress, rank=self.rank, persists=self._persists, compute_log=self._compute_log)
+            out = dict(self._progress, rank=self.rank, persists=self._persists, compute_log=self._compute_log,
+                       ledger=self._ledger)
             self._persists = []
             self._compute_log = []
+            self._ledger = []
         return out
 
 

@@ -28,3 +28,41 @@ def ray_cluster() -> Iterator[LocalCluster]:
 def cluster(ray_cluster: LocalCluster) -> LocalCluster:
     ray_cluster.ensure_worker_nodes(NUM_WORKER_NODES)
     return ray_cluster
+
+
+def assert_exact_once(ledger_path, num_steps: int, global_batch: int, num_samples: int, seed: int,
+                      lost_rank_upto: tuple[int, int] | None = None) -> None:
+    """The sample ledger of a run: every step trained on exactly the global batch the sample order
+    prescribes (whatever the world size was), so every sample of every epoch was seen exactly once.
+
+    `lost_rank_upto=(rank, step)`: that rank's process was killed after `step`; its reports not yet
+    polled died with it. Those slices may be missing (the step completed, so the rank did train
+    on them: its gradient is in the all-reduce), but nothing reported may differ or repeat."""
+    import json
+    from collections import Counter
+
+    from elastic.data import GlobalOrder
+
+    ledger = json.loads(open(ledger_path).read())
+    order = GlobalOrder(num_samples, seed)
+    assert sorted(map(int, ledger)) == list(range(1, num_steps + 1)), "a step is missing from the ledger"
+    seen: Counter = Counter()
+    for step_done in range(1, num_steps + 1):
+        entry = ledger[str(step_done)]
+        s = step_done - 1  # the ledger is keyed by steps completed
+        expected = order.indices(s * global_batch, (s + 1) * global_batch)
+        per_rank = global_batch // entry["world_size"]
+        for r in range(entry["world_size"]):
+            want = expected[r * per_rank:(r + 1) * per_rank]
+            got = entry["ranks"].get(str(r))
+            if got is None:
+                assert lost_rank_upto and r == lost_rank_upto[0] and step_done <= lost_rank_upto[1], \
+                    f"step {step_done}: no report from rank {r}"
+                got = want  # trained on (the step completed) but its report died with the process
+            assert got == want, f"step {step_done} rank {r}"
+            for k, i in enumerate(got):
+                seen[((s * global_batch + r * per_rank + k) // num_samples, i)] += 1
+    assert all(c == 1 for c in seen.values())
+    full_epochs = num_steps * global_batch // num_samples
+    for e in range(full_epochs):
+        assert sum(1 for (ep, _) in seen if ep == e) == num_samples

@@ -14,7 +14,8 @@ import pytest
 from elastic import Trainer, TrainingFailed
 from elastic.checkpoint import latest_committed, step_dir
 from elastic.storage import Storage, join
-from ray_fixtures import cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from elastic.bench.workload import NUM_SAMPLES
+from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -94,8 +95,11 @@ def test_node_kill_with_a_warm_spare_takes_no_storage_round_trip(cluster, baseli
 
 def test_node_kill_storage_path_when_peer_restore_is_off(cluster, baseline, tmp_path):  # noqa: F811
     j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], failure={"peer_restore": False})
+    j["run"]["sample_ledger"] = True
     result = Trainer(j).fit(progress=False)
     assert_recovered_bit_identical(result, baseline, "kill_node", source="storage")
+    # The redone steps replaced the lost attempts: still every sample exactly once.
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, NUM_SAMPLES, seed=7)
 
 
 def test_sigkill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811

@@ -42,3 +42,21 @@ def test_cursor_is_positions_consumed():
 def test_empty_dataset_is_a_clear_error():
     with pytest.raises(ValueError, match="dataset is empty"):
         GlobalOrder(num_samples=0, seed=0)
+
+
+def test_ledger_check_catches_a_repeated_or_wrong_sample(tmp_path):
+    import json
+
+    from ray_fixtures import assert_exact_once
+
+    order, batch = GlobalOrder(num_samples=12, seed=5), 6
+    good = {str(s + 1): {"world_size": 2, "ranks": {str(r): order.rank_indices(s, batch, 2, r) for r in range(2)}}
+            for s in range(4)}
+    path = tmp_path / "ledger.json"
+    path.write_text(json.dumps(good))
+    assert_exact_once(path, 4, batch, 12, seed=5)
+    bad = json.loads(json.dumps(good))
+    bad["3"]["ranks"]["1"] = bad["1"]["ranks"]["1"]  # a step that trained on samples seen before
+    path.write_text(json.dumps(bad))
+    with pytest.raises(AssertionError, match="step 3 rank 1"):
+        assert_exact_once(path, 4, batch, 12, seed=5)

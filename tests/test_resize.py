@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from elastic import Trainer
-from ray_fixtures import cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from elastic.bench.workload import NUM_SAMPLES
+from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -40,7 +41,7 @@ def test_shrink_on_node_loss_then_grow_back(cluster, tmp_path):  # noqa: F811
     ray.get(blocker.node.remote())
     name = f"resize-{uuid.uuid4().hex[:6]}"
     j = {
-        "run": {"name": name, "num_steps": 400, "seed": 3},
+        "run": {"name": name, "num_steps": 400, "seed": 3, "sample_ledger": True},
         "scaling": {"num_workers": 3, "min_workers": 2, "max_workers": 3, "shrink_after_s": 2, "grow_check_s": 1},
         "failure": {"max_failures": 2},
         "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": 50},
@@ -65,3 +66,6 @@ def test_shrink_on_node_loss_then_grow_back(cluster, tmp_path):  # noqa: F811
     assert rec["lost_steps"] == 0 and rec["world_size"] == 2
     assert result.metrics["step"] == 400
     assert len(result.digests) == 3 and len(set(result.digests.values())) == 1
+    # Exact-once data across 3 -> 2 -> 3: 400 steps x 48 samples = 2.3 epochs of 8192.
+    assert_exact_once(tmp_path / "runs" / name / "ledger.json", 400, 48, NUM_SAMPLES, seed=3,
+                      lost_rank_upto=(1, 20))

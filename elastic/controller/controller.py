@@ -12,6 +12,7 @@ log with its reason. Detection, fastest signal first:
 """
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import threading
@@ -62,6 +63,8 @@ class Controller:
         self.compute_log: dict[int, dict[int, float]] = {}  # rank -> {step: own compute seconds}
         self.next_window_end = 0
         self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
+        # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
+        self.ledger: dict[int, tuple[int, dict[int, list[int]]]] = {}
         self._grow_checked_at = time.monotonic()
         self._swap_healthy_s = 0.0  # healthy ranks' median compute at the last Swap decision
         self._spares_checked_at = 0.0
@@ -217,14 +220,16 @@ class Controller:
                     lost[r] = LostRank(r, _silence(why), why)
             if swap is not None and failing_since is None and len(stopped | set(done)) == len(self.group.members):
                 if not done:
+                    self._collect_reports()
                     return swap
                 swap = None  # the run reached its end before the stop: nothing left to swap for
             if len(done) == len(self.group.members):
-                # Every run() waited for its last persist: the polls in flight and one more carry
-                # those reports. Storage has the last word on what is committed.
-                self._absorb(self.group.drain_polls(cfg.ping_timeout_s * 5))
-                self._absorb(self.group.poll(cfg.ping_timeout_s * 5)[0])
+                # Every run() waited for its last persist: collect those reports. Storage has the
+                # last word on what is committed.
+                self._collect_reports()
                 self.step = max(o["step"] for o in done.values())
+                if self.job.run.sample_ledger:
+                    self._write_ledger()
                 latest = latest_committed(self.storage, self.root)
                 self.last_committed = latest.uri if latest else self.last_committed
                 digests = {r: o["digest"] for r, o in done.items()}
@@ -287,7 +292,9 @@ class Controller:
         for rank, why in stuck.items():
             self.events.emit("worker_replaced", rank=rank, reason=f"did not leave its group: {why}")
             self.group.kill(rank)
+        self._absorb_reports(self.group.drain_polls(cfg.ping_timeout_s))
         answers, silent = self.group.poll(cfg.ping_timeout_s)
+        self._absorb_reports(answers)
         for rank in silent:
             self.group.kill(rank)
         self.restore_plan, why = choose_restore({r: a["step"] for r, a in answers.items()}, cfg)
@@ -366,6 +373,12 @@ class Controller:
                          spare_calib_s=spare.calib_s if spare else None)
         return Forming()
 
+    def _write_ledger(self) -> None:
+        """ledger.json: for every step, the world size it ran at and each rank's sample ids."""
+        body = {str(s): {"world_size": w, "ranks": {str(r): ids for r, ids in sorted(by_rank.items())}}
+                for s, (w, by_rank) in sorted(self.ledger.items())}
+        self.storage.write_bytes(join(self.run_dir, "ledger.json"), json.dumps(body).encode())
+
     def _shrink(self, why: str, t0: float) -> State:
         """Go on with the ranks we have: renumber them 0..k-1 and re-form. The global batch and the
         sample order do not change; each rank's share of the batch grows."""
@@ -443,8 +456,20 @@ class Controller:
         self.events.emit("group_error", during=during, error=str(e)[:500])
         return Recovering(tuple(LostRank(r, _silence(w), _last_line(w)) for r, w in e.ranks.items()), time.time())
 
+    def _collect_reports(self) -> None:
+        """Before the group changes: the polls in flight and one more carry the last reports."""
+        timeout_s = self.job.failure.ping_timeout_s * 5
+        self._absorb(self.group.drain_polls(timeout_s))
+        self._absorb(self.group.poll(timeout_s)[0])
+
     def _absorb(self, answers: dict[int, dict]) -> None:
         """Fold polled progress into run-level progress and events."""
+        self._absorb_reports(answers)
+        self._absorb_progress(answers)
+
+    def _absorb_reports(self, answers: dict[int, dict]) -> None:
+        """Persist results, compute times and the sample ledger: each is reported once, so every
+        answer that carries them must be folded in, also those polled during a recovery."""
         for rank, a in answers.items():
             for p in a.get("persists", []):
                 if p["committed"]:
@@ -456,6 +481,13 @@ class Controller:
         for rank, a in answers.items():
             for step, compute_s in a.get("compute_log", []):
                 self.compute_log.setdefault(rank, {})[step] = compute_s
+            for step, world, r, ids in a.get("ledger", []):
+                entry = self.ledger.get(step)
+                if entry is None or entry[0] != world or r in entry[1]:  # a new attempt at this step
+                    entry = self.ledger[step] = (world, {})
+                entry[1][r] = ids
+
+    def _absorb_progress(self, answers: dict[int, dict]) -> None:
         steps = [a["step"] for a in answers.values()]
         if not steps:
             return
