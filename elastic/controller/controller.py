@@ -29,7 +29,7 @@ from elastic.policies.failure import (
 from elastic.policies.straggler import Report, StragglerState, Swap, decide_straggler, observe
 from elastic.storage import Storage, join
 from elastic.telemetry import EventLog
-from elastic.worker_group import GroupError, WorkerGroup
+from elastic.worker_group import GroupError, WorkerGroup, death_cause
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class Controller:
                 try:
                     out = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    lost[rank] = LostRank(rank, _cause(e), _short(e))
+                    lost[rank] = LostRank(rank, death_cause(e), _short(e))
                     continue
                 if out["status"] == "done":
                     done[rank] = out
@@ -224,18 +224,7 @@ class Controller:
                     return swap
                 swap = None  # the run reached its end before the stop: nothing left to swap for
             if len(done) == len(self.group.members):
-                # Every run() waited for its last persist: collect those reports. Storage has the
-                # last word on what is committed.
-                self._collect_reports()
-                self.step = max(o["step"] for o in done.values())
-                if self.job.run.sample_ledger:
-                    self._write_ledger()
-                latest = latest_committed(self.storage, self.root)
-                self.last_committed = latest.uri if latest else self.last_committed
-                digests = {r: o["digest"] for r, o in done.items()}
-                self.events.emit("final_state", step=self.step, digests=digests,
-                                 replicas_identical=len(set(digests.values())) == 1)
-                return Finished(digests)
+                return self._finish(done)
             if (lost or aborted) and failing_since is None:
                 failing_since = time.monotonic()
                 # Start a replacement now, while we settle exactly who is lost: the slow part of a
@@ -259,6 +248,20 @@ class Controller:
                 culprits = silent or {r: "no progress" for r in self.group.members}
                 self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
                 return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), time.time())
+
+    def _finish(self, done: dict[int, dict]) -> Finished:
+        # Every run() waited for its last persist: collect those reports. Storage has the last
+        # word on what is committed.
+        self._collect_reports()
+        self.step = max(o["step"] for o in done.values())
+        if self.job.run.sample_ledger:
+            self._write_ledger()
+        latest = latest_committed(self.storage, self.root)
+        self.last_committed = latest.uri if latest else self.last_committed
+        digests = {r: o["digest"] for r, o in done.items()}
+        self.events.emit("final_state", step=self.step, digests=digests,
+                         replicas_identical=len(set(digests.values())) == 1)
+        return Finished(digests)
 
     def _on_recovering(self, st: Recovering) -> State:
         cfg = self.job.failure
@@ -515,11 +518,6 @@ class Controller:
                          detect_s=rec["detected_t"] - rec["fault_t"], resumed_step=resumed,
                          fault_step=rec["fault_step"], lost_steps=max(0, rec["fault_step"] - resumed),
                          world_size=len(self.group.members))
-
-
-def _cause(e: BaseException) -> str:
-    from elastic.worker_group import death_cause
-    return death_cause(e)
 
 
 def _silence(why: str) -> str:
