@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, replace
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.worker import Worker
@@ -37,6 +37,8 @@ class Member:
 
 
 def death_cause(e: BaseException) -> str:
+    if isinstance(e, ActorUnavailableError):
+        return "unreachable"  # its RPC socket closed: the process, or the whole node, is gone
     text = str(e).lower()
     # Ray words node loss as "...because its node has died" / "node ... is dead".
     if "its node has died" in text or "node has died" in text or "because its node" in text:

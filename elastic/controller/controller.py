@@ -521,11 +521,13 @@ class Controller:
 
 
 def _silence(why: str) -> str:
-    return why if why in ("node_died", "process_died", "unresponsive") else "error"
+    return why if why in ("node_died", "process_died", "unreachable", "unresponsive") else "error"
 
 
 def _short(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if isinstance(e, ray.exceptions.ActorUnavailableError):
+        return "RPC socket closed"
+    return str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
 
 
 def _last_line(text: str) -> str:

@@ -10,7 +10,7 @@ from elastic.config import FailureConfig
 @dataclass(frozen=True)
 class LostRank:
     rank: int
-    cause: str  # "process_died" | "node_died" | "unresponsive" | "hang" | "collective_error"
+    cause: str  # "process_died" | "node_died" | "unreachable" | "unresponsive" | "hang" | "error"
     detail: str = ""
 
 
@@ -57,7 +57,8 @@ def decide_failure(obs: FailureObservation, cfg: FailureConfig, now: float) -> t
     where = f"last committed checkpoint: {obs.last_checkpoint or 'none'}"
     if obs.user_error:
         return Raise(f"training code raised: {obs.user_error}; {where}"), "user code error: a retry would fail again"
-    what = ", ".join(f"rank {x.rank} {x.cause}" + (f" ({x.detail})" if x.detail else "") for x in obs.lost) \
+    what = ", ".join(f"rank {x.rank} {x.cause}" + (f" ({x.detail})" if x.detail and x.detail != x.cause else "")
+                     for x in obs.lost) \
         or "collective failed on every rank, none lost"
     if obs.failures_so_far >= cfg.max_failures:
         return (Raise(f"{what}; failure.max_failures={cfg.max_failures} reached; {where}"),
