@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException

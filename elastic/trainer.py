@@ -15,7 +15,7 @@ import ray
 
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.controller import Controller
-from elastic.storage import Storage, StorageError, join
+from elastic.storage import Storage, StorageError
 
 
 class TrainingFailed(RuntimeError):

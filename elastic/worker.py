@@ -109,11 +109,7 @@ class Worker:
             self.ckpt.wait(timeout_s=self.job.failure.collective_timeout_s)
             self._collect_persists()
             self.ckpt = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
-                pass
+        _destroy_group()
 
     # ---------------------------------------------------------------- state
     def warm(self) -> dict:
@@ -309,11 +305,8 @@ class Worker:
         # instead of waiting for the collective timeout: the error cascades through the group.
         if self.ckpt is not None:
             self.ckpt.abort()
-        if generation == self.generation and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        if generation == self.generation:
+            _destroy_group()
 
     # ---------------------------------------------------------------- telemetry
     def _set(self, **kv) -> None:
@@ -336,6 +329,14 @@ class Worker:
             self._compute_log = []
             self._ledger = []
         return out
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
+            pass
 
 
 def _to(batch, device: torch.device):

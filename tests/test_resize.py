@@ -58,7 +58,8 @@ def test_shrink_on_node_loss_then_grow_back(cluster, tmp_path):  # noqa: F811
     t.join(timeout=240)
     result = out["result"]
     resized = result.events_of("resized")
-    assert [(r["old_world_size"], r["new_world_size"]) for r in resized] == [(3, 2), (2, 3)]
+    sizes = [(r["old_world_size"], r["new_world_size"]) for r in resized]
+    assert sizes == [(3, 2), (2, 3)]
     assert shrunk["path"] == "memory" and "shrink_after_s" in shrunk["reason"]
     grow = [d for d in result.events_of("decision") if d["decision"] == "Grow"]
     assert len(grow) == 1 and "max_workers=3" in grow[0]["reason"]

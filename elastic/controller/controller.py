@@ -17,6 +17,7 @@ import logging
 import statistics
 import threading
 import time
+from collections import deque
 
 import ray
 
@@ -53,7 +54,7 @@ class Controller:
         self.step = 0
         self.max_step_seen = 0
         self.loss: float | None = None
-        self.step_times: list[float] = []
+        self.step_times: deque[float] = deque(maxlen=50)  # recent step times, for the hang bound
         self.last_progress_at = time.monotonic()
         self.awaiting_first_step: dict | None = None  # recovery in progress until a step completes
         self.last_committed: str | None = None
@@ -243,7 +244,7 @@ class Controller:
                 swap = self._check_stragglers()
             if swap is None:
                 swap = self._check_growth()
-            hung, reason = detect_hang(self.last_progress_at, self.step_times[-50:], cfg, time.monotonic())
+            hung, reason = detect_hang(self.last_progress_at, list(self.step_times), cfg, time.monotonic())
             if hung:
                 culprits = silent or {r: "no progress" for r in self.group.members}
                 self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
@@ -295,9 +296,7 @@ class Controller:
         for rank, why in stuck.items():
             self.events.emit("worker_replaced", rank=rank, reason=f"did not leave its group: {why}")
             self.group.kill(rank)
-        self._absorb_reports(self.group.drain_polls(cfg.ping_timeout_s))
-        answers, silent = self.group.poll(cfg.ping_timeout_s)
-        self._absorb_reports(answers)
+        answers, silent = self._collect_reports(cfg.ping_timeout_s, progress=False)
         for rank in silent:
             self.group.kill(rank)
         self.restore_plan, why = choose_restore({r: a["step"] for r, a in answers.items()}, cfg)
@@ -326,6 +325,8 @@ class Controller:
             window = {r: [self.compute_log[r][s] for s in range(w_end - sc.window_steps + 1, w_end + 1)
                           if s in self.compute_log[r]] for r in ranks}
             self.next_window_end += sc.window_steps
+            for r in ranks:  # a window is folded in once: drop its steps
+                self.compute_log[r] = {st: v for st, v in self.compute_log[r].items() if st > w_end}
             ratios = observe(self.stragglers, window, sc)
             slow = {r: round(x, 2) for r, x in ratios.items() if x > sc.threshold}
             if slow:
@@ -352,15 +353,23 @@ class Controller:
                 return Swapping(decision.rank, reason)
         return None
 
+    def _leave_for_planned_change(self) -> Recovering | None:
+        """Every rank stopped at the same boundary; have them drop the group. A rank that cannot
+        turns the planned change into a recovery."""
+        self.run_refs = {}
+        bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
+        if bad:
+            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+        return None
+
     def _on_swapping(self, st: Swapping) -> State:
         """A planned replacement at a step boundary: nothing is lost, the spare gets state from a
         healthy rank's memory."""
         cfg = self.job.failure
         t0 = time.monotonic()
-        self.run_refs = {}
-        bad = self.group.leave_all(cfg.ping_timeout_s * 3)
-        if bad:
-            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+        failed = self._leave_for_planned_change()
+        if failed:
+            return failed
         max_calib = self.job.stragglers.threshold * self._swap_healthy_s
         old = self.group.members[st.rank]
         self.group.kill(st.rank)
@@ -423,10 +432,9 @@ class Controller:
 
     def _on_growing(self, st: Growing) -> State:
         t0 = time.monotonic()
-        self.run_refs = {}
-        bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
-        if bad:
-            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+        failed = self._leave_for_planned_change()
+        if failed:
+            return failed
         old = self.world_size
         new_ranks = list(range(old, old + st.num_new))
         try:
@@ -459,11 +467,16 @@ class Controller:
         self.events.emit("group_error", during=during, error=str(e)[:500])
         return Recovering(tuple(LostRank(r, _silence(w), _last_line(w)) for r, w in e.ranks.items()), time.time())
 
-    def _collect_reports(self) -> None:
-        """Before the group changes: the polls in flight and one more carry the last reports."""
-        timeout_s = self.job.failure.ping_timeout_s * 5
-        self._absorb(self.group.drain_polls(timeout_s))
-        self._absorb(self.group.poll(timeout_s)[0])
+    def _collect_reports(self, timeout_s: float | None = None, progress: bool = True):
+        """Before the group changes: the polls in flight and one more carry the last reports.
+        Returns the fresh poll's (answers, silent). During a recovery only the reports are folded
+        in: progress from before the fault must not count as a step of the recovered group."""
+        timeout_s = timeout_s or self.job.failure.ping_timeout_s * 5
+        absorb = self._absorb if progress else self._absorb_reports
+        absorb(self.group.drain_polls(timeout_s))
+        answers, silent = self.group.poll(timeout_s)
+        absorb(answers)
+        return answers, silent
 
     def _absorb(self, answers: dict[int, dict]) -> None:
         """Fold polled progress into run-level progress and events."""
@@ -482,8 +495,9 @@ class Controller:
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
         for rank, a in answers.items():
-            for step, compute_s in a.get("compute_log", []):
-                self.compute_log.setdefault(rank, {})[step] = compute_s
+            if self.job.stragglers.enabled:
+                for step, compute_s in a.get("compute_log", []):
+                    self.compute_log.setdefault(rank, {})[step] = compute_s
             for step, world, r, ids in a.get("ledger", []):
                 entry = self.ledger.get(step)
                 if entry is None or entry[0] != world or r in entry[1]:  # a new attempt at this step
