@@ -98,8 +98,10 @@ def test_node_kill_storage_path_when_peer_restore_is_off(cluster, baseline, tmp_
     j["run"]["sample_ledger"] = True
     result = Trainer(j).fit(progress=False)
     assert_recovered_bit_identical(result, baseline, "kill_node", source="storage")
-    # The redone steps replaced the lost attempts: still every sample exactly once.
-    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, NUM_SAMPLES, seed=7)
+    # The redone steps replaced the lost attempts: still every sample exactly once. The killed rank's
+    # reports not yet polled (up to the fault) died with its process; nothing reported may differ.
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, NUM_SAMPLES, seed=7,
+                      lost_rank_upto=(1, FAULT_STEP))
 
 
 def test_sigkill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
