@@ -126,6 +126,22 @@ def _import_ref(ref: str, field: str) -> Callable:
     return fn
 
 
+DTYPES = Literal["float32", "bfloat16", "float16"]
+
+
+class FsdpSpec(_Strict):
+    """Settings of the fully-sharded strategy (train.strategy: fsdp), PyTorch's fully_shard (FSDP2)."""
+
+    blocks: list[str] | None = Field(
+        None, description="Class names of the submodules sharded as one unit each (e.g. [TransformerBlock]); "
+                          "default: every element of every nn.ModuleList, else every child of an "
+                          "nn.Sequential root that has parameters. The root is always sharded last.")
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward.")
+    param_dtype: DTYPES = Field("float32", description="Dtype of gathered parameters in forward/backward (GPU only).")
+    reduce_dtype: DTYPES = Field("float32", description="Dtype of the gradient reduce-scatter (GPU only).")
+
+
 class TrainSpec(_Strict):
     """What to train. Each callable is given as 'module:function' so workers can import it."""
 
@@ -137,7 +153,10 @@ class TrainSpec(_Strict):
     micro_batch_size: int | None = Field(
         None, ge=1, description="Samples per forward/backward on one rank; default: the whole per-rank share."
     )
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
+                           "state sharded across ranks (re-sharded on every resize).")
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Used when strategy is fsdp.")
 
     def resolve(self) -> dict[str, Callable | None]:
         """Import every callable; raises ValueError naming the field that fails."""
@@ -190,6 +209,13 @@ class JobConfig(_Strict):
                 f"allowed by scaling.min_workers..max_workers={sc.min_size}..{sc.max_size}: "
                 + "; ".join(f"{w}: {why}" for w, why in bad.items())
                 + ". Choose a global batch divisible by every allowed size, or narrow the range.")
+        fs = tr.fsdp
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(fs, name) != "float32" and not sc.use_gpu:
+                raise ValueError(f"train.fsdp.{name}={getattr(fs, name)}: mixed precision is a GPU setting; set "
+                                 f"scaling.use_gpu: true, or leave it at float32 on CPU")
+        if tr.strategy != "fsdp" and fs != FsdpSpec():
+            raise ValueError(f"train.fsdp is set but train.strategy={tr.strategy}: set train.strategy: fsdp")
         for i, f in enumerate(self.chaos):
             if f.rank >= self.scaling.num_workers:
                 raise ValueError(f"chaos[{i}].rank={f.rank} but scaling.num_workers={self.scaling.num_workers}")

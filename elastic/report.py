@@ -12,6 +12,9 @@ def describe_event(ev: dict) -> str:
         return f"DETECT {lost}{d}"
     if k == "decision":
         return f"DECIDE {ev['decision']}: {ev['reason']}"
+    if k == "resize_completed":
+        return (f"RESIZED {ev['old_world_size']} -> {ev['new_world_size']} ranks via {ev['path']}: first step "
+                f"{ev['resize_s']:.2f}s after the decision")
     if k == "recovered":
         return (f"RECOVERED in {ev['recover_s']:.2f}s: resumed at step {ev['resumed_step']}, "
                 f"{ev['lost_steps']} step(s) redone, world size {ev['world_size']}")
@@ -64,11 +67,17 @@ def summarize(result) -> str:
             how = ", ".join(f"rank {r} by a {h}" for r, h in e["how"].items())
             lines.append(f"    replaced {how} in {_f(e['start_s'], 2)}s")
         elif k == "restored" and incidents and e["source"] != "init":
-            src = f"the memory of {e['source']} (no storage read)" if e["source"].startswith("peer") else e["uri"]
+            src = (f"the memory of {e['source']} (no storage read)" if e["source"].startswith("peer")
+                   else e["uri"] or e["source"])
             lines.append(f"    state from {src}, at step {e['step']}")
         elif k == "resized":
             lines.append(f"  resized: {e['old_world_size']} -> {e['new_world_size']} ranks ({e['reason'][:120]}), "
                          f"state from {e['path']}")
+        elif k == "resize_completed":
+            lines.append(f"    first step at {e['new_world_size']} ranks {_f(e['resize_s'], 2)}s after the decision "
+                         f"(state via {e['path']}: {e.get('source') or '-'}, restore {_f(e.get('restore_s'), 2)}s)")
+        elif k == "reshard_failed":
+            lines.append(f"    re-shard in memory failed, state from storage instead: {e['error'][:120]}")
         elif k == "swapped":
             lines.append(f"    swapped rank {e['rank']} for a {e['how']} in {_f(e['swap_s'], 2)}s")
         elif k == "recovered":
@@ -79,7 +88,8 @@ def summarize(result) -> str:
         lines.append("  faults: none")
     final = [e for e in ev if e["kind"] == "final_state"]
     if final:
-        lines.append(f"  all ranks hold identical final state: {final[-1]['replicas_identical']}")
+        what = "gathered (unsharded) final state" if result.metrics.get("strategy") == "fsdp" else "final state"
+        lines.append(f"  all ranks hold identical {what}: {final[-1]['replicas_identical']}")
     lines.append(f"  event log: {result.run_dir}/events.jsonl")
     lines.append("=" * 64)
     return "\n".join(lines)

@@ -34,6 +34,7 @@ class Result:
     events: list[dict] = field(default_factory=list)
     digests: dict[int, str] = field(default_factory=dict)
     error: str | None = None
+    losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss (also metrics.json)
 
     def events_of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
@@ -58,6 +59,8 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if len(fns["dataset"]()) < 1:
             raise ConfigError("train.dataset: the dataset is empty")
+        if job.train.strategy == "fsdp":
+            _check_fsdp_blocks(fns["model"], job.train.fsdp.blocks)
         uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
         self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
         storage = Storage(uri, job.checkpoint.storage_options)
@@ -96,9 +99,10 @@ class Trainer:
             bar.close()
         ray.kill(controller)
         result = Result(
-            metrics={"loss": out["loss"], "step": out["step"]}, checkpoint=out["checkpoint"],
-            run_dir=out["run_dir"], events=out["events"], digests={int(k): v for k, v in out["digests"].items()},
-            error=out["error"])
+            metrics={"loss": out["loss"], "step": out["step"], "strategy": self.job.train.strategy},
+            checkpoint=out["checkpoint"], run_dir=out["run_dir"], events=out["events"],
+            digests={int(k): v for k, v in out["digests"].items()}, error=out["error"],
+            losses={int(k): v for k, v in out["losses"].items()})
         if out["status"] != "finished":
             raise TrainingFailed(out["error"], result)
         return result
@@ -138,3 +142,16 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _check_fsdp_blocks(model_fn, blocks: list[str] | None) -> None:
+    """Build the model on the meta device (no memory, no init) to check the wrap plan now."""
+    import torch
+
+    from elastic.strategies.fsdp import select_blocks
+    with torch.device("meta"):
+        model = model_fn()
+    try:
+        select_blocks(model, blocks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -22,14 +22,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
-from elastic import chaos
 from torch.distributed.checkpoint.api import CheckpointException
+
+from elastic import chaos, resharding
 
 from elastic.checkpoint import AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
 from elastic.storage import Storage
 from elastic.strategies import make_strategy
+from elastic.strategies.base import forget_old_meshes
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -40,6 +42,20 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer died, hung past the backstop, or the group was torn down."""
+
+
+_TRANSPORT_ERRORS = ("gloo/transport", "nccl", "connection reset", "connection closed", "broken pipe", "by peer",
+                     "process group", "processgroup")
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """A failure of the group rather than of the user's code. FSDP all-gathers and reduce-scatters
+    inside forward and backward, so a peer's death surfaces there, as a plain RuntimeError from
+    the transport; it must not be mistaken for a bug in the model (which is never retried)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in text for m in _TRANSPORT_ERRORS)
 
 
 class Worker:
@@ -63,7 +79,8 @@ class Worker:
         self._progress: dict = {"step": 0, "status": "idle", "loss": None, "step_end": None,
                                 "step_s": None, "compute_s": None}
         self._persists: list[dict] = []
-        self._compute_log: list[tuple[int, float]] = []  # (step, own compute seconds), drained by poll()
+        # (step, own compute seconds, global mean loss) per step, drained by poll()
+        self._compute_log: list[tuple[int, float, float]] = []
         self._ledger: list[tuple[int, int, int, list[int]]] = []  # (step, world, rank, sample ids), if enabled
         self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
         self.stop_requested = False  # a planned stop (straggler swap), agreed on through the next all-reduce
@@ -101,7 +118,8 @@ class Worker:
         # Checkpoint collectives run on their own group, from the persist thread, concurrently
         # with training collectives on the default group.
         self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
-        self.strategy = make_strategy(self.job.train.strategy, self.mesh)
+        self.strategy = make_strategy(self.job.train, self.mesh)
+        forget_old_meshes(self.generation)
         self._set(status="joined")
 
     def leave(self) -> None:
@@ -143,10 +161,12 @@ class Worker:
         self.stop_requested = True
         return self.step
 
-    def _build(self) -> None:
+    def _build(self, sync_init: bool = False) -> None:
+        """Model and optimizer from the seed; once in a group, prepared for the strategy (FSDP
+        shards it over the current mesh, so every world size gets a fresh build)."""
         torch.manual_seed(self.job.run.seed)
         model = self.fns["model"]().to(self.device)
-        self.model = self.strategy.wrap(model) if self.strategy else model
+        self.model = self.strategy.prepare(model, sync_init) if self.strategy else model
         make_opt = self.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))
         self.optimizer = make_opt(self.model.parameters())
 
@@ -164,26 +184,28 @@ class Worker:
         to the next candidate together. With none loadable, rank 0's fresh init is broadcast.
         Returns what was loaded and what was skipped, and why."""
         t0 = time.monotonic()
-        self._build()
+        forget_old_meshes(self.generation)
         self.step = 0
         skipped = []
         loaded = None
         for uri in candidates:
+            self._build()
             state = self.strategy.state_dict(self.model, self.optimizer)
             try:
+                # DCP reads each saved shard into the current layout: a checkpoint saved at any
+                # world size loads at this one.
                 load_shards(state, uri, self.storage.options, self.ckpt_pg)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
                 skipped.append((uri, f"{type(e).__name__}: {str(e)[:300]}"))
-                self._build()
                 continue
             self.strategy.load_state_dict(self.model, self.optimizer, state)
             self.step = int(self.storage.read_bytes(uri + "/COMMITTED").decode())
             loaded = uri
             break
         if loaded is None:
-            # Every rank built the same init from the seed; broadcasting rank 0's copy makes that
+            # Every rank builds the same init from the seed; broadcasting rank 0's copy makes that
             # an invariant rather than an assumption about the user's factory.
-            self.strategy.broadcast_state(self.model, None, src_rank=0)
+            self._build(sync_init=True)
         self._start_checkpointer()
         return {"step": self.step, "uri": loaded, "skipped": skipped, "restore_s": time.monotonic() - t0,
                 "source": "storage" if loaded else "init"}
@@ -192,6 +214,7 @@ class Worker:
         """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
         holds the newest state, through the new group. No storage read."""
         t0 = time.monotonic()
+        forget_old_meshes(self.generation)
         if self.model is None:
             self._build()
         step = torch.tensor([self.step], dtype=torch.int64, device=self.device)
@@ -202,10 +225,36 @@ class Worker:
         return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
                 "source": f"peer rank {src_rank}"}
 
-    def state_digest(self) -> str:
-        """sha256 over model and optimizer tensors in a fixed order: equal digests, equal state."""
-        h = hashlib.sha256()
+    def offer_shards(self) -> dict:
+        """This rank's part of the state, for a re-shard in memory at a planned resize. Returned
+        through Ray, it stays in this node's object store (owned by the caller) after this
+        process is gone."""
+        forget_old_meshes(self.generation)
         state = self.strategy.state_dict(self.model, self.optimizer)
+        return resharding.offer(state, self.rank, self.world_size, self.step)
+
+    def restore_from_shards(self, offers: list, old_world: int) -> dict:
+        """Memory path of a sharded strategy: a fresh sharded build at the new world size, filled
+        from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
+        this rank's new shards overlap. No storage read."""
+        t0 = time.monotonic()
+        forget_old_meshes(self.generation)
+        self._build()
+        state = self.strategy.state_dict(self.model, self.optimizer)
+        parts = resharding.needed_parts(state, old_world, self.world_size, self.rank)
+        got = dict(zip(parts, ray.get([offers[p] for p in parts])))
+        self.step = resharding.assemble(state, got, self.world_size, self.rank)
+        self.strategy.load_state_dict(self.model, self.optimizer, state)
+        self._start_checkpointer()
+        return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
+                "source": f"re-sharded in memory from {old_world} ranks (read parts {parts})"}
+
+    def state_digest(self) -> str:
+        """sha256 over the whole (unsharded) model and optimizer state in a fixed order: equal
+        digests, equal state. Collective for sharded strategies."""
+        h = hashlib.sha256()
+        forget_old_meshes(self.generation)
+        state = self.strategy.full_state_dict(self.model, self.optimizer)
         for section in ("model", "optim"):
             _hash_into(h, state[section])
         return h.hexdigest()
@@ -218,11 +267,17 @@ class Worker:
         micro, _ = batch_plan(tr.global_batch_size, self.world_size, tr.micro_batch_size)
         self._set(status="running")
         generation = self.generation
+        forget_old_meshes(generation)
         self.stop_requested = self._stop_agreed = False
+        saved = self.step  # the restored state is in storage already, or is the fresh init
         self._running.set()
         try:
             while self.step < num_steps:
                 if self._stop_agreed:
+                    if not self.job.failure.peer_restore and saved != self.step:
+                        # State moves through storage at this planned change: checkpoint this
+                        # very step, so nothing is redone.
+                        self._save(tr)
                     self.ckpt.wait()
                     self._collect_persists()
                     self._set(status="stopped")
@@ -232,10 +287,7 @@ class Worker:
                         self._fire(f)
                 self._train_step(micro)
                 if self.step % self.job.checkpoint.every_steps == 0 or self.step == num_steps:
-                    stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
-                                             self.strategy.state_dict(self.model, self.optimizer),
-                                             {"loss": self._progress["loss"]})
-                    self._set(ckpt_stall_s=stall_s)
+                    saved = self._save(tr)
                 self._collect_persists()
             self.ckpt.wait()
             self._collect_persists()
@@ -253,6 +305,13 @@ class Worker:
         self._set(status="done")
         return {"status": "done", "step": self.step, "digest": self.state_digest()}
 
+    def _save(self, tr) -> int:
+        stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
+                                 self.strategy.state_dict(self.model, self.optimizer),
+                                 {"loss": self._progress["loss"]})
+        self._set(ckpt_stall_s=stall_s)
+        return self.step
+
     def _train_step(self, micro: int) -> None:
         tr = self.job.train
         t_start = time.perf_counter()
@@ -263,30 +322,37 @@ class Worker:
         stop_flag = 1.0 if self.stop_requested else 0.0
         for i in range(0, len(idx), micro):
             chunk = idx[i:i + micro]
+            self.strategy.set_gradient_sync(self.model, i + micro >= len(idx))
             batch = _to(default_collate([self.dataset[j] for j in chunk]), self.device)
-            # The loss is a mean over the micro-batch; weight it so the sum over micro-batches
-            # and ranks (after the 1/W below) is the mean over the global batch.
-            loss = self.fns["loss"](self.model, batch) * (len(chunk) / len(idx))
-            loss.backward()
+            try:
+                # The loss is a mean over the micro-batch; weight it so the sum over micro-batches
+                # and ranks (after the average over ranks) is the mean over the global batch.
+                loss = self.fns["loss"](self.model, batch) * (len(chunk) / len(idx))
+                loss.backward()
+            except Exception as e:
+                if is_collective_failure(e):
+                    raise CollectiveError(f"{type(e).__name__}: {e}") from e
+                raise
             local_loss += loss.detach()
         if self.slow_factor > 1.0:
             chaos.busy_wait((self.slow_factor - 1.0) * (time.perf_counter() - t_start))
         compute_s = time.perf_counter() - t_start
         try:
-            self.strategy.reduce_gradients(self.model, 1.0 / self.world_size)
+            self.strategy.reduce_gradients(self.model)
             stats = torch.stack([local_loss, torch.tensor(stop_flag, device=self.device)])
             dist.all_reduce(stats, group=self.mesh.get_group("dp"))
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
         self.optimizer.step()
         self.step += 1
+        loss = stats[0].item() / self.world_size
         with self._lock:
-            self._compute_log.append((self.step, compute_s))
+            self._compute_log.append((self.step, compute_s, loss))
             if self.job.run.sample_ledger:
                 self._ledger.append((self.step, self.world_size, self.rank, idx))
         now = time.time()
         self._stop_agreed = bool(stats[1].item() > 0)
-        self._set(step=self.step, loss=stats[0].item() / self.world_size, step_end=now,
+        self._set(step=self.step, loss=loss, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
                   first_step_end=self._progress.get("first_step_end") or now)
 

@@ -222,6 +222,21 @@ class WorkerGroup:
     def restore_from_peer(self, src_rank: int, timeout_s: float) -> dict[int, dict]:
         return self._all("restore_from_peer", timeout_s, src_rank)
 
+    def restore_from_shards(self, offers: dict[int, "ray.ObjectRef"], old_world: int,
+                            timeout_s: float) -> dict[int, dict]:
+        # Refs nested in a list reach the workers as refs: each fetches only the parts it needs.
+        return self._all("restore_from_shards", timeout_s, [offers[p] for p in range(old_world)], old_world)
+
+    def offer_shards(self, timeout_s: float) -> tuple[dict[int, "ray.ObjectRef"], list[int]]:
+        """Every member's part of the state, as object refs owned by this (the controller's)
+        process: the bytes stay in each member's node store and outlive the member's process.
+        Returns (refs by rank, ranks whose offer was not ready in time). An offer that failed
+        is ready too; its error surfaces when a receiver reads it, and that restore fails."""
+        refs = {r: m.handle.offer_shards.remote() for r, m in self.members.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+        late = [r for r, ref in refs.items() if ref not in set(ready)]
+        return refs, late
+
     def _all(self, method: str, timeout_s: float, *args) -> dict[int, dict]:
         refs = {r: getattr(m.handle, method).remote(*args) for r, m in self.members.items()}
         out, bad = self._gather(refs, timeout_s)

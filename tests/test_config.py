@@ -106,3 +106,46 @@ def test_global_batch_must_split_for_every_allowed_world_size():
 def test_min_and_max_must_bracket_num_workers():
     with pytest.raises(ConfigError, match="min_workers <= num_workers <= max_workers"):
         parse_job(job(scaling={"num_workers": 3, "min_workers": 4}))
+
+
+def test_fsdp_mixed_precision_needs_a_gpu():
+    with pytest.raises(ConfigError, match=r"train.fsdp.param_dtype=bfloat16.*use_gpu"):
+        parse_job(job(train={"strategy": "fsdp", "fsdp": {"param_dtype": "bfloat16"}}))
+    parse_job(job(train={"strategy": "fsdp", "fsdp": {"param_dtype": "bfloat16"}}, scaling={"use_gpu": True}))
+
+
+def test_fsdp_settings_without_the_fsdp_strategy_are_an_error():
+    with pytest.raises(ConfigError, match=r"train.fsdp is set but train.strategy=ddp"):
+        parse_job(job(train={"fsdp": {"reshard_after_forward": False}}))
+
+
+def test_fsdp_blocks_default_and_unknown_class():
+    from torch import nn
+
+    from elastic.strategies.fsdp import select_blocks
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff = nn.Linear(4, 4)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList([Block(), Block()])
+
+    net = Net()
+    assert select_blocks(net, None) == list(net.layers)  # transformer-style: each block of the ModuleList
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert select_blocks(seq, None) == [seq[0], seq[2]]  # Sequential: each child with parameters
+    assert select_blocks(net, ["Block"]) == list(net.layers)
+    with pytest.raises(ValueError, match=r"train.fsdp.blocks=\['Blok'\].*Block"):
+        select_blocks(net, ["Blok"])
+
+
+def test_fsdp_blocks_are_checked_before_any_worker_starts(tmp_path):
+    j = job(train={"strategy": "fsdp", "fsdp": {"blocks": ["TransformerBlock"]}},
+            checkpoint={"storage_uri": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"train.fsdp.blocks=\['TransformerBlock'\].*Linear"):
+        Trainer(j)

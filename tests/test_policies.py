@@ -64,3 +64,9 @@ def test_restore_from_storage_without_survivors_or_when_asked():
     off = CFG.model_copy(update={"peer_restore": False})
     source, reason = choose_restore({0: 25}, off)
     assert source == FromStorage() and "peer_restore is off" in reason
+
+
+def test_sharded_state_restores_from_storage_after_a_loss():
+    # An FSDP survivor holds only its own shards: the lost rank's are gone with it.
+    source, reason = choose_restore({0: 25, 2: 25}, CFG, sharded=True)
+    assert source == FromStorage() and "sharded" in reason

@@ -1,6 +1,6 @@
 """The straggler policy with a fake clock: decisions and their reasons."""
 from elastic.config import StragglerConfig
-from elastic.policies.straggler import NoAction, Report, StragglerState, Swap, decide_straggler, observe
+from elastic.policies.straggler import Drop, NoAction, Report, StragglerState, Swap, decide_straggler, observe
 
 CFG = StragglerConfig(enabled=True, threshold=1.5, window_steps=5, consecutive_windows=2, cooldown_s=30)
 FAST = [0.10] * 5
@@ -54,4 +54,14 @@ def test_without_a_spare_it_reports():
     state = StragglerState()
     feed(state, [{0: FAST, 1: [0.3] * 5, 2: FAST}] * 2)
     decision, reason = decide_straggler(state, CFG, 100.0, spare_compute_s=[], rank_median_s=0.10)
-    assert decision == Report(1) and "no spare" in reason
+    assert decision == Report(1) and "no spare" in reason and "min_workers" in reason
+
+
+def test_without_a_spare_it_drops_when_the_world_may_shrink():
+    state = StragglerState()
+    feed(state, [{0: FAST, 1: [0.3] * 5, 2: FAST}] * 2)
+    decision, reason = decide_straggler(state, CFG, 100.0, spare_compute_s=[], rank_median_s=0.10, may_shrink=True)
+    assert decision == Drop(1) and "drop" in reason
+    # A usable spare still comes first.
+    decision, _ = decide_straggler(state, CFG, 100.0, spare_compute_s=[0.1], rank_median_s=0.10, may_shrink=True)
+    assert isinstance(decision, Swap)

@@ -24,11 +24,14 @@ import ray
 from elastic.checkpoint import checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
 from elastic.controller.states import (
-    TERMINAL, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State, Swapping)
+    TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State,
+    Swapping)
 from elastic.policies.failure import (
-    FailureObservation, FromPeer, FromStorage, LostRank, Raise, choose_restore, decide_failure, detect_hang)
-from elastic.policies.straggler import Report, StragglerState, Swap, decide_straggler, observe
+    FailureObservation, FromPeer, FromShards, FromStorage, LostRank, Raise, choose_restore, decide_failure,
+    detect_hang)
+from elastic.policies.straggler import Drop, Report, StragglerState, Swap, decide_straggler, observe
 from elastic.storage import Storage, join
+from elastic.strategies import STRATEGIES
 from elastic.telemetry import EventLog
 from elastic.worker_group import GroupError, WorkerGroup, death_cause
 
@@ -59,9 +62,13 @@ class Controller:
         self.awaiting_first_step: dict | None = None  # recovery in progress until a step completes
         self.last_committed: str | None = None
         self.run_refs: dict = {}
-        self.restore_plan: FromPeer | FromStorage = FromStorage()
+        self.restore_plan: FromPeer | FromShards | FromStorage = FromStorage()
+        self.sharded = STRATEGIES[self.job.train.strategy].sharded
+        self.offers: dict = {}  # a sharded state's parts, by old rank, taken at a planned stop
+        self.resizing: dict | None = None  # a resize in progress until the first step at the new size
         self.stragglers = StragglerState()
         self.compute_log: dict[int, dict[int, float]] = {}  # rank -> {step: own compute seconds}
+        self.loss_curve: dict[int, tuple[float, int]] = {}  # step -> (global mean loss, world size)
         self.next_window_end = 0
         self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
         # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
@@ -83,6 +90,7 @@ class Controller:
             self._set_state(Errored(f"controller error: {type(e).__name__}: {e}"))
         finally:
             self.group.shutdown()
+            self._write_metrics()
         st = self.state
         self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",
                          step=self.step, loss=self.loss, error=getattr(st, "error", None),
@@ -91,6 +99,7 @@ class Controller:
         return {"status": "finished" if isinstance(st, Finished) else "error",
                 "error": getattr(st, "error", None), "step": self.step, "loss": self.loss,
                 "checkpoint": self.last_committed, "digests": getattr(st, "digests", {}),
+                "losses": {s: x for s, (x, _) in sorted(self.loss_curve.items())},
                 "events": self.events.events, "run_dir": self.run_dir}
 
     def progress(self, since_event: int = 0) -> dict:
@@ -138,6 +147,12 @@ class Controller:
 
     def _on_restoring(self, _: Restoring) -> State:
         plan, self.restore_plan = self.restore_plan, FromStorage()
+        if isinstance(plan, FromShards):
+            try:
+                out = self.group.restore_from_shards(plan.offers, plan.old_world, self.job.failure.collective_timeout_s)
+            except GroupError as e:
+                return self._reshard_failed(e)
+            return self._restored(out)
         if isinstance(plan, FromPeer):
             try:
                 out = self.group.restore_from_peer(plan.src_rank, self.job.failure.collective_timeout_s)
@@ -158,12 +173,31 @@ class Controller:
             self.last_committed = out[0]["uri"]
         return self._restored(out)
 
+    def _reshard_failed(self, e: GroupError) -> State:
+        """The in-memory re-shard could not read every part (a holder's node died) or a rank
+        failed: dead ranks go through recovery; otherwise re-form and load from storage."""
+        self.events.emit("reshard_failed", error=str(e)[:500], fallback="storage")
+        self.offers = {}
+        if any(_silence(w) != "error" for w in e.ranks.values()):
+            return self._lost_from(e, "re-shard")
+        bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
+        if bad:
+            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+        if self.resizing is not None:
+            self.resizing["path"] = "storage (after a failed re-shard in memory)"
+        return Forming()
+
     def _restored(self, out: dict[int, dict]) -> State:
         r0 = out[0]
         assert all(o["step"] == r0["step"] for o in out.values()), f"ranks restored different steps: {out}"
         self.step = self.max_step_seen = r0["step"]
-        self.events.emit("restored", step=r0["step"], source=r0["source"], uri=r0["uri"],
-                         restore_s=max(o["restore_s"] for o in out.values()))
+        self.offers = {}
+        restore_s = max(o["restore_s"] for o in out.values())
+        self.events.emit("restored", step=r0["step"], source=r0["source"], uri=r0["uri"], restore_s=restore_s,
+                         world_size=len(out))
+        if self.resizing is not None:
+            self.resizing["restore_s"] = restore_s
+            self.resizing["source"] = r0["source"]
         if self.awaiting_first_step is not None:
             self.awaiting_first_step["resumed_step"] = r0["step"]
         self.compute_log = {}
@@ -266,6 +300,7 @@ class Controller:
 
     def _on_recovering(self, st: Recovering) -> State:
         cfg = self.job.failure
+        self.resizing = None  # a planned resize cut short by a failure: the recovery decides the size
         fault = self.last_fault
         # Storage, not what polls happened to report before the fault, says what is committed.
         latest = latest_committed(self.storage, self.root)
@@ -299,7 +334,7 @@ class Controller:
         answers, silent = self._collect_reports(cfg.ping_timeout_s, progress=False)
         for rank in silent:
             self.group.kill(rank)
-        self.restore_plan, why = choose_restore({r: a["step"] for r, a in answers.items()}, cfg)
+        self.restore_plan, why = choose_restore({r: a["step"] for r, a in answers.items()}, cfg, self.sharded)
         self.events.emit("restore_plan", source=type(self.restore_plan).__name__, reason=why)
         sc = self.job.scaling
         missing = [r for r in range(self.world_size) if r not in self.group.members]
@@ -337,7 +372,7 @@ class Controller:
             self.group.refresh_spares()
             decision, reason = decide_straggler(self.stragglers, sc, time.monotonic(),
                                                 [m.calib_s for m in self.group.ready_spares if m.calib_s],
-                                                healthy_s)
+                                                healthy_s, may_shrink=self.world_size > self.job.scaling.min_size)
             if isinstance(decision, Report) and decision.rank not in self.stragglers.reported:
                 self.stragglers.reported.add(decision.rank)
                 self.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason)
@@ -351,12 +386,46 @@ class Controller:
                     return None  # a rank is failing anyway: the failure path takes over
                 self._swap_healthy_s = healthy_s
                 return Swapping(decision.rank, reason)
+            if isinstance(decision, Drop):
+                self.stragglers.last_action_t = time.monotonic()
+                self.events.emit("decision", decision="Drop", ranks=[decision.rank], reason=reason,
+                                 healthy_compute_s=healthy_s)
+                try:
+                    self.group.request_stop(self.job.failure.ping_timeout_s * 3)
+                except GroupError:
+                    return None
+                self._begin_resize(self.world_size - 1, reason)
+                return Dropping(decision.rank, reason)
         return None
 
+    def _begin_resize(self, new_world: int, reason: str) -> None:
+        self.resizing = {"decided_t": time.time(), "old_world_size": self.world_size,
+                         "new_world_size": new_world, "reason": reason}
+
+    def _planned_plan(self, old_world: int) -> FromPeer | FromShards | FromStorage:
+        """How state reaches the new group after a planned stop (every old rank alive, all at
+        the same step): a replica's broadcast (ddp), a re-shard of every rank's offered part
+        (fsdp), or, with failure.peer_restore off, the checkpoint taken at the stop."""
+        if not self.job.failure.peer_restore:
+            return FromStorage()
+        if self.sharded:
+            return FromShards(self.offers, old_world, self.step)
+        return FromPeer(0, self.step)
+
+    def _path(self, plan) -> str:
+        return "storage" if isinstance(plan, FromStorage) else "memory"
+
     def _leave_for_planned_change(self) -> Recovering | None:
-        """Every rank stopped at the same boundary; have them drop the group. A rank that cannot
-        turns the planned change into a recovery."""
+        """Every rank stopped at the same boundary; a sharded state's parts are offered (kept in
+        the object store) before the ranks drop the group. A rank that cannot turns the planned
+        change into a recovery."""
         self.run_refs = {}
+        self.offers = {}
+        if self.sharded and self.job.failure.peer_restore:
+            self.offers, late = self.group.offer_shards(self.job.failure.collective_timeout_s)
+            if late:
+                return Recovering(tuple(LostRank(r, "unresponsive", "did not offer its shards") for r in late),
+                                  time.time())
         bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
         if bad:
             return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
@@ -379,11 +448,22 @@ class Controller:
             self.group.promote([st.rank], cfg.replacement_timeout_s)
             how = "started on demand"
         src = min(r for r in self.group.members if r != st.rank)
-        self.restore_plan = FromPeer(src, self.step)
+        self.restore_plan = self._planned_plan(self.world_size)
+        if isinstance(self.restore_plan, FromPeer):
+            self.restore_plan = FromPeer(src, self.step)
         self.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
                          new_node=self.group.members[st.rank].node_id[:12], swap_s=time.monotonic() - t0,
                          spare_calib_s=spare.calib_s if spare else None)
         return Forming()
+
+    def _write_metrics(self) -> None:
+        """metrics.json: the loss of every step and the world size it ran at (redone steps: the
+        attempt that counted)."""
+        body = {str(s): {"loss": x, "world_size": w} for s, (x, w) in sorted(self.loss_curve.items())}
+        try:
+            self.storage.write_bytes(join(self.run_dir, "metrics.json"), json.dumps(body).encode())
+        except Exception as e:  # noqa: BLE001 - metrics are best effort; the run's outcome is not
+            log.warning("metrics.json not written: %s", e)
 
     def _write_ledger(self) -> None:
         """ledger.json: for every step, the world size it ran at and each rank's sample ids."""
@@ -399,11 +479,12 @@ class Controller:
         self.world_size = len(self.group.members)
         if isinstance(self.restore_plan, FromPeer):
             self.restore_plan = FromPeer(mapping[self.restore_plan.src_rank], self.restore_plan.step)
-        self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
-                         path="memory" if isinstance(self.restore_plan, FromPeer) else "storage",
-                         reason=f"no replacement within scaling.shrink_after_s={self.job.scaling.shrink_after_s}s "
-                                f"({why.splitlines()[0][:200]}); scaling.min_workers={self.job.scaling.min_size}",
-                         decide_s=time.monotonic() - t0)
+        reason = (f"no replacement within scaling.shrink_after_s={self.job.scaling.shrink_after_s}s "
+                  f"({why.splitlines()[0][:200]}); scaling.min_workers={self.job.scaling.min_size}")
+        self.resizing = {"decided_t": time.time(), "old_world_size": old, "new_world_size": self.world_size,
+                         "reason": reason, "path": self._path(self.restore_plan)}
+        self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
+                         reason=reason, decide_s=time.monotonic() - t0)
         return Forming()
 
     def _check_growth(self) -> Growing | None:
@@ -425,9 +506,11 @@ class Controller:
             self.group.request_stop(self.job.failure.ping_timeout_s * 3)
         except GroupError:
             return None  # a rank is failing anyway: the failure path takes over
+        reason = (f"{n} warm worker(s) available and world size {self.world_size} < "
+                  f"scaling.max_workers={sc.max_size}: grow at the next step boundary")
         self.events.emit("decision", decision="Grow", ranks=list(range(self.world_size, self.world_size + n)),
-                         reason=f"{n} warm worker(s) available and world size {self.world_size} < "
-                                f"scaling.max_workers={sc.max_size}: grow at the next step boundary")
+                         reason=reason)
+        self._begin_resize(self.world_size + n, reason)
         return Growing(n)
 
     def _on_growing(self, st: Growing) -> State:
@@ -442,9 +525,28 @@ class Controller:
         except GroupError:
             self.group.renumber()  # whatever joined keeps consecutive ranks
         self.world_size = len(self.group.members)
-        self.restore_plan = FromPeer(0, self.step)
-        self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path="memory",
+        self.restore_plan = self._planned_plan(old)
+        self.resizing.update(new_world_size=self.world_size, path=self._path(self.restore_plan))
+        self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
                          reason="capacity appeared", decide_s=time.monotonic() - t0)
+        return Forming()
+
+    def _on_dropping(self, st: Dropping) -> State:
+        """A straggler with no spare to take its place, and the world may shrink: stop at a
+        step boundary, let it hand over its part of the state, and go on without it."""
+        t0 = time.monotonic()
+        failed = self._leave_for_planned_change()
+        if failed:
+            return failed
+        old = self.world_size
+        node = self.group.members[st.rank].node_id[:12]
+        self.group.kill(st.rank)  # a sharded state's offer outlives the process (object store)
+        self.group.renumber()
+        self.world_size = len(self.group.members)
+        self.restore_plan = self._planned_plan(old)
+        self.resizing.update(new_world_size=self.world_size, path=self._path(self.restore_plan))
+        self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
+                         reason=f"rank {st.rank} dropped (node {node}): {st.reason}", decide_s=time.monotonic() - t0)
         return Forming()
 
     def _tend_spares(self) -> None:
@@ -495,9 +597,10 @@ class Controller:
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
         for rank, a in answers.items():
-            if self.job.stragglers.enabled:
-                for step, compute_s in a.get("compute_log", []):
+            for step, compute_s, loss in a.get("compute_log", []):
+                if self.job.stragglers.enabled:
                     self.compute_log.setdefault(rank, {})[step] = compute_s
+                self.loss_curve[step] = (loss, self.world_size)  # a redone step replaces the lost attempt
             for step, world, r, ids in a.get("ledger", []):
                 entry = self.ledger.get(step)
                 if entry is None or entry[0] != world or r in entry[1]:  # a new attempt at this step
@@ -519,8 +622,20 @@ class Controller:
                 self.loss = losses[0]
             if self.awaiting_first_step is not None:
                 self._recovered(answers)
+            if self.resizing is not None and "restore_s" in self.resizing:  # restored at the new size
+                self._resized(answers)
         self.step = max(self.step, new_step)
         self.max_step_seen = max(self.max_step_seen, max(steps))
+
+    def _resized(self, answers: dict[int, dict]) -> None:
+        """The first step at the new world size completed: how long the resize took."""
+        rz, self.resizing = self.resizing, None
+        ends = [a["first_step_end"] for a in answers.values() if a.get("first_step_end")]
+        first_step_t = max(ends) if ends else time.time()
+        self.events.emit("resize_completed", old_world_size=rz["old_world_size"],
+                         new_world_size=len(self.group.members), path=rz.get("path"), source=rz.get("source"),
+                         resize_s=first_step_t - rz["decided_t"], restore_s=rz.get("restore_s"),
+                         reason=rz["reason"])
 
     def _recovered(self, answers: dict[int, dict]) -> None:
         rec = self.awaiting_first_step

@@ -7,6 +7,7 @@
                    |           +-> Errored (policy says stop)
                    +------ Swapping <-------+ (straggler: planned stop at a step boundary)
                    +------ Growing <--------+ (capacity appeared: planned stop, add ranks)
+                   +------ Dropping <-------+ (straggler, no spare, may shrink: planned stop)
 """
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ class Recovering:
 
 @dataclass(frozen=True)
 class Swapping:
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dropping:
     rank: int
     reason: str
 

@@ -42,7 +42,15 @@ class FromStorage:
     pass
 
 
-RestoreSource = FromPeer | FromStorage
+@dataclass(frozen=True)
+class FromShards:
+    """Re-shard in memory from every old rank's offered part (object refs by old rank)."""
+    offers: dict
+    old_world: int
+    step: int
+
+
+RestoreSource = FromPeer | FromStorage | FromShards
 
 
 @dataclass(frozen=True)
@@ -68,12 +76,17 @@ def decide_failure(obs: FailureObservation, cfg: FailureConfig, now: float) -> t
             f"{what}; recovery {obs.failures_so_far + 1}/{cfg.max_failures}: replace {list(ranks) or 'no rank'}")
 
 
-def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig) -> tuple[RestoreSource, str]:
+def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
+                   sharded: bool = False) -> tuple[RestoreSource, str]:
     """Memory first: a surviving replica that finished the newest step holds exact state (its
     gradient all-reduce completed, so it includes every rank's contribution). Storage when no
-    replica survived, or when the user asked for storage."""
+    replica survived, when the state is sharded (a lost rank's shards existed only in its
+    memory), or when the user asked for storage."""
     if not cfg.peer_restore:
         return FromStorage(), "failure.peer_restore is off: restore from the latest committed checkpoint"
+    if sharded:
+        return FromStorage(), ("fully sharded state: the lost rank's shards existed only in its memory; "
+                               "restore from the latest committed checkpoint, re-sharded on load")
     if not survivor_steps:
         return FromStorage(), "no surviving replica holds state in memory: restore from the latest committed checkpoint"
     step = max(survivor_steps.values())

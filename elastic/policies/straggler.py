@@ -37,7 +37,12 @@ class NoAction:
     pass
 
 
-StragglerDecision = Swap | Report | NoAction
+@dataclass(frozen=True)
+class Drop:
+    rank: int
+
+
+StragglerDecision = Swap | Drop | Report | NoAction
 
 
 @dataclass
@@ -69,9 +74,10 @@ def observe(state: StragglerState, window: dict[int, list[float]], cfg: Straggle
 
 
 def decide_straggler(state: StragglerState, cfg: StragglerConfig, now: float, spare_compute_s: list[float],
-                     rank_median_s: float) -> tuple[StragglerDecision, str]:
+                     rank_median_s: float, may_shrink: bool = False) -> tuple[StragglerDecision, str]:
     """`spare_compute_s`: calibrated compute time of each ready spare for one rank's share of a step;
-    `rank_median_s`: the median compute time of the healthy ranks, for comparing spares."""
+    `rank_median_s`: the median compute time of the healthy ranks, for comparing spares;
+    `may_shrink`: the world is above scaling.min_workers. Swap for a spare, else drop, else report."""
     flagged = sorted((r for r, n in state.slow_windows.items() if n >= cfg.consecutive_windows),
                      key=lambda r: -state.slow_windows[r])
     if not flagged:
@@ -89,4 +95,8 @@ def decide_straggler(state: StragglerState, cfg: StragglerConfig, now: float, sp
             f"{rank_median_s:.3f}s)")
     why = ("no spare" if not spare_compute_s else
            f"every spare is slow itself ({min(spare_compute_s):.3f}s > {cfg.threshold} x {rank_median_s:.3f}s)")
-    return Report(rank), f"rank {rank} slow for {n} consecutive windows; {why}, and the world size is fixed: report only"
+    if may_shrink:
+        return Drop(rank), (f"rank {rank} slow for {n} consecutive windows; {why}: drop it and go on with one "
+                            f"rank fewer (above scaling.min_workers)")
+    return Report(rank), (f"rank {rank} slow for {n} consecutive windows; {why}, and the world may not shrink "
+                          f"(scaling.min_workers): report only")

@@ -1,34 +1,86 @@
-"""The strategy interface shared by DDP (and, later, FSDP and pipeline stages)."""
+"""The strategy interface shared by DDP and FSDP (and, later, pipeline stages)."""
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+_cleared = threading.local()
+
+
+def forget_old_meshes(generation: int) -> None:
+    """Drop DTensor's sharding-propagation caches once per process-group generation, in the
+    calling thread. They are keyed by DeviceMesh equality, which ignores the process group and
+    this process's coordinate in it: after a rank re-forms a same-shaped mesh under another rank
+    number (a resize, a renumbering), a cached result hands out the old mesh, and DCP then writes
+    this rank's shards at another rank's offsets. The Python cache is per thread, so every thread
+    that touches sharded tensors calls this first."""
+    if getattr(_cleared, "generation", None) != generation:
+        _clear_sharding_prop_cache()
+        _cleared.generation = generation
 
 
 class Strategy(ABC):
     name = "base"
+    sharded = False  # True: a rank holds only its part of the state, so no single survivor holds it all
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, spec=None):
         self.mesh = mesh  # a DeviceMesh with named axes; "dp" for data parallel
+        self.spec = spec  # the job's TrainSpec (strategy options)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size()
+
+    def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
+        """Wrap a freshly built model for this strategy. `sync_init`: make every rank's initial
+        weights rank 0's first (a fresh start; skipped when state is about to be loaded anyway)."""
+        if sync_init:
+            broadcast_tensors(list(model.state_dict().values()), 0, self.mesh.get_group("dp"))
         return model
 
-    @abstractmethod
-    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, src_rank: int) -> None:
-        """Make every rank's model (and optimizer, unless None) state equal to `src_rank`'s."""
+    def set_gradient_sync(self, model: nn.Module, on: bool) -> None:
+        """Called before each micro-batch's backward; off for all but the last one of a step."""
 
     @abstractmethod
-    def reduce_gradients(self, model: nn.Module, grad_scale: float) -> None:
-        """Combine gradients across the `dp` axis and scale them; after this, every rank steps."""
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
+        """Make every rank's model and optimizer state equal to `src_rank`'s (replicated strategies)."""
+
+    @abstractmethod
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """After the last micro-batch's backward: gradients averaged over the `dp` axis, ready to step."""
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Model and optimizer state keyed by fully-qualified names, as DCP saves it."""
+        """Model and optimizer state keyed by fully-qualified names, as DCP saves it (sharded
+        tensors stay sharded)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def full_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole (unsharded) state on every rank, for digests and comparisons. Collective."""
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Copy `src`'s values into every rank's tensors, in place: one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for dtype in sorted(by_dtype, key=str):
+            ts = by_dtype[dtype]
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

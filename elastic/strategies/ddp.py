@@ -14,40 +14,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.strategies.base import Strategy
+from elastic.strategies.base import Strategy, broadcast_tensors
 
 
 class DataParallel(Strategy):
     name = "ddp"
 
-    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, src_rank: int) -> None:
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         """Every replica holds the whole state, so one broadcast per dtype of every model and
-        optimizer tensor, in a fixed key order, copies the source replica exactly. Used at a
-        fresh start (rank 0's init becomes everyone's) and to hand a survivor's state to a
-        replacement without touching storage."""
-        # optimizer=None: model only. A fresh optimizer must not go through get_state_dict, which
-        # initialises its state with a dummy zero-gradient step (Adam's step count would be off by one).
-        state = self.state_dict(model, optimizer) if optimizer is not None else {"model": model.state_dict()}
-        tensors = _tensors_in_order(state)
-        group = self.mesh.get_group("dp")
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for dtype in sorted(by_dtype, key=str):
-                ts = by_dtype[dtype]
-                flat = torch.cat([t.reshape(-1) for t in ts])
-                dist.broadcast(flat, src=src_rank, group=group)
-                offset = 0
-                for t in ts:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
-        if optimizer is not None:
-            self.load_state_dict(model, optimizer, state)
-        else:
-            model.load_state_dict(state["model"])
+        optimizer tensor, in a fixed key order, copies the source replica exactly: how a
+        replacement gets a survivor's state without touching storage."""
+        state = self.state_dict(model, optimizer)
+        broadcast_tensors(_tensors_in_order(state), src_rank, self.mesh.get_group("dp"))
+        self.load_state_dict(model, optimizer, state)
 
-    def reduce_gradients(self, model: nn.Module, grad_scale: float) -> None:
+    def reduce_gradients(self, model: nn.Module) -> None:
+        grad_scale = 1.0 / self.world_size
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -1,0 +1,123 @@
+"""FSDP on a real local multi-node cluster, resized 3 -> 2 -> 3 within one run.
+
+A node is killed while no spare capacity exists: the lost rank's shards are gone
+with it, so the world shrinks to 2 and state comes from the newest committed
+checkpoint, re-sharded on load. Then a node joins the cluster: the group grows
+back to 3 at a step boundary, re-sharding every rank's shards in memory.
+
+What must hold afterwards, against a run of the same job that never resized:
+  * the whole (unsharded) model and optimizer state agree within TOL;
+  * the loss of every step agrees within LOSS_TOL;
+  * every sample of every epoch was trained on exactly once (sample ledger).
+
+Why a tolerance and not bit-identity: the global batch and the sample order are
+the same at every world size, but at 2 ranks each rank sums the gradient of 24
+samples instead of 16 before the reduce-scatter sums over ranks, so the float32
+additions happen in another order and each gradient differs by a few ulps
+(relative ~1e-7). The test trains with SGD + momentum at a small learning rate
+(elastic.bench.workload:build_sgd), where those differences stay at rounding
+level: two runs that never resize, at 2 and at 3 ranks, differ by 4.5e-8 (max
+abs) after 300 steps (measured). Two things amplify rounding and would force a
+tolerance too loose to catch bugs: AdamW turns an ulp of difference in a
+near-zero gradient into a +-lr step (the same two runs then differ by 2e-2 after
+100 steps), and a larger step size makes training chaotic (SGD at lr 0.01:
+1e-2 by step 300). TOL = 1e-5 leaves 200x for rounding over two resizes,
+while a wrong shard, a lost optimizer moment or a repeated batch moves
+the weights by orders of magnitude more. The test also checks that training
+moved the weights by far more than TOL, so agreement is not just both runs
+staying near the initial weights.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import ray
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from elastic import Trainer
+from elastic.bench.workload import NUM_SAMPLES, build_model
+from elastic.resharding import flatten
+from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from test_resize import Blocker, wait_for
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
+
+NUM_STEPS, EVERY, FAULT_STEP, BATCH = 300, 10, 20, 48
+TOL, LOSS_TOL = 1e-5, 1e-5
+
+
+def fsdp_job(root, name, chaos=()):
+    return {
+        "run": {"name": name, "num_steps": NUM_STEPS, "seed": 11, "sample_ledger": True},
+        "scaling": {"num_workers": 3, "min_workers": 2, "max_workers": 3, "shrink_after_s": 2, "grow_check_s": 1},
+        "failure": {"max_failures": 2},
+        "checkpoint": {"storage_uri": str(root), "every_steps": EVERY, "num_to_keep": 2},
+        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
+                  "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.workload:build_sgd",
+                  "global_batch_size": BATCH, "strategy": "fsdp"},
+        "chaos": list(chaos),
+    }
+
+
+def full_state(checkpoint_uri: str, out) -> dict:
+    """The whole state of a sharded DCP checkpoint, loaded in this one process."""
+    dcp_to_torch_save(checkpoint_uri.removeprefix("file://"), out)
+    return {k: v for k, v in flatten(torch.load(out, weights_only=False)) if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("fsdp-ref")
+    result = Trainer(fsdp_job(root / "runs", f"ref-{uuid.uuid4().hex[:6]}")).fit(progress=False)
+    assert not result.events_of("resized")
+    return result, full_state(result.checkpoint, root / "full.pt")
+
+
+def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, reference, tmp_path):  # noqa: F811
+    ref, ref_state = reference
+    blocker = Blocker.remote()  # holds the only free node: the lost rank has nowhere to go
+    ray.get(blocker.node.remote())
+    name = f"fsdp-{uuid.uuid4().hex[:6]}"
+    j = fsdp_job(tmp_path / "runs", name, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}])
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))
+    t.start()
+    try:
+        wait_for(tmp_path / "runs" / name / "events.jsonl", "resized", lambda e: e["new_world_size"] == 2)
+        cluster.ensure_worker_nodes(4)  # a node joins: the group grows back at a step boundary
+        t.join(timeout=300)
+    finally:
+        ray.kill(blocker)
+    result = out["result"]
+
+    sizes = [(r["old_world_size"], r["new_world_size"], r["path"]) for r in result.events_of("resized")]
+    assert sizes == [(3, 2, "storage"), (2, 3, "memory")]
+    (plan,) = result.events_of("restore_plan")
+    assert plan["source"] == "FromStorage" and "sharded" in plan["reason"]
+    done = result.events_of("resize_completed")
+    assert [(d["old_world_size"], d["new_world_size"]) for d in done] == [(3, 2), (2, 3)]
+    assert "re-sharded in memory from 2 ranks" in done[1]["source"]
+    assert result.metrics["step"] == NUM_STEPS
+
+    # The whole state, gathered from the final sharded checkpoint of each run.
+    state = full_state(result.checkpoint, tmp_path / "full.pt")
+    assert state.keys() == ref_state.keys()
+    diffs = {k: (state[k].double() - ref_state[k].double()).abs().max().item() for k in state}
+    worst = max(diffs, key=diffs.get)
+    print(f"state: worst {worst} differs by {diffs[worst]:.3g}")
+    assert diffs[worst] <= TOL, f"{worst} differs by {diffs[worst]:.3g} > {TOL}"
+    torch.manual_seed(11)  # the run's seed: the factory gives the initial weights
+    moved = max((p.detach() - ref_state[("model", n)]).abs().max().item() for n, p in build_model().named_parameters())
+    assert moved > 100 * TOL, f"training moved the weights by only {moved:.3g}: the comparison would mean nothing"
+
+    # Loss curves, step by step (redone steps: the attempt that counted).
+    assert sorted(result.losses) == sorted(ref.losses) == list(range(1, NUM_STEPS + 1))
+    loss_diff = max(abs(result.losses[s] - ref.losses[s]) for s in ref.losses)
+    print(f"loss curves differ by up to {loss_diff:.3g}; weights moved by {moved:.3g}")
+    assert loss_diff <= LOSS_TOL, f"loss curves differ by up to {loss_diff:.3g}"
+
+    assert_exact_once(tmp_path / "runs" / name / "ledger.json", NUM_STEPS, BATCH, NUM_SAMPLES, seed=11,
+                      lost_rank_upto=(1, FAULT_STEP))
