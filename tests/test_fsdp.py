@@ -121,3 +121,31 @@ def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, referenc
 
     assert_exact_once(tmp_path / "runs" / name / "ledger.json", NUM_STEPS, BATCH, NUM_SAMPLES, seed=11,
                       lost_rank_upto=(1, FAULT_STEP))
+
+
+def test_fsdp_straggler_without_a_spare_is_dropped_in_memory(cluster, reference, tmp_path):  # noqa: F811
+    """A rank slowed 3x, no spare, min_workers 2: it is dropped at a step boundary after handing
+    over its shards, the group goes on at 2 ranks with nothing read from storage, then grows back
+    to 3 on the capacity the dropped rank freed. Same numbers as the run that never resized."""
+    ref, ref_state = reference
+    name = f"fsdp-drop-{uuid.uuid4().hex[:6]}"
+    j = fsdp_job(tmp_path / "runs", name, [{"action": "slow", "rank": 1, "at_step": 10, "factor": 3}])
+    j["stragglers"] = {"enabled": True, "window_steps": 5, "consecutive_windows": 2, "cooldown_s": 30}
+    result = Trainer(j).fit(progress=False)
+
+    (drop,) = [d for d in result.events_of("decision") if d["decision"] == "Drop"]
+    assert drop["ranks"] == [1] and "min_workers" in drop["reason"]
+    sizes = [(r["old_world_size"], r["new_world_size"], r["path"]) for r in result.events_of("resized")]
+    assert sizes == [(3, 2, "memory"), (2, 3, "memory")]
+    sources = [r["source"] for r in result.events_of("restored")]
+    assert sources[0] == "init" and all(s.startswith("re-sharded in memory") for s in sources[1:]), sources
+    assert "re-sharded in memory from 3 ranks" in sources[1]  # the dropped rank's shards were read too
+    assert not result.events_of("failure_detected") and not result.events_of("reshard_failed")
+
+    state = full_state(result.checkpoint, tmp_path / "full.pt")
+    worst = max((state[k].double() - ref_state[k].double()).abs().max().item() for k in ref_state)
+    assert worst <= TOL, f"final state differs by {worst:.3g} > {TOL}"
+    loss_diff = max(abs(result.losses[s] - ref.losses[s]) for s in ref.losses)
+    assert loss_diff <= LOSS_TOL, f"loss curves differ by up to {loss_diff:.3g}"
+    # A planned change loses no report: the ledger must be complete, every sample exactly once.
+    assert_exact_once(tmp_path / "runs" / name / "ledger.json", NUM_STEPS, BATCH, NUM_SAMPLES, seed=11)

@@ -67,7 +67,7 @@ def run_ray_train(storage_dir: str) -> dict:
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         print(f"elastic bench recovery: --systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}",

@@ -635,6 +635,7 @@ class Controller:
         self.events.emit("resize_completed", old_world_size=rz["old_world_size"],
                          new_world_size=len(self.group.members), path=rz.get("path"), source=rz.get("source"),
                          resize_s=first_step_t - rz["decided_t"], restore_s=rz.get("restore_s"),
+                         first_step_t=first_step_t,
                          reason=rz["reason"])
 
     def _recovered(self, answers: dict[int, dict]) -> None:
