@@ -62,15 +62,15 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 2))
 
 
-def _setup(rank, world, port, tag):
+def _setup(rank, world, port, tag, strategy="fsdp"):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic.strategies.fsdp import FullyShardedDataParallel
+    from elastic.strategies import STRATEGIES
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    strat = FullyShardedDataParallel(mesh, SimpleNamespace(fsdp=FsdpSpec()))
+    strat = STRATEGIES[strategy](mesh, SimpleNamespace(fsdp=FsdpSpec()))
     model = strat.prepare(_model(), sync_init=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return strat, model, opt
@@ -208,3 +208,38 @@ def test_renumbered_ranks_write_their_own_shards(tmp_path):
                        start_method="spawn", join=True)
     assert {r: (tmp_path / f"coords_{r}.txt").read_text() for r in range(3)} == {r: f"[{r}]" for r in range(3)}
     assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def _save_as(rank, world, port, out_dir, strategy, uri):
+    from elastic.checkpoint import save_shards
+    strat, model, opt = _setup(rank, world, port, "save", strategy)
+    _train(model, opt, strat, rank, world, steps=3)
+    save_shards(strat.state_dict(model, opt), uri, {}, None)
+    full = _full(strat, model, opt)
+    if rank == 0:
+        torch.save(full, f"{out_dir}/full_saved.pt")
+    dist.destroy_process_group()
+
+
+def _load_as(rank, world, port, out_dir, strategy, uri):
+    from elastic.checkpoint import load_shards
+    strat, model, opt = _setup(rank, world, port, "load", strategy)
+    state = strat.state_dict(model, opt)
+    load_shards(state, uri, {}, None)
+    strat.load_state_dict(model, opt, state)
+    full = _full(strat, model, opt)
+    _train(model, opt, strat, rank, world, steps=1)
+    if rank == 0:
+        torch.save(full, f"{out_dir}/full_loaded.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("saved,loaded", [(("ddp", 2), ("fsdp", 3)), (("fsdp", 3), ("ddp", 2))])
+def test_checkpoint_moves_between_ddp_and_fsdp_at_another_world_size(tmp_path, saved, loaded):
+    """A job that outgrows DDP resumes under FSDP on more ranks (and back): DCP keys both by
+    parameter name, so whole tensors load into shards and shards into whole tensors."""
+    uri = f"file://{tmp_path}/ckpt"
+    _spawn(_save_as, saved[1], str(tmp_path), saved[0], uri)
+    _spawn(_load_as, loaded[1], str(tmp_path), loaded[0], uri)
+    _assert_same_state(torch.load(tmp_path / "full_saved.pt"), torch.load(tmp_path / "full_loaded.pt"))

@@ -35,6 +35,23 @@ def markdown_table(med: dict[str, dict], metrics: list[str], title: str, notes: 
     return "\n".join(lines) + "\n"
 
 
+def report_against_peer(bench: str, title: str, records: list[dict], med: dict[str, dict], metrics: list[str],
+                        ours: list[str], peer: str, notes: list[str], out_dir: str | None) -> None:
+    """The end of a comparison: the ratio of each of our systems' median `metrics[0]` to the
+    peer's (same run), a summary line, the table, and with `out_dir` the files and the plot."""
+    metric = metrics[0]
+    base = med.get(peer, {}).get(metric)
+    ratios = {s: med[s][metric] / base for s in ours if base and med.get(s, {}).get(metric)}
+    notes = list(notes) + [f"{metric} ratio {s} / {peer} (medians, same run): {r:.3f}" for s, r in ratios.items()]
+    emit({"bench": bench, "summary": True, **{f"ratio_{metric}_{s}_over_{peer}": r for s, r in ratios.items()},
+          **{f"median_{m}_{s}": v[m] for s, v in med.items() for m in metrics}})
+    table = markdown_table(med, metrics, title, notes)
+    print(table)
+    if out_dir:
+        write_outputs(out_dir, bench, records, table, metric)
+        print(f"wrote {out_dir}/results.jsonl, results.md, {bench}.png")
+
+
 def write_outputs(out_dir: str, name: str, records: list[dict], table_md: str, metric: str,
                   key: str = "system") -> None:
     os.makedirs(out_dir, exist_ok=True)

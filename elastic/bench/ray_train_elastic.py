@@ -67,11 +67,11 @@ from typing import Any, Callable, Union
 import ray
 import ray.train
 import torch
-from ray.train.torch import TorchTrainer, prepare_model
+from ray.train.torch import TorchTrainer
 
 from elastic.bench import workload
 from elastic.bench.local_cluster import LocalCluster, _raylet_alive
-from elastic.bench.ray_train_peer import CHECKPOINT_FILE, EVENTS_FILE, _log_event, _read_events
+from elastic.bench.ray_train_peer import CHECKPOINT_FILE, EVENTS_FILE, _log_event, _read_events, resume_workload, train_step
 
 GROW_MARKER = "grow.marker"
 
@@ -124,38 +124,14 @@ def _train_loop(config: dict) -> None:
     global_batch = config["global_batch_size"]
     per_rank_batch = global_batch // world_size
 
-    torch.manual_seed(config["seed"])  # same initial weights on every rank, before any checkpoint overrides them
-    model = workload.build_model()
-    optimizer_state = None
-    step = 0  # completed optimizer steps
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as ckpt_dir:
-            state = torch.load(os.path.join(ckpt_dir, CHECKPOINT_FILE), weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer_state = state["optimizer"]
-        step = state["step"]
+    model, optimizer, step, checkpoint = resume_workload(config["seed"])
     _log_event(timeline_dir, "train_fn_start", rank=rank, world_size=world_size, resume_step=step,
                checkpoint=checkpoint.path if checkpoint is not None else None)
 
-    model = prepare_model(model)  # DDP over gloo; also broadcasts rank 0's weights
-    optimizer = workload.build_optimizer(model.parameters())
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)  # every rank: optimizer state is not synchronised by DDP
     dataset = workload.build_dataset()
-    num_samples = len(dataset)
 
     while step < num_steps:
-        # The global batch of step s is a fixed slice of the sample order, cut
-        # evenly across ranks: resuming at step s at any world size sees
-        # exactly the same data.
-        start = (step * global_batch + rank * per_rank_batch) % num_samples
-        idx = (torch.arange(per_rank_batch) + start) % num_samples
-        batch = (dataset.x[idx], dataset.y[idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss_fn(model, batch)
-        loss.backward()  # DDP all-reduces gradients here
-        optimizer.step()
+        loss = train_step(model, optimizer, dataset, step, global_batch, rank, per_rank_batch)
         step += 1
         if rank == 0:
             _log_event(timeline_dir, "step", step=step, world_size=world_size)

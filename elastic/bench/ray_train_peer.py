@@ -84,6 +84,40 @@ class _TimelineCallback(ray.train.UserCallback):
                    step=metrics[0].get("step"), checkpoint=checkpoint is not None)
 
 
+def resume_workload(seed: int):
+    """The common workload's model and optimizer from the seed, then Ray Train's latest checkpoint
+    if there is one, the model wrapped for DDP: (model, optimizer, completed steps, checkpoint or None)."""
+    torch.manual_seed(seed)  # same initial weights on every rank, before any checkpoint overrides them
+    model = workload.build_model()
+    optimizer_state = None
+    step = 0  # completed optimizer steps
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as ckpt_dir:
+            state = torch.load(os.path.join(ckpt_dir, CHECKPOINT_FILE), weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer_state = state["optimizer"]
+        step = state["step"]
+    model = prepare_model(model)  # DDP over gloo; also broadcasts rank 0's weights
+    optimizer = workload.build_optimizer(model.parameters())
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)  # every rank: optimizer state is not synchronised by DDP
+    return model, optimizer, step, checkpoint
+
+
+def train_step(model, optimizer, dataset, step: int, global_batch: int, rank: int, per_rank_batch: int):
+    """One optimizer step. The global batch of step s is a fixed slice of the sample order, cut
+    evenly across ranks: resuming at step s, at any world size, sees exactly the same data."""
+    num_samples = len(dataset)
+    start = (step * global_batch + rank * per_rank_batch) % num_samples
+    idx = (torch.arange(per_rank_batch) + start) % num_samples
+    optimizer.zero_grad(set_to_none=True)
+    loss = workload.loss_fn(model, (dataset.x[idx], dataset.y[idx]))
+    loss.backward()  # DDP all-reduces gradients here
+    optimizer.step()
+    return loss
+
+
 def _train_loop(config: dict) -> None:
     """The per-worker training function (runs in each Ray Train worker process)."""
     timeline_dir = config["timeline_dir"]
@@ -96,26 +130,11 @@ def _train_loop(config: dict) -> None:
     fault_marker = os.path.join(timeline_dir, FAULT_MARKER)
     is_recovery = os.path.exists(fault_marker)
 
-    torch.manual_seed(config["seed"])  # same initial weights on every rank, before any checkpoint overrides them
-    model = workload.build_model()
-    optimizer_state = None
-    step = 0  # completed optimizer steps
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as ckpt_dir:
-            state = torch.load(os.path.join(ckpt_dir, CHECKPOINT_FILE), weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer_state = state["optimizer"]
-        step = state["step"]
+    model, optimizer, step, checkpoint = resume_workload(config["seed"])
     _log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery,
                checkpoint=checkpoint.path if checkpoint is not None else None)
 
-    model = prepare_model(model)  # DDP over gloo; also broadcasts rank 0's weights
-    optimizer = workload.build_optimizer(model.parameters())
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)  # every rank: optimizer state is not synchronised by DDP
     dataset = workload.build_dataset()
-    num_samples = len(dataset)
     global_batch = config["global_batch_size"]
 
     first_step_logged = False
@@ -135,15 +154,7 @@ def _train_loop(config: dict) -> None:
                 _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=fault_t)
                 chaos.kill_own_node()
 
-        # The global batch of step s is a fixed slice of the sample order, cut
-        # evenly across ranks: resuming at step s sees exactly the same data.
-        start = (step * global_batch + rank * per_rank_batch) % num_samples
-        idx = (torch.arange(per_rank_batch) + start) % num_samples
-        batch = (dataset.x[idx], dataset.y[idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss_fn(model, batch)
-        loss.backward()  # DDP all-reduces gradients here
-        optimizer.step()
+        loss = train_step(model, optimizer, dataset, step, global_batch, rank, per_rank_batch)
         step += 1
 
         if rank == 0 and is_recovery and not first_step_logged:

@@ -14,7 +14,7 @@ import tempfile
 import time
 import uuid
 
-from elastic.bench.output import emit, markdown_table, medians, write_outputs
+from elastic.bench.output import emit, medians, report_against_peer
 
 NUM_WORKERS, NUM_STEPS, FAULT_STEP, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 25, 10, 96
 METRICS = ["recover_s", "lost_steps", "detect_s"]
@@ -98,15 +98,6 @@ def main(args) -> int:
     notes = [f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
              f"MLP 1.3M params, global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps, "
              f"rank 1's node killed after step {FAULT_STEP}"]
-    peer = med.get("ray-train", {}).get("recover_s")
-    ratios = {s: med[s]["recover_s"] / peer for s in ELASTIC_SYSTEMS if peer and med.get(s, {}).get("recover_s")}
-    for s, ratio in ratios.items():
-        notes.append(f"recover_s ratio {s} / ray-train (medians, same run): {ratio:.3f}")
-    emit({"bench": "recovery", "summary": True, **{f"ratio_recover_s_{s}_over_ray_train": r for s, r in ratios.items()},
-          **{f"median_{m}_{s}": v[m] for s, v in med.items() for m in METRICS}})
-    table = markdown_table(med, METRICS, "recovery (node kill)", notes)
-    print(table)
-    if args.out:
-        write_outputs(args.out, "recovery", records, table, "recover_s")
-        print(f"wrote {args.out}/results.jsonl, results.md, recovery.png")
+    report_against_peer("recovery", "recovery (node kill)", records, med, METRICS, list(ELASTIC_SYSTEMS),
+                        "ray-train", notes, args.out)
     return 0

@@ -27,9 +27,9 @@ import threading
 import time
 import uuid
 
-from elastic.bench.output import emit, markdown_table, medians, write_outputs
+from elastic.bench.output import emit, medians, report_against_peer
 
-MIN, MAX, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 2, 3, 600, 10, 96
+MIN, MAX, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 2, 3, 300, 10, 96
 RAY_TRAIN_STEPS, RAY_TRAIN_MONITOR_S = 300, 5.0
 GROW_AFTER_STEP = 20  # the node is added once a checkpoint at or after this step is committed
 SYSTEMS = ["elastic-memory", "elastic-storage", "ray-train"]
@@ -131,16 +131,6 @@ def main(args) -> int:
     not_resized = [f"{r['system']} rep {r['rep']}" for r in records if not r.get("resized")]
     if not_resized:
         notes.append(f"finished before resizing (left out of the medians): {', '.join(not_resized)}")
-    peer = med.get("ray-train", {}).get("resize_s")
-    ratios = {s: med[s]["resize_s"] / peer for s in ("elastic-memory", "elastic-storage")
-              if peer and med.get(s, {}).get("resize_s")}
-    for s, ratio in ratios.items():
-        notes.append(f"resize_s ratio {s} / ray-train (medians, same run): {ratio:.3f}")
-    emit({"bench": "resize", "summary": True, **{f"ratio_resize_s_{s}_over_ray_train": r for s, r in ratios.items()},
-          **{f"median_{m}_{s}": v[m] for s, v in med.items() for m in METRICS}})
-    table = markdown_table(med, METRICS, "resize (2 -> 3 ranks, node joins)", notes)
-    print(table)
-    if args.out:
-        write_outputs(args.out, "resize", records, table, "resize_s")
-        print(f"wrote {args.out}/results.jsonl, results.md, resize.png")
+    report_against_peer("resize", "resize (2 -> 3 ranks, node joins)", records, med, METRICS,
+                        ["elastic-memory", "elastic-storage"], "ray-train", notes, args.out)
     return 0
