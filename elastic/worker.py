@@ -119,8 +119,13 @@ class Worker:
         # with training collectives on the default group.
         self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
         self.strategy = make_strategy(self.job.train, self.mesh)
-        forget_old_meshes(self.generation)
+        self._forget_old_meshes()
         self._set(status="joined")
+
+    def _forget_old_meshes(self) -> None:
+        """Sharded tensors only: see strategies.base.forget_old_meshes (called in each thread)."""
+        if self.strategy is not None and self.strategy.sharded:
+            forget_old_meshes(self.generation)
 
     def leave(self) -> None:
         if self.ckpt is not None:
@@ -184,7 +189,7 @@ class Worker:
         to the next candidate together. With none loadable, rank 0's fresh init is broadcast.
         Returns what was loaded and what was skipped, and why."""
         t0 = time.monotonic()
-        forget_old_meshes(self.generation)
+        self._forget_old_meshes()
         self.step = 0
         skipped = []
         loaded = None
@@ -214,7 +219,7 @@ class Worker:
         """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
         holds the newest state, through the new group. No storage read."""
         t0 = time.monotonic()
-        forget_old_meshes(self.generation)
+        self._forget_old_meshes()
         if self.model is None:
             self._build()
         step = torch.tensor([self.step], dtype=torch.int64, device=self.device)
@@ -229,7 +234,7 @@ class Worker:
         """This rank's part of the state, for a re-shard in memory at a planned resize. Returned
         through Ray, it stays in this node's object store (owned by the caller) after this
         process is gone."""
-        forget_old_meshes(self.generation)
+        self._forget_old_meshes()
         state = self.strategy.state_dict(self.model, self.optimizer)
         return resharding.offer(state, self.rank, self.world_size, self.step)
 
@@ -238,7 +243,7 @@ class Worker:
         from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
         this rank's new shards overlap. No storage read."""
         t0 = time.monotonic()
-        forget_old_meshes(self.generation)
+        self._forget_old_meshes()
         self._build()
         state = self.strategy.state_dict(self.model, self.optimizer)
         parts = resharding.needed_parts(state, old_world, self.world_size, self.rank)
@@ -253,7 +258,7 @@ class Worker:
         """sha256 over the whole (unsharded) model and optimizer state in a fixed order: equal
         digests, equal state. Collective for sharded strategies."""
         h = hashlib.sha256()
-        forget_old_meshes(self.generation)
+        self._forget_old_meshes()
         state = self.strategy.full_state_dict(self.model, self.optimizer)
         for section in ("model", "optim"):
             _hash_into(h, state[section])
@@ -267,7 +272,7 @@ class Worker:
         micro, _ = batch_plan(tr.global_batch_size, self.world_size, tr.micro_batch_size)
         self._set(status="running")
         generation = self.generation
-        forget_old_meshes(generation)
+        self._forget_old_meshes()
         self.stop_requested = self._stop_agreed = False
         saved = self.step  # the restored state is in storage already, or is the fresh init
         self._running.set()

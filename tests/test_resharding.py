@@ -221,25 +221,29 @@ def _save_as(rank, world, port, out_dir, strategy, uri):
     dist.destroy_process_group()
 
 
-def _load_as(rank, world, port, out_dir, strategy, uri):
-    from elastic.checkpoint import load_shards
+def _load_as(rank, world, port, out_dir, strategy, uri, tag, save_uri):
+    from elastic.checkpoint import load_shards, save_shards
     strat, model, opt = _setup(rank, world, port, "load", strategy)
     state = strat.state_dict(model, opt)
     load_shards(state, uri, {}, None)
     strat.load_state_dict(model, opt, state)
     full = _full(strat, model, opt)
+    if save_uri:
+        save_shards(strat.state_dict(model, opt), save_uri, {}, None)
     _train(model, opt, strat, rank, world, steps=1)
     if rank == 0:
-        torch.save(full, f"{out_dir}/full_loaded.pt")
+        torch.save(full, f"{out_dir}/full_{tag}.pt")
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("saved,loaded", [(("ddp", 2), ("fsdp", 3)), (("fsdp", 3), ("ddp", 2))])
-def test_checkpoint_moves_between_ddp_and_fsdp_at_another_world_size(tmp_path, saved, loaded):
-    """A job that outgrows DDP resumes under FSDP on more ranks (and back): DCP keys both by
+def test_checkpoint_moves_between_ddp_and_fsdp_at_another_world_size(tmp_path):
+    """A job that outgrows DDP resumes under FSDP on more ranks, and back: DCP keys both by
     parameter name, so whole tensors load into shards and shards into whole tensors."""
-    uri = f"file://{tmp_path}/ckpt"
-    _spawn(_save_as, saved[1], str(tmp_path), saved[0], uri)
-    _spawn(_load_as, loaded[1], str(tmp_path), loaded[0], uri)
-    _assert_same_state(torch.load(tmp_path / "full_saved.pt"), torch.load(tmp_path / "full_loaded.pt"))
+    a, b = f"file://{tmp_path}/ddp2", f"file://{tmp_path}/fsdp3"
+    _spawn(_save_as, 2, str(tmp_path), "ddp", a)
+    _spawn(_load_as, 3, str(tmp_path), "fsdp", a, "fsdp3", b)  # DDP at 2 -> FSDP at 3, saved again
+    _spawn(_load_as, 2, str(tmp_path), "ddp", b, "ddp2", None)  # FSDP at 3 -> DDP at 2
+    saved = torch.load(tmp_path / "full_saved.pt")
+    _assert_same_state(saved, torch.load(tmp_path / "full_fsdp3.pt"))
+    _assert_same_state(saved, torch.load(tmp_path / "full_ddp2.pt"))

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 _cleared = threading.local()
 
@@ -21,6 +20,8 @@ def forget_old_meshes(generation: int) -> None:
     this rank's shards at another rank's offsets. The Python cache is per thread, so every thread
     that touches sharded tensors calls this first."""
     if getattr(_cleared, "generation", None) != generation:
+        # Imported here: the debug module costs 0.7 s of every worker's start-up otherwise.
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
         _clear_sharding_prop_cache()
         _cleared.generation = generation
 
