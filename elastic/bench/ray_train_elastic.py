@@ -58,7 +58,6 @@ about `ckpt_every` rather than "steps since the last checkpoint written".
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -66,12 +65,12 @@ from typing import Any, Callable, Union
 
 import ray
 import ray.train
-import torch
 from ray.train.torch import TorchTrainer
 
 from elastic.bench import workload
 from elastic.bench.local_cluster import LocalCluster, _raylet_alive
-from elastic.bench.ray_train_peer import CHECKPOINT_FILE, EVENTS_FILE, _log_event, _read_events, resume_workload, train_step
+from elastic.bench.ray_train_peer import (
+    EVENTS_FILE, _log_event, _read_events, report_step, resume_workload, train_step)
 
 GROW_MARKER = "grow.marker"
 
@@ -143,19 +142,7 @@ def _train_loop(config: dict) -> None:
                     pass
 
         metrics = {"step": step, "loss": float(loss.detach()), "world_size": world_size}
-        if step % ckpt_every == 0:
-            # Ray Train's documented pattern: rank 0 writes the (replicated)
-            # DDP state, every rank calls report.
-            if rank == 0:
-                with tempfile.TemporaryDirectory() as tmp:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                               os.path.join(tmp, CHECKPOINT_FILE))
-                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-                _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, world_size=world_size)
-            else:
-                ray.train.report(metrics)
-        elif step == num_steps:
-            ray.train.report(metrics)  # the final step, for Result.metrics
+        report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir, world_size=world_size)
     if rank == 0:
         _log_event(timeline_dir, "train_fn_done", rank=rank, step=step, world_size=world_size)
 

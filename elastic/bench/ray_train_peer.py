@@ -118,6 +118,24 @@ def train_step(model, optimizer, dataset, step: int, global_batch: int, rank: in
     return loss
 
 
+def report_step(model, optimizer, step: int, metrics: dict, rank: int, ckpt_every: int, num_steps: int,
+                timeline_dir: str, **log_fields) -> None:
+    """Ray Train's documented pattern: every `ckpt_every` steps rank 0 writes the (replicated) DDP
+    state and every rank calls report, so the controller can pair them up; the checkpoint counts
+    once all ranks' reports are polled. The final step is reported too, for Result.metrics."""
+    if step % ckpt_every == 0:
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                           os.path.join(tmp, CHECKPOINT_FILE))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, **log_fields)
+        else:
+            ray.train.report(metrics)
+    elif step == num_steps:
+        ray.train.report(metrics)
+
+
 def _train_loop(config: dict) -> None:
     """The per-worker training function (runs in each Ray Train worker process)."""
     timeline_dir = config["timeline_dir"]
@@ -162,20 +180,7 @@ def _train_loop(config: dict) -> None:
             first_step_logged = True
 
         metrics = {"step": step, "loss": float(loss.detach())}
-        if step % ckpt_every == 0:
-            # Ray Train's documented pattern: rank 0 writes the (replicated)
-            # DDP state, every rank calls report so the controller can pair
-            # them up; the checkpoint counts once all ranks' reports are polled.
-            if rank == 0:
-                with tempfile.TemporaryDirectory() as tmp:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                               os.path.join(tmp, CHECKPOINT_FILE))
-                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-                _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step)
-            else:
-                ray.train.report(metrics)
-        elif step == num_steps:
-            ray.train.report(metrics)  # the final step, for Result.metrics
+        report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir)
     if rank == 0:
         _log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
 
