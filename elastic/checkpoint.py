@@ -276,6 +276,9 @@ class AsyncCheckpointer:
                 return out
 
 
+PEER_LOST = ("connection closed", "connection reset", "broken pipe", "by peer", "not registered")
+
+
 def _is_peer_failure(e: BaseException) -> bool:
     text = str(e).lower()
-    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "by peer", "not registered"))
+    return any(s in text for s in PEER_LOST)

@@ -19,14 +19,12 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from elastic import chaos, resharding
-
-from elastic.checkpoint import AsyncCheckpointer, load_shards
+from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
 from elastic.storage import Storage
@@ -44,8 +42,8 @@ class CollectiveError(RuntimeError):
     """A collective failed: a peer died, hung past the backstop, or the group was torn down."""
 
 
-_TRANSPORT_ERRORS = ("gloo/transport", "nccl", "connection reset", "connection closed", "broken pipe", "by peer",
-                     "process group", "processgroup")
+# A lost peer (as the checkpointer recognises it) or any error raised by the transport itself.
+_TRANSPORT_ERRORS = PEER_LOST + ("gloo/transport", "nccl", "process group", "processgroup")
 
 
 def is_collective_failure(e: BaseException) -> bool:
@@ -219,7 +217,6 @@ class Worker:
         """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
         holds the newest state, through the new group. No storage read."""
         t0 = time.monotonic()
-        self._forget_old_meshes()
         if self.model is None:
             self._build()
         step = torch.tensor([self.step], dtype=torch.int64, device=self.device)

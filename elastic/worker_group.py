@@ -234,7 +234,8 @@ class WorkerGroup:
         is ready too; its error surfaces when a receiver reads it, and that restore fails."""
         refs = {r: m.handle.offer_shards.remote() for r, m in self.members.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s, fetch_local=False)
-        late = [r for r, ref in refs.items() if ref not in set(ready)]
+        ready = set(ready)
+        late = [r for r, ref in refs.items() if ref not in ready]
         return refs, late
 
     def _all(self, method: str, timeout_s: float, *args) -> dict[int, dict]:

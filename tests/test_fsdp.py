@@ -98,7 +98,8 @@ def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, referenc
     (plan,) = result.events_of("restore_plan")
     assert plan["source"] == "FromStorage" and "sharded" in plan["reason"]
     done = result.events_of("resize_completed")
-    assert [(d["old_world_size"], d["new_world_size"]) for d in done] == [(3, 2), (2, 3)]
+    done_sizes = [(d["old_world_size"], d["new_world_size"]) for d in done]
+    assert done_sizes == [(3, 2), (2, 3)]
     assert "re-sharded in memory from 2 ranks" in done[1]["source"]
     assert result.metrics["step"] == NUM_STEPS
 

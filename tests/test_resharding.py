@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from elastic import resharding
 from elastic.config import FsdpSpec
-from elastic.resharding import ReshardError, part_rows, pieces
+from elastic.resharding import Piece, ReshardError, part_rows, pieces
 
 
 # ---------------------------------------------------------------- pure layout
@@ -46,7 +46,7 @@ def test_pieces_rebuild_every_new_part_from_old_parts(n, old, new):
 
 
 def test_pieces_of_a_kept_layout_are_the_part_itself():
-    assert [(p.old_part, p.start, p.stop) for p in pieces(10, 3, 3, 1)] == [(1, 4, 8)]
+    assert pieces(10, 3, 3, 1) == [Piece(1, 4, 8)]
 
 
 # ---------------------------------------------------------------- FSDP on gloo, spawned

@@ -376,41 +376,41 @@ class Controller:
             if isinstance(decision, Report) and decision.rank not in self.stragglers.reported:
                 self.stragglers.reported.add(decision.rank)
                 self.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason)
-            if isinstance(decision, Swap):
+            if isinstance(decision, (Swap, Drop)):
                 self.stragglers.last_action_t = time.monotonic()
-                self.events.emit("decision", decision="Swap", ranks=[decision.rank], reason=reason,
-                                 healthy_compute_s=healthy_s)
-                try:
-                    self.group.request_stop(self.job.failure.ping_timeout_s * 3)
-                except GroupError:
-                    return None  # a rank is failing anyway: the failure path takes over
-                self._swap_healthy_s = healthy_s
-                return Swapping(decision.rank, reason)
-            if isinstance(decision, Drop):
-                self.stragglers.last_action_t = time.monotonic()
-                self.events.emit("decision", decision="Drop", ranks=[decision.rank], reason=reason,
-                                 healthy_compute_s=healthy_s)
-                try:
-                    self.group.request_stop(self.job.failure.ping_timeout_s * 3)
-                except GroupError:
+                self.events.emit("decision", decision=type(decision).__name__, ranks=[decision.rank],
+                                 reason=reason, healthy_compute_s=healthy_s)
+                if not self._request_stop():
                     return None
+                if isinstance(decision, Swap):
+                    self._swap_healthy_s = healthy_s
+                    return Swapping(decision.rank, reason)
                 self._begin_resize(self.world_size - 1, reason)
                 return Dropping(decision.rank, reason)
         return None
+
+    def _request_stop(self) -> bool:
+        """Ask every rank to stop at a common step boundary. False when a rank cannot be asked:
+        it is failing anyway, and the failure path takes over."""
+        try:
+            self.group.request_stop(self.job.failure.ping_timeout_s * 3)
+        except GroupError:
+            return False
+        return True
 
     def _begin_resize(self, new_world: int, reason: str) -> None:
         self.resizing = {"decided_t": time.time(), "old_world_size": self.world_size,
                          "new_world_size": new_world, "reason": reason}
 
-    def _planned_plan(self, old_world: int) -> FromPeer | FromShards | FromStorage:
+    def _planned_plan(self, old_world: int, src_rank: int = 0) -> FromPeer | FromShards | FromStorage:
         """How state reaches the new group after a planned stop (every old rank alive, all at
-        the same step): a replica's broadcast (ddp), a re-shard of every rank's offered part
-        (fsdp), or, with failure.peer_restore off, the checkpoint taken at the stop."""
+        the same step): rank `src_rank`'s broadcast (ddp), a re-shard of every rank's offered
+        part (fsdp), or, with failure.peer_restore off, the checkpoint taken at the stop."""
         if not self.job.failure.peer_restore:
             return FromStorage()
         if self.sharded:
             return FromShards(self.offers, old_world, self.step)
-        return FromPeer(0, self.step)
+        return FromPeer(src_rank, self.step)
 
     def _path(self, plan) -> str:
         return "storage" if isinstance(plan, FromStorage) else "memory"
@@ -448,9 +448,7 @@ class Controller:
             self.group.promote([st.rank], cfg.replacement_timeout_s)
             how = "started on demand"
         src = min(r for r in self.group.members if r != st.rank)
-        self.restore_plan = self._planned_plan(self.world_size)
-        if isinstance(self.restore_plan, FromPeer):
-            self.restore_plan = FromPeer(src, self.step)
+        self.restore_plan = self._planned_plan(self.world_size, src)
         self.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
                          new_node=self.group.members[st.rank].node_id[:12], swap_s=time.monotonic() - t0,
                          spare_calib_s=spare.calib_s if spare else None)
@@ -475,14 +473,14 @@ class Controller:
         """Go on with the ranks we have: renumber them 0..k-1 and re-form. The global batch and the
         sample order do not change; each rank's share of the batch grows."""
         old = self.world_size
+        reason = (f"no replacement within scaling.shrink_after_s={self.job.scaling.shrink_after_s}s "
+                  f"({why.splitlines()[0][:200]}); scaling.min_workers={self.job.scaling.min_size}")
+        self._begin_resize(len(self.group.members), reason)
         mapping = self.group.renumber()
         self.world_size = len(self.group.members)
         if isinstance(self.restore_plan, FromPeer):
             self.restore_plan = FromPeer(mapping[self.restore_plan.src_rank], self.restore_plan.step)
-        reason = (f"no replacement within scaling.shrink_after_s={self.job.scaling.shrink_after_s}s "
-                  f"({why.splitlines()[0][:200]}); scaling.min_workers={self.job.scaling.min_size}")
-        self.resizing = {"decided_t": time.time(), "old_world_size": old, "new_world_size": self.world_size,
-                         "reason": reason, "path": self._path(self.restore_plan)}
+        self.resizing["path"] = self._path(self.restore_plan)
         self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
                          reason=reason, decide_s=time.monotonic() - t0)
         return Forming()
@@ -502,10 +500,8 @@ class Controller:
         if extra < 1:
             return None
         n = min(extra, want)
-        try:
-            self.group.request_stop(self.job.failure.ping_timeout_s * 3)
-        except GroupError:
-            return None  # a rank is failing anyway: the failure path takes over
+        if not self._request_stop():
+            return None
         reason = (f"{n} warm worker(s) available and world size {self.world_size} < "
                   f"scaling.max_workers={sc.max_size}: grow at the next step boundary")
         self.events.emit("decision", decision="Grow", ranks=list(range(self.world_size, self.world_size + n)),
