@@ -21,11 +21,15 @@ abs) after 300 steps (measured). Two things amplify rounding and would force a
 tolerance too loose to catch bugs: AdamW turns an ulp of difference in a
 near-zero gradient into a +-lr step (the same two runs then differ by 2e-2 after
 100 steps), and a larger step size makes training chaotic (SGD at lr 0.01:
-1e-2 by step 300). TOL = 1e-5 leaves 200x for rounding over two resizes,
-while a wrong shard, a lost optimizer moment or a repeated batch moves
-the weights by orders of magnitude more. The test also checks that training
-moved the weights by far more than TOL, so agreement is not just both runs
-staying near the initial weights.
+1e-2 by step 300). Almost every element then agrees to ~3e-8, but now and then
+one hidden unit sits at its ReLU kink in some step and takes the other branch
+in one run: that unit's row then differs by up to 2.7e-4 (momentum) and 1e-5
+(weights) at the end (seen in 3 of 9 runs, depending on the step at which the
+world changes size). TOL = 1e-3 covers that with margin, while a wrong shard,
+a lost optimizer moment or a repeated batch moves the weights by the size of a
+training step or more. The test also checks that training moved the weights
+by far more than TOL, so agreement is not just both runs staying near the
+initial weights, and the loss curves agree to 1e-5 (measured: < 1e-6).
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from test_resize import Blocker, wait_for
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
 NUM_STEPS, EVERY, FAULT_STEP, BATCH = 300, 10, 20, 48
-TOL, LOSS_TOL = 1e-5, 1e-5
+TOL, LOSS_TOL = 1e-3, 1e-5
 
 
 def fsdp_job(root, name, chaos=()):
@@ -112,7 +116,7 @@ def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, referenc
     assert diffs[worst] <= TOL, f"{worst} differs by {diffs[worst]:.3g} > {TOL}"
     torch.manual_seed(11)  # the run's seed: the factory gives the initial weights
     moved = max((p.detach() - ref_state[("model", n)]).abs().max().item() for n, p in build_model().named_parameters())
-    assert moved > 100 * TOL, f"training moved the weights by only {moved:.3g}: the comparison would mean nothing"
+    assert moved > 10 * TOL, f"training moved the weights by only {moved:.3g}: the comparison would mean nothing"
 
     # Loss curves, step by step (redone steps: the attempt that counted).
     assert sorted(result.losses) == sorted(ref.losses) == list(range(1, NUM_STEPS + 1))
