@@ -5,12 +5,20 @@ Layout, under `<storage_uri>/<run name>/checkpoints/`:
     step_000000040/            one folder per checkpoint, never overwritten
         __0_0.distcp ...       shards, written by torch.distributed.checkpoint
         .metadata              DCP's index, written by its coordinator
-        manifest.json          step, data cursor, world size, every file and its size
+        manifest.json          step, data cursor and what the sample order depends on, world size,
+                               every file this save wrote and its size
         COMMITTED              written last, by rank 0, after all of the above are durable
 
 A folder without COMMITTED, or whose files do not match its manifest, does not
 exist as far as any reader is concerned (invariant 3). Retention only removes
 folders older than the newest committed one.
+
+A committed folder is never written again: a step redone after a recovery finds
+its folder committed and reports that commit instead of saving (the redone state
+equals the saved one, invariant 1). An uncommitted folder of that step is left
+over from a lost attempt: it is removed before the save, and the manifest lists
+only the files this save's DCP metadata names, so a stray file can never become
+part of a checkpoint.
 """
 from __future__ import annotations
 
@@ -19,10 +27,11 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -62,13 +71,22 @@ class Manifest:
     files: dict[str, int]
     created_at: float
     metrics: dict[str, float] = field(default_factory=dict)
+    # What the global sample order depends on (see elastic.data): global_batch_size, seed,
+    # num_samples. A resume with other values would train on another order. Empty in manifests
+    # written before it was recorded; those are loaded without the check.
+    data_order: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
-        return cls(**json.loads(data))
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError("manifest is not a JSON object")
+        # Fields a newer version added are ignored rather than fatal: the checkpoint still loads.
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -151,13 +169,15 @@ def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
 
 # ---------------------------------------------------------------- shards (collective)
 
-def save_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:
+def save_shards(state: dict, folder: str, storage_options: dict, process_group):
+    """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
+    A save into an existing folder overwrites files of the same name and leaves the others."""
     # fsync only means something on local disk; on s3fs files DCP would fall back to a
     # machine-wide os.sync() per file. Never pass checkpoint_id= as well: DCP would rebuild the
     # filesystem from it without the storage options (credentials, endpoint).
     local = folder.startswith("file://")
-    dcp.save(state, storage_writer=FsspecWriter(folder, sync_files=local, **storage_options),
-             process_group=process_group)
+    return dcp.save(state, storage_writer=FsspecWriter(folder, sync_files=local, **storage_options),
+                    process_group=process_group)
 
 
 def load_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:
@@ -185,25 +205,51 @@ class PersistResult:
     attempts: int
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    reused: bool = False  # the step's folder was committed already (a redone step): nothing written
+
+
+# What rank 0 finds in a step's folder before saving into it, shared with every rank so that all
+# of them take the same path through the collective save.
+_EMPTY, _COMMITTED, _STALE, _BROKEN, _UNREADABLE = range(5)
+_FENCED = -1  # some rank may no longer write: nobody does
+DCP_METADATA = ".metadata"  # DCP's index of a save, written last by its coordinator
+
+
+class Fenced(RuntimeError):
+    """`may_write` said no: this worker may no longer write to the run's storage."""
 
 
 class AsyncCheckpointer:
     """Per-rank background persister.
 
     `save()` takes an in-memory snapshot on the training thread (the only part
-    that blocks a step) and hands it to one background thread, which runs the
-    collective DCP save on a dedicated process group, retries on storage errors
-    (all ranks see the same DCP exception, so they retry in lockstep), and on
-    rank 0 writes the manifest and commit marker. A new `save()` first waits
-    for the previous persist, so at most one is in flight and every rank issues
-    the same collectives in the same order.
+    that blocks a step) and hands it to one background thread. That thread, in
+    three phases that never re-enter each other:
+
+    1. agrees with every rank, over the checkpoint group, on what to do with the
+       step's folder (rank 0 looks at storage; a committed folder is reported, not
+       rewritten) and on whether everyone may still write (`may_write`);
+    2. runs the collective DCP save on a dedicated process group, retrying storage
+       errors in lockstep (DCP raises the same exception on every rank);
+    3. on rank 0 alone, writes the manifest and commit marker with its own retries,
+       then applies retention, whose errors are only logged.
+
+    A new `save()` first waits for the previous persist, so at most one is in flight
+    and every rank issues the same collectives in the same order.
     """
 
     def __init__(self, storage: Storage, root: str, rank: int, world_size: int, strategy: str,
-                 process_group, retries: int, backoff_s: float, num_to_keep: int):
+                 process_group, retries: int, backoff_s: float, num_to_keep: int, *,
+                 data_order: dict[str, int] | None = None, may_write: Callable[[], bool] | None = None):
+        """`data_order`: what the run's sample order depends on (global_batch_size, seed,
+        num_samples), stored in every manifest so a resume can refuse another order.
+        `may_write`: asked before the shard save and again before the commit; False (or an
+        exception) abandons the persist, reported with an error starting "fenced:"."""
         self.storage, self.root = storage, root
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
+        self.data_order = dict(data_order or {})
+        self.may_write = may_write
         self.results: "queue.Queue[PersistResult]" = queue.Queue()
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
@@ -221,6 +267,10 @@ class AsyncCheckpointer:
             self._thread = None
         return time.monotonic() - t0
 
+    def in_flight(self) -> bool:
+        """A persist is still running (storage slow or down): the next save would block on it."""
+        return self._thread is not None and self._thread.is_alive()
+
     def save(self, step: int, cursor: int, state: dict, metrics: dict[str, float]) -> float:
         """Snapshot now, persist in the background. Returns the seconds the caller was blocked."""
         t0 = time.monotonic()
@@ -234,38 +284,136 @@ class AsyncCheckpointer:
     def _persist(self, step: int, cursor: int, snap: dict, metrics: dict) -> None:
         folder = step_dir(self.root, step)
         t0 = time.monotonic()
-        err = None
+
+        def report(committed=False, attempts=0, error=None, reused=False, metrics_=None) -> None:
+            self.results.put(PersistResult(step, folder, committed, time.monotonic() - t0, attempts, error,
+                                           metrics_ or {}, reused))
+
+        # 1. Agree on the folder. Every rank must take the same path below, or one would enter
+        # the collective save alone and wait there for peers that never come.
+        try:
+            verdict, detail, found = self._agree(folder, step)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the group failed: nothing to retry
+            return report(error=f"{type(e).__name__}: {e}")
+        if verdict == _FENCED:
+            return report(error=detail)
+        if verdict == _COMMITTED:
+            # A redone step (recovery from storage): its folder was committed by the attempt that
+            # was lost, with the state this attempt recomputed. Never rewritten in place.
+            return report(committed=self.rank == 0, reused=True,
+                          metrics_=found.metrics if found is not None else metrics)
+        if verdict in (_BROKEN, _UNREADABLE):
+            return report(error=detail or f"rank 0 could not prepare {folder}; nothing saved")
+
+        # 2. Shards, collectively: retried in lockstep, because DCP raises on every rank.
+        metadata, err, attempt = None, None, 0
         for attempt in range(1, self.retries + 2):
             try:
-                save_shards(snap, folder, self.storage.options, self.pg)
-                if self.rank == 0:
-                    self._commit_with_retries(folder, step, cursor, metrics)
-                self.results.put(PersistResult(step, folder, self.rank == 0, time.monotonic() - t0, attempt,
-                                               metrics=metrics))
-                if self.rank == 0:
-                    apply_retention(self.storage, self.root, self.num_to_keep)
-                return
+                metadata = save_shards(snap, folder, self.storage.options, self.pg)
+                err = None
+                break
             # DCP's CheckpointException is a BaseException, not an Exception.
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - storage and peer errors: retry or report
                 err = f"{type(e).__name__}: {e}"
                 if self._abort.is_set() or _is_peer_failure(e):
                     break  # the group is gone; the controller will recover, retrying is pointless
                 log.warning("persist of step %d failed (attempt %d): %s", step, attempt, err)
-                if self._abort.wait(self.backoff_s * 2 ** (attempt - 1)):
+                if attempt > self.retries or self._abort.wait(self.backoff_s * 2 ** (attempt - 1)):
                     break
-        self.results.put(PersistResult(step, folder, False, time.monotonic() - t0, attempt, err))
+        if err is not None:
+            return report(attempts=attempt, error=err)
+        if self.rank != 0:
+            return report(attempts=attempt, metrics_=metrics)
 
-    def _commit_with_retries(self, folder: str, step: int, cursor: int, metrics: dict) -> None:
+        # 3. Commit: rank 0 alone, with its own retries; nothing collective from here on.
+        try:
+            self._commit_with_retries(folder, step, cursor, metrics, metadata)
+        except (StorageError, Fenced) as e:
+            return report(attempts=attempt, error=str(e))
+        report(committed=True, attempts=attempt, metrics_=metrics)
+        try:
+            apply_retention(self.storage, self.root, self.num_to_keep)
+        except Exception as e:  # noqa: BLE001 - old folders stay until the next pass; the commit stands
+            log.warning("retention after step %d failed (next checkpoint retries): %s", step, e)
+
+    def _allowed(self) -> tuple[bool, str]:
+        if self.may_write is None:
+            return True, ""
+        try:
+            if self.may_write():
+                return True, ""
+            return False, "may_write() said this worker may no longer write"
+        except Exception as e:  # noqa: BLE001 - unable to confirm the right to write: do not write
+            return False, f"may_write() raised {type(e).__name__}: {e}"
+
+    def _agree(self, folder: str, step: int) -> tuple[int, str, Manifest | None]:
+        """(verdict, detail, manifest of a committed folder), the same verdict on every rank:
+        one tiny all-reduce on the checkpoint group carries rank 0's look at the folder and
+        whether any rank is fenced."""
+        ok, why = self._allowed()
+        verdict, detail, found = _EMPTY, "", None
+        if self.rank == 0 and ok:
+            verdict, detail, found = self._inspect(folder, step)
+        flags = torch.tensor([0 if ok else 1, verdict if self.rank == 0 else 0], dtype=torch.int64)
+        dist.all_reduce(flags, group=self.pg)
+        num_fenced, verdict = int(flags[0]), int(flags[1])
+        if num_fenced:
+            who = f"rank {self.rank}: {why}" if not ok else f"{num_fenced} rank(s) of the group may no longer write"
+            return _FENCED, f"fenced: {who}; persist of {folder} abandoned, nothing written", None
+        return verdict, detail, found
+
+    def _inspect(self, folder: str, step: int) -> tuple[int, str, Manifest | None]:
+        """Rank 0's look at the step's folder before a save (removing what a lost attempt left)."""
+        name = folder.rsplit("/", 1)[1]
         for attempt in range(self.retries + 1):
             try:
-                files = {n: s for n, s in self.storage.sizes(folder).items() if n not in (MANIFEST, COMMIT_MARKER)}
-                manifest = Manifest(step, cursor, self.world_size, self.strategy, files, time.time(), metrics)
+                if name not in self.storage.list_dir(self.root):
+                    return _EMPTY, "", None
+                if COMMIT_MARKER not in self.storage.sizes(folder):
+                    try:
+                        self.storage.remove_tree(folder)  # left over by a lost attempt at this step
+                    except StorageError as e:
+                        # The manifest lists only what this save writes, so leftovers can stay.
+                        log.warning("leftovers of an earlier attempt at step %d not removed: %s", step, e)
+                    return _STALE, "", None
+                try:
+                    return _COMMITTED, "", validate(self.storage, folder)
+                except ValueError as e:
+                    return _BROKEN, (f"{folder} holds a {COMMIT_MARKER} marker but is not a valid checkpoint "
+                                     f"({e}); a committed folder is never rewritten, so step {step} is not "
+                                     f"checkpointed again (readers skip that folder)"), None
+            except StorageError as e:
+                if attempt == self.retries or self._abort.wait(self.backoff_s * 2 ** attempt):
+                    return _UNREADABLE, f"cannot look at {folder} before saving: {e}", None
+        raise AssertionError("unreachable")
+
+    def _commit_with_retries(self, folder: str, step: int, cursor: int, metrics: dict, metadata) -> None:
+        """Manifest then marker, on rank 0, after every rank's shards are written (DCP said so).
+        The manifest is built once, so a retry writes the same bytes."""
+        wrote = _written_files(metadata)
+        manifest = None
+        for attempt in range(self.retries + 1):
+            ok, why = self._allowed()
+            if not ok:
+                raise Fenced(f"fenced: rank 0: {why}; {folder} not committed")
+            try:
+                if manifest is None:
+                    names = self.storage.sizes(folder)
+                    if wrote is None:  # no index to go by: take what is there
+                        files = {n: s for n, s in names.items() if n not in (MANIFEST, COMMIT_MARKER)}
+                    else:
+                        missing = sorted(wrote - names.keys())
+                        if missing:
+                            raise StorageError(f"{folder}: {missing} written by the save are not listed there")
+                        files = {n: names[n] for n in wrote}
+                    manifest = Manifest(step, cursor, self.world_size, self.strategy, files, time.time(), metrics,
+                                        self.data_order)
                 commit(self.storage, folder, manifest)
                 return
-            except StorageError:
-                if attempt == self.retries:
-                    raise
-                time.sleep(self.backoff_s * 2 ** attempt)
+            except StorageError as e:
+                if attempt == self.retries or self._abort.wait(self.backoff_s * 2 ** attempt):
+                    raise StorageError(f"commit of {folder} failed after {attempt + 1} attempt(s): {e}") from e
+                log.warning("commit of step %d failed (attempt %d): %s", step, attempt + 1, e)
 
     def drain(self) -> list[PersistResult]:
         out = []
@@ -274,6 +422,15 @@ class AsyncCheckpointer:
                 out.append(self.results.get_nowait())
             except queue.Empty:
                 return out
+
+
+def _written_files(metadata) -> set[str] | None:
+    """The files a DCP save wrote, from the index it returned: shards named in `storage_data`
+    plus the index itself. None when the index does not say."""
+    storage_data = getattr(metadata, "storage_data", None)
+    if storage_data is None:
+        return None
+    return {info.relative_path for info in storage_data.values()} | {DCP_METADATA}
 
 
 PEER_LOST = ("connection closed", "connection reset", "broken pipe", "by peer", "not registered")

@@ -12,8 +12,8 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="run a job from a YAML file on the current Ray cluster (or a local one)")
     tr.add_argument("job", help="path to job.yaml")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
-    tl = sub.add_parser("timeline", help="draw a run's timeline (PNG) from its events.jsonl")
-    tl.add_argument("events", help="path to a run's events.jsonl")
+    tl = sub.add_parser("timeline", help="draw a run's timeline (PNG) from its event log")
+    tl.add_argument("events", help="path to a run's events.jsonl, or the run folder as a path or URI (s3://...)")
     tl.add_argument("--out", default="timeline.png", help="PNG to write")
     bench = sub.add_parser("bench", help="benchmarks: recovery, straggler")
     from elastic.bench.cli import add_bench_args
@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.cmd == "timeline":
         from elastic.timeline import load, plot
-        plot(load(args.events), args.out, title=args.events)
+        events = load(args.events)
+        if not events:
+            print(f"elastic: no events in {args.events}", file=sys.stderr)
+            return 2
+        plot(events, args.out, title=args.events)
         print(f"wrote {args.out}")
         return 0
     from elastic.bench.cli import run_bench

@@ -1,6 +1,8 @@
 """Human-readable views of a run: one line per event, and the end-of-run summary."""
 from __future__ import annotations
 
+from elastic.telemetry import event_log_uri
+
 
 def describe_event(ev: dict) -> str:
     k = ev["kind"]
@@ -90,7 +92,7 @@ def summarize(result) -> str:
     if final:
         what = "gathered (unsharded) final state" if result.metrics.get("strategy") == "fsdp" else "final state"
         lines.append(f"  all ranks hold identical {what}: {final[-1]['replicas_identical']}")
-    lines.append(f"  event log: {result.run_dir}/events.jsonl")
+    lines.append(f"  event log: {event_log_uri(result.run_dir)}")
     lines.append("=" * 64)
     return "\n".join(lines)
 

@@ -2,7 +2,8 @@
 
 Paths stay `str` because pathlib mangles `s3://bucket/key`. Every error names
 the URI that failed. Small files are written whole (one PUT on object stores;
-temp file + rename on local disk) so a reader never sees half a file.
+temp file + rename on local disk) so a reader never sees half a file. Only
+local disk can append (`can_append`); object stores write whole objects.
 """
 from __future__ import annotations
 
@@ -68,6 +69,42 @@ class Storage:
                 self.fs.pipe_file(path, data)
         except Exception as e:  # noqa: BLE001
             raise self._fail("write", uri, e) from e
+
+    @property
+    def can_append(self) -> bool:
+        """Local disk appends in place; object stores (s3, memory) can only write whole objects."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    def append_bytes(self, uri: str, data: bytes) -> None:
+        """Append to a file on local disk, durably (fsync before returning). All or nothing: after a
+        failed append the file is cut back to its old length, so a retry neither repeats nor tears."""
+        if not self.can_append:
+            raise StorageError(f"append {uri} failed: {self.uri} is an object store, which cannot append")
+        path = self._path(uri)
+        try:
+            self.fs.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                start = os.fstat(fd).st_size
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                except BaseException:
+                    os.ftruncate(fd, start)
+                    raise
+            finally:
+                os.close(fd)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("append", uri, e) from e
+
+    def read_tail(self, uri: str, num_bytes: int) -> bytes:
+        """The last `num_bytes` of a file (fewer if it is shorter)."""
+        try:
+            return self.fs.tail(self._path(uri), num_bytes)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("read", uri, e) from e
 
     def read_bytes(self, uri: str) -> bytes:
         try:

@@ -3,9 +3,16 @@
 Each event is one JSON object with `t` (wall-clock seconds), `kind` and its
 own fields; faults, decisions (with their reason), recoveries and checkpoints
 are all events, so the log alone is enough to draw the run's timeline.
+
 Writing the log never blocks the controller or training: one background thread
-rewrites the file whenever there is something new, so a storage outage delays
-the log (and is retried) but never detection or recovery.
+writes whatever is new, so a storage outage delays the log (and is retried) but
+never detection or recovery. Each write costs only the new events:
+  * on local disk the log is `<run>/events.jsonl`, appended to in place;
+  * object stores cannot append, so each write is a new numbered segment,
+    `<run>/events/000001.jsonl`, `000002.jsonl`, ...
+A resumed run (same name, same storage) goes on with the log it left: it
+appends to the file, or numbers its segments after the last one. `read_events`
+reads either layout (both, in order: a file first, then its segments).
 """
 from __future__ import annotations
 
@@ -19,26 +26,32 @@ from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
 
+EVENTS_FILE = "events.jsonl"
+SEGMENTS_DIR = "events"
+_SEGMENT_SUFFIX = ".jsonl"
+
+
+def event_log_uri(run_dir: str) -> str:
+    """Where a run's log is, as a reader would look for it: the file on local disk (file://),
+    the folder of segments on an object store."""
+    return join(run_dir, EVENTS_FILE if run_dir.startswith("file://") else SEGMENTS_DIR)
+
 
 class EventLog:
     def __init__(self, storage: Storage | None, run_dir: str | None, echo=None):
-        self.storage, self.uri = storage, (join(run_dir, "events.jsonl") if run_dir else None)
+        self.storage, self.run_dir = storage, run_dir
+        self.uri = event_log_uri(run_dir) if storage is not None and run_dir else None
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._echo = echo
         self._flushed = 0
         self._dirty = threading.Event()
-        self._write_lock = threading.Lock()  # one writer at a time, so an older body never lands last
+        self._write_lock = threading.Lock()  # one writer at a time, so events land in order
         self._closed = False
         self._writer: threading.Thread | None = None
-        # A resumed run (same name, same storage) appends to the log it left, never replaces it.
-        self._prefix = b""
-        if storage is not None and self.uri is not None:
-            try:
-                if storage.exists(self.uri):
-                    self._prefix = storage.read_bytes(self.uri)
-            except StorageError as e:
-                log.warning("previous event log not read: %s", e)
+        self._next_segment: int | None = None  # object stores: found by listing at the first write
+        # Object stores pay a request per segment (and a reader one per segment): fewer, larger ones.
+        self._coalesce_s = 0.2 if storage is None or storage.can_append else 1.0
 
     def emit(self, kind: str, **fields: Any) -> dict:
         # Round-trip through JSON so in-memory events equal what the log file holds (str keys).
@@ -47,7 +60,7 @@ class EventLog:
             self.events.append(ev)
         if self._echo:
             self._echo(ev)
-        if self.storage is not None and self.uri is not None:
+        if self.uri is not None:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="event-log", daemon=True)
                 self._writer.start()
@@ -59,11 +72,11 @@ class EventLog:
             self._dirty.wait()
             self._dirty.clear()
             self._write()
-            time.sleep(0.2)  # coalesce bursts of events into one write
+            time.sleep(self._coalesce_s)  # coalesce bursts of events into one write
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Write everything now (end of run); gives up after timeout_s if storage does not answer."""
-        if self.storage is None or self.uri is None:
+        if self.uri is None:
             return
         done = threading.Thread(target=self._write, daemon=True)
         done.start()
@@ -74,22 +87,68 @@ class EventLog:
             with self._lock:
                 if self._flushed == len(self.events):
                     return
-                body = self._prefix + "".join(json.dumps(e, default=str) + "\n" for e in self.events).encode()
-                n = len(self.events)
+                new = self.events[self._flushed:]
+            body = "".join(json.dumps(e, default=str) + "\n" for e in new).encode()
             try:
-                # Rewritten whole: object stores cannot append, and the log is small.
-                self.storage.write_bytes(self.uri, body)
-                self._flushed = n
+                if self.storage.can_append:
+                    self._append(body)
+                else:
+                    self._write_segment(body)
+                self._flushed += len(new)
             except StorageError as e:
                 log.warning("event log not written yet (will retry): %s", e)
                 time.sleep(1.0)
                 self._dirty.set()
+
+    def _append(self, body: bytes) -> None:
+        uri = join(self.run_dir, EVENTS_FILE)
+        if self._flushed == 0 and self.storage.exists(uri) and self.storage.read_tail(uri, 1) not in (b"", b"\n"):
+            # The previous run died in the middle of a line: end it, so our first event stays whole.
+            body = b"\n" + body
+        self.storage.append_bytes(uri, body)
+
+    def _write_segment(self, body: bytes) -> None:
+        folder = join(self.run_dir, SEGMENTS_DIR)
+        if self._next_segment is None:
+            numbers = [n for n in map(_segment_number, self.storage.list_dir(folder)) if n is not None]
+            self._next_segment = max(numbers, default=0) + 1
+        # A failed write is retried under the same number with everything pending since, so a
+        # segment that did land after all is replaced by a superset, never duplicated.
+        self.storage.write_bytes(join(folder, f"{self._next_segment:06d}{_SEGMENT_SUFFIX}"), body)
+        self._next_segment += 1
 
     def of_kind(self, kind: str) -> list[dict]:
         with self._lock:
             return [e for e in self.events if e["kind"] == kind]
 
 
+def _segment_number(name: str) -> int | None:
+    stem = name[:-len(_SEGMENT_SUFFIX)] if name.endswith(_SEGMENT_SUFFIX) else ""
+    return int(stem) if stem.isdigit() else None
+
+
+def parse_lines(data: str, where: str) -> list[dict]:
+    """Events from JSON lines. A line cut short (a writer killed mid-write) is skipped with a warning."""
+    out = []
+    for i, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s line %d is not a whole event; skipped", where, i)
+    return out
+
+
 def read_events(storage: Storage, run_dir: str) -> list[dict]:
-    data = storage.read_bytes(join(run_dir, "events.jsonl")).decode()
-    return [json.loads(line) for line in data.splitlines() if line.strip()]
+    """Every event of a run, in order, from either layout (empty if the run has none)."""
+    out: list[dict] = []
+    path = join(run_dir, EVENTS_FILE)
+    if storage.exists(path):
+        out += parse_lines(storage.read_bytes(path).decode(), path)
+    folder = join(run_dir, SEGMENTS_DIR)
+    numbered = sorted((n, name) for name in storage.list_dir(folder) if (n := _segment_number(name)) is not None)
+    for _, name in numbered:
+        uri = join(folder, name)
+        out += parse_lines(storage.read_bytes(uri).decode(), uri)
+    return out

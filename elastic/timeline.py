@@ -2,7 +2,9 @@
 decisions and recoveries as markers, committed checkpoints as ticks."""
 from __future__ import annotations
 
-import json
+import os
+
+from elastic.telemetry import EVENTS_FILE, parse_lines, read_events
 
 STATE_COLORS = {"Starting": "#cccccc", "Forming": "#9ecae1", "Restoring": "#6baed6", "Running": "#74c476",
                 "Recovering": "#fd8d3c", "Swapping": "#fdd0a2", "Growing": "#c6dbef", "Finished": "#ffffff", "Errored": "#de2d26"}
@@ -12,8 +14,14 @@ MARKERS = {"fault_injected": ("x", "#de2d26", "fault"), "failure_detected": ("v"
 
 
 def load(path: str) -> list[dict]:
+    """Events from a local run's events.jsonl, or from a run folder given as a path or URI (an
+    object store's run keeps its log as numbered segments; credentials come from the environment)."""
+    if "://" in path or os.path.isdir(path):
+        from elastic.storage import Storage
+        storage = Storage(path.removesuffix("/" + EVENTS_FILE))
+        return read_events(storage, storage.uri)
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return parse_lines(f.read(), path)
 
 
 def plot(events: list[dict], out_png: str, title: str = "") -> None:

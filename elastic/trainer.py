@@ -1,7 +1,9 @@
 """Driver side: validate the job, start the controller, stream progress, return a Result.
 
 The Trainer holds no training state; everything it shows comes from the
-controller's progress snapshots and events.
+controller's progress snapshots and events. Before any worker starts it refuses
+a job it can tell is wrong: a bad callable, a dataset that cannot be built or
+measured, unwritable storage, or a resume that would change the sample order.
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from typing import Any
 
 import ray
 
+from elastic.checkpoint import checkpoints_root, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.controller import Controller
-from elastic.storage import Storage, StorageError
+from elastic.storage import Storage, StorageError, join
 
 
 class TrainingFailed(RuntimeError):
@@ -57,7 +60,8 @@ class Trainer:
             fns = job.train.resolve()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if len(fns["dataset"]()) < 1:
+        num_samples = _dataset_length(fns["dataset"], job.train.dataset)
+        if num_samples < 1:
             raise ConfigError("train.dataset: the dataset is empty")
         if job.train.strategy == "fsdp":
             _check_fsdp_blocks(fns["model"], job.train.fsdp.blocks)
@@ -68,6 +72,7 @@ class Trainer:
             storage.check_writable(uri)
         except StorageError as e:
             raise ConfigError(f"checkpoint.storage_uri: {e}") from None
+        _check_resume(storage, self.job, num_samples)
 
     def fit(self, progress: bool = True) -> Result:
         if not ray.is_initialized():
@@ -81,23 +86,29 @@ class Trainer:
         ).remote(self.job.model_dump_json(), _worker_runtime_env())
         done = controller.run.remote()
         bar = _Progress(self.job.run.num_steps) if progress else None
-        seen = 0
+        events: list[dict] = []  # what the driver has seen, in case the controller dies with the rest
+        last: dict = {}
         while True:
             ready, _ = ray.wait([done], timeout=0.5)
             try:
-                p = ray.get(controller.progress.remote(seen), timeout=10)
+                p = ray.get(controller.progress.remote(len(events)), timeout=10)
             except Exception:  # noqa: BLE001 - progress is best effort; the run's outcome is what counts
                 p = None
             if p and bar:
                 bar.update(p)
             if p:
-                seen += len(p["events"])
+                events.extend(p["events"])
+                last = p
             if ready:
                 break
-        out = ray.get(done)
-        if bar:
-            bar.close()
-        ray.kill(controller)
+        try:
+            out = ray.get(done)
+        except ray.exceptions.RayActorError as e:
+            raise self._controller_died(e, last, events) from e
+        finally:
+            if bar:
+                bar.close()
+            ray.kill(controller)
         result = Result(
             metrics={"loss": out["loss"], "step": out["step"], "strategy": self.job.train.strategy},
             checkpoint=out["checkpoint"], run_dir=out["run_dir"], events=out["events"],
@@ -106,6 +117,68 @@ class Trainer:
         if out["status"] != "finished":
             raise TrainingFailed(out["error"], result)
         return result
+
+    def _controller_died(self, e: BaseException, last: dict, events: list[dict]) -> TrainingFailed:
+        """The controller actor is gone (its process or node died), and with it the run's state and
+        its workers (Ray ends the actors it owned). What is left to go on is in storage."""
+        ck = self.job.checkpoint
+        storage_uri = ck.storage_uri
+        run_dir = join(storage_uri, self.job.run.name)
+        try:
+            latest = latest_committed(Storage(storage_uri, ck.storage_options),
+                                      checkpoints_root(storage_uri, self.job.run.name))
+            where = (f"the last committed checkpoint is {latest.uri} (step {latest.step}); run the job again "
+                     f"with the same run.name and storage to resume from it" if latest
+                     else "no checkpoint was committed; running the job again starts from step 0")
+        except StorageError as se:
+            latest, where = None, f"the last committed checkpoint is unknown ({se})"
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        step = last.get("step")
+        message = (f"the controller actor died ({type(e).__name__}: {cause})"
+                   + (f" at step {step}" if step is not None else "") + f"; {where}")
+        result = Result(metrics={"loss": last.get("loss"), "step": step, "strategy": self.job.train.strategy},
+                        checkpoint=latest.uri if latest else None, run_dir=run_dir, events=events, error=message)
+        return TrainingFailed(message, result)
+
+
+def _dataset_length(build, ref: str) -> int:
+    """Build the dataset once on the driver and measure it, turning the user's exceptions into
+    one line that names the field (the workers would hit the same error, later and once each)."""
+    try:
+        dataset = build()
+    except Exception as e:  # noqa: BLE001 - the user's code: report it, do not crash through it
+        raise ConfigError(f"train.dataset: {ref}() raised {type(e).__name__}: {e}") from None
+    try:
+        return len(dataset)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"train.dataset: len() of the dataset from {ref}() raised {type(e).__name__}: {e}; "
+                          f"it must be a map-style dataset (len, getitem)") from None
+
+
+def _check_resume(storage: Storage, job: JobConfig, num_samples: int) -> None:
+    """A run resumes from its newest committed checkpoint (same run.name and storage). Its data
+    cursor counts positions in the sample order, which is a function of the global batch size,
+    the seed and the number of samples: with any of them changed the cursor points into another
+    order, and samples would be skipped or repeated without a word. Refuse that here."""
+    root = checkpoints_root(storage.uri, job.run.name)
+    try:
+        latest = latest_committed(storage, root)
+    except StorageError as e:
+        raise ConfigError(f"checkpoint.storage_uri: cannot read the run's checkpoints: {e}") from None
+    if latest is None:
+        return
+    recorded = latest.manifest.data_order  # empty in manifests from before it was recorded
+    name = latest.uri.rsplit("/", 1)[1]
+    tr = job.train
+    checks = {  # manifest key: (the job's value, how to name it, what to keep the same)
+        "global_batch_size": (tr.global_batch_size, f"train.global_batch_size={tr.global_batch_size}", "value"),
+        "seed": (job.run.seed, f"run.seed={job.run.seed}", "value"),
+        "num_samples": (num_samples, f"train.dataset {tr.dataset} has {num_samples} samples", "dataset"),
+    }
+    for key, (value, what, same) in checks.items():
+        if key in recorded and recorded[key] != value:
+            raise ConfigError(f"{what} but the run's checkpoint {name} was written with {recorded[key]}: the "
+                              f"sample order would change; use a new run.name or the same {same}")
 
 
 def _worker_runtime_env() -> dict | None:

@@ -1,17 +1,17 @@
 """The commit protocol, retention and background persist, on memory:// (and a flaky variant)."""
+import json
 import uuid
 from datetime import timedelta
 
-import fsspec
 import pytest
 import torch
 import torch.distributed as dist
-from fsspec.implementations.memory import MemoryFileSystem
 
 from elastic.checkpoint import (
     COMMIT_MARKER, MANIFEST, AsyncCheckpointer, Manifest, apply_retention, commit, committed_checkpoints,
     latest_committed, load_shards, step_dir)
-from elastic.storage import Storage, join
+from elastic.testing.flaky_fs import flaky_memory_fs
+from elastic.storage import Storage, StorageError, join
 
 
 @pytest.fixture
@@ -83,20 +83,7 @@ def test_retention_never_removes_the_newest_committed(store):
 
 # ---------------------------------------------------------------- background persist through DCP
 
-class FlakyMemoryFS(MemoryFileSystem):
-    """memory:// that fails the next `failures` writes: a brief storage outage."""
-
-    protocol = "flakymem"
-    failures = 0
-
-    def _open(self, path, mode="rb", **kw):
-        if "w" in mode and FlakyMemoryFS.failures > 0:
-            FlakyMemoryFS.failures -= 1
-            raise ConnectionError("storage unavailable (injected)")
-        return super()._open(path, mode, **kw)
-
-
-fsspec.register_implementation("flakymem", FlakyMemoryFS, clobber=True)
+FlakyMemoryFS = flaky_memory_fs("flakymem")
 
 
 @pytest.fixture
@@ -145,3 +132,277 @@ def test_persist_that_never_succeeds_is_never_committed(one_rank_group):
     (res,) = ck.drain()
     assert not res.committed and "storage unavailable" in res.error
     assert latest_committed(Storage(root), root) is None
+
+
+# ---------------------------------------------------------------- the three phases of a persist
+
+def count_saves(monkeypatch):
+    """Count the collective shard saves a persist makes (each one is a dcp.save on the group)."""
+    import elastic.checkpoint as ckpt
+    calls = []
+    real = ckpt.save_shards
+
+    def counting(*a, **kw):
+        calls.append(a[1])
+        return real(*a, **kw)
+    monkeypatch.setattr(ckpt, "save_shards", counting)
+    return calls
+
+
+def failing_writes(storage, monkeypatch, name, times=10_000):
+    """Writes of files called `name` fail `times` times: an outage that hits only the commit."""
+    real = storage.write_bytes
+    left = [times]
+
+    def write(uri, data):
+        if uri.rsplit("/", 1)[1] == name and left[0] > 0:
+            left[0] -= 1
+            from elastic.storage import StorageError
+            raise StorageError(f"write {uri} failed: ConnectionError: injected")
+        return real(uri, data)
+    monkeypatch.setattr(storage, "write_bytes", write)
+
+
+def test_a_failing_commit_is_retried_alone_and_reported_never_the_collective_save(store, one_rank_group, monkeypatch):
+    # Re-entering the save would be a collective on rank 0 alone: the other ranks are done with it.
+    storage, root = store
+    saves = count_saves(monkeypatch)
+    failing_writes(storage, monkeypatch, COMMIT_MARKER)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert saves == [step_dir(root, 10)]
+    assert not res.committed and res.error.startswith(f"commit of {step_dir(root, 10)} failed after 3 attempt(s)")
+    assert COMMIT_MARKER not in storage.sizes(step_dir(root, 10))
+    assert latest_committed(storage, root) is None
+
+
+def test_a_commit_that_recovers_within_its_retries_commits(store, one_rank_group, monkeypatch):
+    storage, root = store
+    saves = count_saves(monkeypatch)
+    failing_writes(storage, monkeypatch, MANIFEST, times=2)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert res.committed and res.attempts == 1 and len(saves) == 1
+    assert latest_committed(storage, root).step == 10
+
+
+def test_a_retention_error_is_logged_and_nothing_is_redone(store, one_rank_group, monkeypatch):
+    import elastic.checkpoint as ckpt
+    storage, root = store
+    saves = count_saves(monkeypatch)
+
+    def broken_retention(*a, **kw):
+        raise StorageError(f"list {root} failed: ConnectionError: injected")
+    monkeypatch.setattr(ckpt, "apply_retention", broken_retention)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()  # one result: the commit, reported once
+    assert res.committed and res.error is None and len(saves) == 1
+
+
+# ---------------------------------------------------------------- a step saved again (redone after a recovery)
+
+def test_a_redone_step_reports_the_existing_commit_and_never_rewrites_it(store, one_rank_group, monkeypatch):
+    storage, root = store
+    first = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    first.save(10, 80, model_state(0), {"loss": 1.5})
+    first.wait()
+    folder = step_dir(root, 10)
+    before = {n: storage.read_bytes(join(folder, n)) for n in storage.sizes(folder)}
+    # The group was lost after the commit, restored from an older checkpoint, and recomputed step 10.
+    saves = count_saves(monkeypatch)
+    again = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    again.save(10, 80, model_state(1), {"loss": 9.9})
+    again.wait()
+    assert saves == []
+    assert {n: storage.read_bytes(join(folder, n)) for n in storage.sizes(folder)} == before
+    restored = model_state(2)
+    load_shards(restored, folder, {}, one_rank_group)
+    assert torch.equal(restored["model"]["weight"], model_state(0)["model"]["weight"])
+    (res,) = again.drain()
+    assert res.committed and res.reused and res.uri == folder and res.metrics == {"loss": 1.5}
+
+
+def test_leftovers_of_a_lost_attempt_never_become_part_of_the_checkpoint(store, one_rank_group):
+    storage, root = store
+    folder = step_dir(root, 10)
+    # An attempt at a larger world size died before its commit: shards of ranks that no longer exist.
+    storage.write_bytes(join(folder, "__5_0.distcp"), b"old" * 10)
+    storage.write_bytes(join(folder, ".metadata"), b"stale index")
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    latest = latest_committed(storage, root)
+    assert sorted(latest.manifest.files) == [".metadata", "__0_0.distcp"]
+    assert "__5_0.distcp" not in storage.sizes(folder)
+    (res,) = ck.drain()
+    assert res.committed and not res.reused
+
+
+def test_a_damaged_committed_folder_is_not_rewritten(store, one_rank_group):
+    storage, root = store
+    folder = fake_checkpoint(storage, root, 10, corrupt=True)
+    before = {n: storage.read_bytes(join(folder, n)) for n in storage.sizes(folder)}
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert not res.committed and "never rewritten" in res.error and folder in res.error
+    assert {n: storage.read_bytes(join(folder, n)) for n in storage.sizes(folder)} == before
+
+
+# ---------------------------------------------------------------- what the manifest records; fencing
+
+DATA_ORDER = {"global_batch_size": 48, "seed": 7, "num_samples": 1000}
+
+
+def test_every_manifest_records_what_the_sample_order_depends_on(store, one_rank_group):
+    storage, root = store
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
+                           data_order=DATA_ORDER)
+    ck.save(10, 480, model_state(0), {})
+    ck.wait()
+    assert latest_committed(storage, root).manifest.data_order == DATA_ORDER
+
+
+def test_manifests_written_before_data_order_was_recorded_still_load(store):
+    storage, root = store
+    folder = fake_checkpoint(storage, root, 10)
+    old = {"step": 10, "cursor": 80, "world_size": 2, "strategy": "ddp", "created_at": 0.0, "metrics": {},
+           "files": {"__0_0.distcp": 100, ".metadata": 10}}
+    storage.write_bytes(join(folder, MANIFEST), json.dumps(old).encode())
+    latest = latest_committed(storage, root)
+    assert latest.step == 10 and latest.manifest.data_order == {}
+
+
+def test_a_fenced_worker_writes_nothing(store, one_rank_group, monkeypatch):
+    storage, root = store
+    saves = count_saves(monkeypatch)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2,
+                           may_write=lambda: False)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert not res.committed and res.error.startswith("fenced:")
+    assert saves == [] and storage.list_dir(root) == []
+
+
+def test_a_worker_fenced_during_its_save_never_commits(store, one_rank_group):
+    storage, root = store
+    answers = iter([True])  # may write when the save starts; a newer generation took over since
+
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2,
+                           may_write=lambda: next(answers, False))
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert not res.committed and res.error.startswith("fenced:")
+    names = storage.sizes(step_dir(root, 10))
+    assert "__0_0.distcp" in names and MANIFEST not in names and COMMIT_MARKER not in names
+
+
+# ---------------------------------------------------------------- two ranks on gloo, spawned (no Ray)
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_state(rank, seed):
+    torch.manual_seed(seed * 10 + rank)
+    return {f"rank{rank}": torch.randn(5)}  # each rank writes its own shard file
+
+
+def _persist_on_two_ranks(rank, world, port, root, out_dir):
+    import elastic.checkpoint as ckpt
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    # A short backstop: without lockstep, a rank left alone in a collective fails instead of hanging the test.
+    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=5))
+    saves = []
+    real_save = ckpt.save_shards
+    ckpt.save_shards = lambda *a, **kw: (saves.append(a[1].rsplit("_", 1)[1]), real_save(*a, **kw))[1]
+    storage = Storage(root)
+    if rank == 0:  # rank 0's commit of step 10 keeps failing; the shards are fine
+        real_write = storage.write_bytes
+
+        def write(uri, data):
+            if uri == join(step_dir(root, 10), COMMIT_MARKER):
+                raise StorageError(f"write {uri} failed: ConnectionError: injected")
+            return real_write(uri, data)
+        storage.write_bytes = write
+    fenced = {"rank 1": False}
+    ck = AsyncCheckpointer(storage, root, rank, world, "ddp", pg, retries=1, backoff_s=0.0, num_to_keep=5,
+                           may_write=lambda: not (rank == 1 and fenced["rank 1"]))
+    results = []
+    for step, seed in [(10, 0), (20, 0), (20, 1), (30, 0)]:
+        if step == 30:
+            fenced["rank 1"] = True
+        ck.save(step, step * 8, _rank_state(rank, seed), {})
+        ck.wait()
+        (res,) = ck.drain()
+        results.append({"step": step, "committed": res.committed, "reused": res.reused, "error": res.error})
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"results": results, "saves": saves}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_take_the_same_path_through_every_persist(tmp_path):
+    """Rank 0's failing commit, a redone step and a fence on rank 1 only: every rank makes the same
+    collective saves (one per new step), nobody waits alone in a collective, nothing is rewritten."""
+    import torch.multiprocessing as mp
+    root = f"file://{tmp_path}/run/checkpoints"
+    mp.start_processes(_persist_on_two_ranks, args=(2, _free_port(), root, str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    out = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert all(out[r]["saves"] == ["000000010", "000000020"] for r in (0, 1)), out
+    r0, r1 = out[0]["results"], out[1]["results"]
+    assert [x["committed"] for x in r0] == [False, True, True, False], r0
+    assert r0[0]["error"].startswith(f"commit of {step_dir(root, 10)} failed")
+    assert r0[2]["reused"] and r1[2]["reused"]
+    assert r0[3]["error"].startswith("fenced: 1 rank(s)") and r1[3]["error"].startswith("fenced: rank 1:")
+    storage = Storage(root)
+    assert [c.step for c in committed_checkpoints(storage, root)] == [20]
+    assert not storage.exists(step_dir(root, 10))  # uncommitted and older than step 20: retention took it
+    assert not storage.exists(step_dir(root, 30))
+    loaded = {"rank0": torch.zeros(5), "rank1": torch.zeros(5)}
+    load_shards(loaded, step_dir(root, 20), {}, None)  # the first attempt's state, not the redone one's
+    assert all(torch.equal(loaded[f"rank{r}"], _rank_state(r, 0)[f"rank{r}"]) for r in (0, 1))
+
+
+# ---------------------------------------------------------------- the same on S3 (SeaweedFS)
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_on_s3_a_redone_step_and_a_lost_attempts_leftovers(s3_server, one_rank_group):
+    root = f"{s3_server.uri}/ckpt-{uuid.uuid4().hex[:8]}/run/checkpoints"
+    storage = Storage(root, s3_server.storage_options)
+    # A lost attempt at step 10 left shards of a rank that no longer exists.
+    storage.write_bytes(join(step_dir(root, 10), "__5_0.distcp"), b"old" * 10)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=1, backoff_s=0.0, num_to_keep=2,
+                           data_order=DATA_ORDER)
+    for seed in (0, 1):  # the second save of step 10 is a redone step
+        ck.save(10, 80, model_state(seed), {})
+        ck.wait()
+    first, again = ck.drain()
+    assert first.committed and not first.reused and again.committed and again.reused
+    latest = latest_committed(storage, root)
+    assert sorted(latest.manifest.files) == [".metadata", "__0_0.distcp"]
+    assert latest.manifest.data_order == DATA_ORDER
+    restored = model_state(2)
+    load_shards(restored, latest.uri, s3_server.storage_options, one_rank_group)
+    assert torch.equal(restored["model"]["weight"], model_state(0)["model"]["weight"])
+    # Emptied by hand (SeaweedFS keeps listing an emptied prefix for a while): saved afresh.
+    storage.remove_tree(step_dir(root, 10))
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert res.committed and not res.reused, res.error

@@ -1,0 +1,212 @@
+"""What the driver refuses before any worker starts, and how it ends when the controller dies.
+
+The job's training code is a module written into tmp_path (on sys.path), driven through
+`elastic.cli.main` as a user would run it. Only the last test starts Ray.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+import uuid
+
+import pytest
+import yaml
+
+from elastic.checkpoint import COMMIT_MARKER, MANIFEST, checkpoints_root, step_dir, validate
+from elastic.cli import main
+from elastic.config import ConfigError
+from elastic.storage import Storage, join
+from elastic.trainer import Trainer, TrainingFailed
+
+USER_CODE = '''
+import torch
+
+def model():
+    return torch.nn.Linear(2, 1)
+
+def loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+
+def samples(n):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 2, generator=g), torch.randn(n, generator=g))
+
+def data_100():
+    return samples(100)
+
+def data_120():
+    return samples(120)
+
+def missing_file():
+    with open("/nonexistent/train.parquet", "rb") as f:
+        return f.read()
+
+class Unindexed(torch.utils.data.Dataset):
+    def __len__(self):
+        raise RuntimeError("index not built yet")
+
+def unindexed():
+    return Unindexed()
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    name = f"userjob_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(USER_CODE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def job(tmp_path, mod, dataset="data_100", name="run-a", seed=7, global_batch_size=48, **over):
+    j = {"run": {"name": name, "seed": seed, "num_steps": 40},
+         "scaling": {"num_workers": 1},
+         "checkpoint": {"storage_uri": f"file://{tmp_path}/runs", "every_steps": 5},
+         "train": {"model": f"{mod}:model", "dataset": f"{mod}:{dataset}", "loss": f"{mod}:loss",
+                   "global_batch_size": global_batch_size}}
+    for k, v in over.items():
+        j[k] = {**j.get(k, {}), **v}
+    return j
+
+
+def train(tmp_path, j, capsys) -> tuple[int, str]:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(j))
+    rc = main(["train", str(path), "--no-progress"])
+    return rc, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a dataset that cannot be built
+
+def test_a_dataset_function_that_raises_is_a_one_line_error(tmp_path, user_module, capsys):
+    rc, err = train(tmp_path, job(tmp_path, user_module, dataset="missing_file"), capsys)
+    assert rc == 2
+    assert err == (f"elastic: train.dataset: {user_module}:missing_file() raised FileNotFoundError: [Errno 2] "
+                   f"No such file or directory: '/nonexistent/train.parquet'\n")
+
+
+def test_a_dataset_without_a_length_is_a_one_line_error(tmp_path, user_module, capsys):
+    rc, err = train(tmp_path, job(tmp_path, user_module, dataset="unindexed"), capsys)
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"elastic: train.dataset: len() of the dataset from {user_module}:unindexed() raised "
+                          f"RuntimeError: index not built yet")
+
+
+# ---------------------------------------------------------------- a resume must keep the sample order
+
+def committed_checkpoint(tmp_path, run_name, step, data_order):
+    """A committed checkpoint of the run, as an earlier invocation left it."""
+    uri = Storage(f"file://{tmp_path}/runs").uri
+    storage = Storage(uri)
+    folder = step_dir(checkpoints_root(uri, run_name), step)
+    storage.write_bytes(join(folder, "__0_0.distcp"), b"x" * 100)
+    manifest = {"step": step, "cursor": step * 48, "world_size": 1, "strategy": "ddp", "created_at": 0.0,
+                "metrics": {}, "files": {"__0_0.distcp": 100}}
+    if data_order:  # older versions wrote no data_order
+        manifest["data_order"] = data_order
+    storage.write_bytes(join(folder, MANIFEST), json.dumps(manifest).encode())
+    storage.write_bytes(join(folder, COMMIT_MARKER), str(step).encode())
+    return folder
+
+
+RECORDED = {"global_batch_size": 48, "seed": 7, "num_samples": 100}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"global_batch_size": 64},
+     "train.global_batch_size=64 but the run's checkpoint step_000000020 was written with 48: the sample "
+     "order would change; use a new run.name or the same value"),
+    ({"seed": 8},
+     "run.seed=8 but the run's checkpoint step_000000020 was written with 7: the sample order would change; "
+     "use a new run.name or the same value"),
+    ({"dataset": "data_120"},
+     "train.dataset {mod}:data_120 has 120 samples but the run's checkpoint step_000000020 was written with 100: "
+     "the sample order would change; use a new run.name or the same dataset"),
+])
+def test_a_resume_that_would_change_the_sample_order_is_refused(tmp_path, user_module, capsys, change, message):
+    committed_checkpoint(tmp_path, "run-a", 10, RECORDED)
+    committed_checkpoint(tmp_path, "run-a", 20, RECORDED)
+    message = message.format(mod=user_module)
+    with pytest.raises(ConfigError) as e:
+        Trainer(job(tmp_path, user_module, **change))
+    assert str(e.value) == message
+    rc, err = train(tmp_path, job(tmp_path, user_module, **change), capsys)
+    assert rc == 2 and err == f"elastic: {message}\n"
+
+
+def test_a_resume_with_the_same_order_or_a_new_run_name_is_accepted(tmp_path, user_module):
+    committed_checkpoint(tmp_path, "run-a", 20, RECORDED)
+    Trainer(job(tmp_path, user_module))  # same values: resumes
+    Trainer(job(tmp_path, user_module, global_batch_size=64, name="run-b"))  # a new run
+
+
+def test_checkpoints_from_before_the_order_was_recorded_do_not_block_a_resume(tmp_path, user_module):
+    committed_checkpoint(tmp_path, "run-a", 20, {})
+    Trainer(job(tmp_path, user_module, global_batch_size=64))
+
+
+# ---------------------------------------------------------------- the controller dies (real Ray, one node)
+
+class _ControllerThatDies:
+    """Mixed into the real controller: its process is SIGKILLed once the run has committed a
+    checkpoint, as if its node had died under it."""
+
+    def run(self):
+        import os
+        import signal
+        import threading
+        import time
+
+        from elastic.checkpoint import latest_committed as newest
+
+        def die_after_a_commit():
+            while newest(self.storage, self.root) is None:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=die_after_a_commit, daemon=True).start()
+        return super().run()
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(180)
+def test_a_dead_controller_ends_the_run_with_training_failed_naming_the_last_checkpoint(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    import elastic.trainer
+    from elastic.controller import Controller
+
+    # The subclass lives in this test module, which Ray's workers cannot import: ship it by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    dying = type("ControllerThatDies", (_ControllerThatDies, Controller), {"__module__": __name__})
+    monkeypatch.setattr(elastic.trainer, "Controller", dying)
+    j = {"run": {"name": "dies", "num_steps": 100_000},
+         "scaling": {"num_workers": 1},
+         "checkpoint": {"storage_uri": f"file://{tmp_path}/runs", "every_steps": 3},
+         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
+                   "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 16}}
+    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
+    try:
+        with pytest.raises(TrainingFailed) as e:
+            Trainer(j).fit(progress=False)
+    finally:
+        ray.shutdown()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    message, result = str(e.value), e.value.result
+    assert message.startswith("the controller actor died (")
+    named = re.search(r"the last committed checkpoint is (\S+) \(step (\d+)\)", message)
+    assert named, message
+    storage = Storage(f"file://{tmp_path}/runs")
+    root = checkpoints_root(storage.uri, "dies")
+    assert named.group(1).startswith(root + "/step_")
+    manifest = validate(storage, named.group(1))  # named: a committed checkpoint
+    assert manifest.step == int(named.group(2))
+    # The workers recorded what the sample order depends on.
+    assert manifest.data_order == {"global_batch_size": 16, "seed": 0, "num_samples": 8192}
+    assert result.checkpoint == named.group(1) and result.error == message
+    assert result.run_dir == join(storage.uri, "dies")
+    assert any(ev["kind"] == "run_started" for ev in result.events)
