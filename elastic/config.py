@@ -60,9 +60,11 @@ class FailureConfig(_Strict):
     )
     hang_floor_s: float = Field(20.0, gt=0, description="...but never less than this many seconds.")
     ping_timeout_s: float = Field(
-        1.0, gt=0, description="A worker that does not answer a ping this fast after a peer error is lost."
-    )
-    rendezvous_timeout_s: float = Field(60.0, gt=0, description="Process-group formation timeout.")
+        1.0, gt=0, description="A rank that answers no poll for this long while the group makes no progress is "
+                               "lost (a stopped machine, a partition, a stopped process); its peers' blocked "
+                               "collectives are then aborted and they keep their state.")
+    rendezvous_timeout_s: float = Field(
+        60.0, gt=0, description="Process-group formation timeout (the rendezvous store and connecting the ranks).")
     collective_timeout_s: float = Field(
         120.0, gt=0, description="Backstop timeout of one collective; hangs are caught earlier by the controller."
     )
@@ -105,10 +107,19 @@ class ChaosFault(_Strict):
     """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
     when it has completed `at_step` steps and before it starts the next one."""
 
-    action: Literal["kill_node", "kill_process", "hang", "slow"]
+    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow"]
     rank: int = Field(ge=0)
     at_step: int = Field(ge=0)
     factor: float = Field(3.0, gt=1, description="slow only: the process computes this many times slower from then on")
+    thaw_after_s: float | None = Field(
+        None, gt=0, description="freeze_node / freeze_process only: resume (SIGCONT) the frozen processes this "
+                                "many seconds later, as a machine back from a partition; default never")
+
+    @model_validator(mode="after")
+    def _check_thaw(self) -> "ChaosFault":
+        if self.thaw_after_s is not None and self.action not in ("freeze_node", "freeze_process"):
+            raise ValueError(f"thaw_after_s is for freeze_node and freeze_process, not {self.action}")
+        return self
 
 
 def _import_ref(ref: str, field: str) -> Callable:

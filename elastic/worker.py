@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
-from elastic import chaos, resharding
+from elastic import chaos, collectives, fencing, resharding
 from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
@@ -69,7 +69,9 @@ class Worker:
         self.root = checkpoints_root
         self.controller = controller
         self.rank = self.world_size = -1
-        self.generation = 0  # bumped on every join; a run() only ever tears down its own group
+        self.generation = 0  # the controller's group generation this rank last joined
+        self._abort: collectives.GroupAbort | None = None
+        self._joining = None
         self._running = threading.Event()
         self.step = 0
         self.model = self.optimizer = self.strategy = self.ckpt = None
@@ -83,6 +85,8 @@ class Worker:
         self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
         self.stop_requested = False  # a planned stop (straggler swap), agreed on through the next all-reduce
         self._stop_agreed = False
+        self._persist_busy = False  # some rank's previous persist was still running at the last step
+        self._deferred: list[int] = []  # checkpoint steps skipped because a persist was in flight
 
     # ---------------------------------------------------------------- identity
     def info(self) -> dict:
@@ -99,26 +103,52 @@ class Worker:
             return s.getsockname()[1]
 
     # ---------------------------------------------------------------- group
-    def join(self, addr: str, port: int, rank: int, world_size: int) -> None:
+    def join(self, addr: str, port: int, rank: int, world_size: int, generation: int) -> None:
+        """Form generation `generation` of the group. The rendezvous (a fresh TCP store on rank 0's
+        port) waits at most failure.rendezvous_timeout_s; the group's collectives at most
+        failure.collective_timeout_s, a backstop: the controller aborts a collective blocked on
+        a silent peer long before (see `abort`)."""
         if self._running.is_set():
             # A run() still blocked in a collective of the old group would, when it finally fails,
-            # tear down whatever group is current. Refuse; the controller replaces this worker.
+            # tear down whatever group is current. Refuse; the controller aborts or replaces us.
             raise RuntimeError("previous run() is still inside a collective of the old group")
         self.leave()
-        self.generation += 1
+        self.generation = generation
+        self.stop_requested = self._stop_agreed = self._persist_busy = False  # all belong to one generation
         fc = self.job.failure
-        dist.init_process_group(
-            "nccl" if self.job.scaling.use_gpu else "gloo", init_method=f"tcp://{addr}:{port}",
-            rank=rank, world_size=world_size, timeout=timedelta(seconds=fc.rendezvous_timeout_s))
-        self.rank, self.world_size = rank, world_size
-        self.mesh = init_device_mesh("cuda" if self.job.scaling.use_gpu else "cpu", (world_size,),
-                                     mesh_dim_names=("dp",))
-        # Checkpoint collectives run on their own group, from the persist thread, concurrently
-        # with training collectives on the default group.
-        self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
+        before = collectives.socket_inodes()
+        self._joining = (before, port)
+        try:
+            store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
+                                  timeout=timedelta(seconds=fc.rendezvous_timeout_s))
+            dist.init_process_group(
+                "nccl" if self.job.scaling.use_gpu else "gloo", store=store,
+                rank=rank, world_size=world_size, timeout=timedelta(seconds=fc.collective_timeout_s))
+            self.rank, self.world_size = rank, world_size
+            self.mesh = init_device_mesh("cuda" if self.job.scaling.use_gpu else "cpu", (world_size,),
+                                         mesh_dim_names=("dp",))
+            # Checkpoint collectives run on their own group, from the persist thread, concurrently
+            # with training collectives on the default group.
+            self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
+        finally:
+            self._joining = None
+        self._abort = collectives.capture(before, self.ckpt_pg, nccl=self.job.scaling.use_gpu, store_port=port)
         self.strategy = make_strategy(self.job.train, self.mesh)
         self._forget_old_meshes()
-        self._set(status="joined")
+        self._set(status="joined", generation=generation)
+
+    def abort(self, generation: int) -> dict:
+        """Fail this rank's collectives of `generation` now (a peer went silent): run() returns
+        "aborted" with the state of the last completed step, and the rank can join a new group.
+        A stale request (an older generation) is ignored, so it can never cut a newer group."""
+        if generation != self.generation:
+            return {"aborted": False, "reason": f"generation {self.generation}, not {generation}"}
+        joining = self._joining
+        if joining is not None:  # still forming this generation: cut its rendezvous
+            return {"aborted": True, "transports": collectives.cut_rendezvous(*joining), "running": False,
+                    "step": self.step}
+        n = self._abort.abort() if self._abort is not None else 0
+        return {"aborted": True, "transports": n, "running": self._running.is_set(), "step": self.step}
 
     def _forget_old_meshes(self) -> None:
         """Sharded tensors only: see strategies.base.forget_old_meshes (called in each thread)."""
@@ -157,11 +187,13 @@ class Worker:
         self.model.zero_grad(set_to_none=True)
         return sorted(times)[len(times) // 2]
 
-    def request_stop(self) -> int:
+    def request_stop(self, generation: int) -> int:
         """Ask run() to stop at a step boundary. The request rides on the next step's all-reduce,
         so every rank learns of it in the same step and they all stop after that same step,
-        however far behind the controller's view of the step is."""
-        self.stop_requested = True
+        however far behind the controller's view of the step is, and even if the request
+        reached only some ranks. It holds until consumed by a stop or a new group."""
+        if generation == self.generation:
+            self.stop_requested = True
         return self.step
 
     def _build(self, sync_init: bool = False) -> None:
@@ -177,7 +209,10 @@ class Worker:
         self.ckpt = AsyncCheckpointer(
             self.storage, self.root, self.rank, self.world_size, self.strategy.name, self.ckpt_pg,
             self.job.checkpoint.persist_retries, self.job.checkpoint.persist_retry_backoff_s,
-            self.job.checkpoint.num_to_keep)
+            self.job.checkpoint.num_to_keep,
+            data_order={"global_batch_size": self.job.train.global_batch_size, "seed": self.job.run.seed,
+                        "num_samples": len(self.dataset)},
+            may_write=lambda gen=self.generation: fencing.may_write(self.storage, self.root, gen))
         self._set(step=self.step, status="restored", step_end=None, first_step_end=None)
 
     def restore(self, candidates: list[str]) -> dict:
@@ -270,7 +305,6 @@ class Worker:
         self._set(status="running")
         generation = self.generation
         self._forget_old_meshes()
-        self.stop_requested = self._stop_agreed = False
         saved = self.step  # the restored state is in storage already, or is the fresh init
         self._running.set()
         try:
@@ -280,38 +314,56 @@ class Worker:
                         # State moves through storage at this planned change: checkpoint this
                         # very step, so nothing is redone.
                         self._save(tr)
-                    self.ckpt.wait()
+                    self._wait_persist()
                     self._collect_persists()
+                    self.stop_requested = self._stop_agreed = False  # consumed
                     self._set(status="stopped")
-                    return {"status": "stopped", "step": self.step}
+                    return {"status": "stopped", "step": self.step, "generation": generation}
                 for f in faults:
                     if f["rank"] == self.rank and f["at_step"] == self.step:
                         self._fire(f)
                 self._train_step(micro)
-                if self.step % self.job.checkpoint.every_steps == 0 or self.step == num_steps:
+                if self.step == num_steps or (self.step % self.job.checkpoint.every_steps == 0
+                                              and not self._persist_busy):
                     saved = self._save(tr)
+                elif self.step % self.job.checkpoint.every_steps == 0 and self.rank == 0:
+                    # A persist is still in flight on some rank (storage slow or down): every rank
+                    # skips this checkpoint together, rather than block training on storage.
+                    with self._lock:
+                        self._deferred.append(self.step)
                 self._collect_persists()
-            self.ckpt.wait()
+            self._wait_persist()
             self._collect_persists()
         except CollectiveError as e:
             self._set(status="aborted")
             self._teardown_after_failure(generation)
-            return {"status": "aborted", "step": self.step, "error": str(e)}
+            self._exit_if_fenced(generation)
+            return {"status": "aborted", "step": self.step, "error": str(e), "generation": generation}
         except Exception as e:  # noqa: BLE001 - the user's model/loss/data raised
             self._set(status="user_error")
             self._teardown_after_failure(generation)
-            return {"status": "user_error", "step": self.step,
+            return {"status": "user_error", "step": self.step, "generation": generation,
                     "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         finally:
             self._running.clear()
         self._set(status="done")
-        return {"status": "done", "step": self.step, "digest": self.state_digest()}
+        return {"status": "done", "step": self.step, "digest": self.state_digest(), "generation": generation}
+
+    def _wait_persist(self) -> None:
+        """Wait for the persist in flight. While storage holds us up, say so: the controller must
+        not take a stall that storage causes for a hang."""
+        if self.ckpt.in_flight():
+            self._set(status="storage_wait")
+        self.ckpt.wait()
+        self._set(status="running")
 
     def _save(self, tr) -> int:
+        if self.ckpt.in_flight():
+            self._set(status="storage_wait")  # only at the last step or a planned stop (see run())
         stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
                                  self.strategy.state_dict(self.model, self.optimizer),
                                  {"loss": self._progress["loss"]})
-        self._set(ckpt_stall_s=stall_s)
+        self._set(ckpt_stall_s=stall_s, status="running")
         return self.step
 
     def _train_step(self, micro: int) -> None:
@@ -322,6 +374,7 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = torch.zeros((), device=self.device)
         stop_flag = 1.0 if self.stop_requested else 0.0
+        busy_flag = 1.0 if self.ckpt is not None and self.ckpt.in_flight() else 0.0
         for i in range(0, len(idx), micro):
             chunk = idx[i:i + micro]
             self.strategy.set_gradient_sync(self.model, i + micro >= len(idx))
@@ -341,7 +394,8 @@ class Worker:
         compute_s = time.perf_counter() - t_start
         try:
             self.strategy.reduce_gradients(self.model)
-            stats = torch.stack([local_loss, torch.tensor(stop_flag, device=self.device)])
+            stats = torch.stack([local_loss, torch.tensor(stop_flag, device=self.device),
+                                 torch.tensor(busy_flag, device=self.device)])
             dist.all_reduce(stats, group=self.mesh.get_group("dp"))
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
@@ -354,6 +408,7 @@ class Worker:
                 self._ledger.append((self.step, self.world_size, self.rank, idx))
         now = time.time()
         self._stop_agreed = bool(stats[1].item() > 0)
+        self._persist_busy = bool(stats[2].item() > 0)  # on any rank: agreed, like the stop
         self._set(step=self.step, loss=loss, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
                   first_step_end=self._progress.get("first_step_end") or now)
@@ -362,11 +417,25 @@ class Worker:
         # Tell the controller first (it records the fault time and never hands this fault out
         # again), then fault. The report must land before the process dies, hence ray.get.
         if self.controller is not None:
-            ray.get(self.controller.report_fault.remote(fault, self.rank, self.step, time.time()))
+            ray.get(self.controller.report_fault.remote(fault, self.rank, self.step, time.time(), os.getpid(),
+                                                        self.generation))
         if fault["action"] == "slow":
             self.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
             return
-        chaos.inject(fault["action"])
+        chaos.inject(fault["action"], fault.get("thaw_after_s"))
+
+    def _exit_if_fenced(self, generation: int) -> None:
+        """A rank whose group failed asks the controller whether its generation is still the
+        run's. One that was frozen or cut off while the run moved on (or whose controller is
+        gone) holds nothing anyone needs: it exits rather than linger as a zombie."""
+        if self.controller is None:
+            return
+        try:
+            current = ray.get(self.controller.is_current.remote(generation), timeout=self.job.failure.ping_timeout_s * 10)
+        except Exception:  # noqa: BLE001 - an unreachable controller: the run is over for this process too
+            current = False
+        if not current:
+            os._exit(0)
 
     def _teardown_after_failure(self, generation: int) -> None:
         # Destroying our group closes our sockets, so peers still blocked on us fail fast
@@ -391,8 +460,9 @@ class Worker:
         """Progress and finished persists since the last poll (each persist reported once)."""
         self._collect_persists()
         with self._lock:
-            out = dict(self._progress, rank=self.rank, persists=self._persists, compute_log=self._compute_log,
-                       ledger=self._ledger)
+            out = dict(self._progress, rank=self.rank, generation=self.generation, persists=self._persists,
+                       compute_log=self._compute_log, ledger=self._ledger, deferred=self._deferred)
+            self._deferred = []
             self._persists = []
             self._compute_log = []
             self._ledger = []

@@ -36,6 +36,12 @@ class Member:
     on_demand: bool = False  # spares: started for a recovery in progress, not ahead of time
 
 
+def cause_of(why: str) -> str:
+    """A rank's reason reduced to its cause: gone (node_died, process_died, unreachable),
+    silent (unresponsive), or alive but failed ("error")."""
+    return why if why in ("node_died", "process_died", "unreachable", "unresponsive") else "error"
+
+
 def death_cause(e: BaseException) -> str:
     if isinstance(e, ActorUnavailableError):
         return "unreachable"  # its RPC socket closed: the process, or the whole node, is gone
@@ -44,6 +50,11 @@ def death_cause(e: BaseException) -> str:
     if "its node has died" in text or "node has died" in text or "because its node" in text:
         return "node_died"
     return "process_died"
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _probe() -> bool:
+    return True
 
 
 @ray.remote(num_cpus=0)
@@ -59,9 +70,10 @@ class WorkerGroup:
         self.job, self.job_json, self.root = job, job_json, checkpoints_root
         self.controller = controller
         sc = job.scaling
-        self._actor_cls = ray.remote(Worker).options(
+        self._remote_worker = ray.remote(Worker)
+        self._actor_opts = dict(
             num_cpus=sc.cpus_per_worker, num_gpus=1 if sc.use_gpu else 0,
-            max_concurrency=4,  # run() on one thread; poll/ping answer on others
+            max_concurrency=4,  # run() on one thread; poll, ping and abort answer on others
             max_restarts=0,  # the controller replaces workers; Ray must not resurrect a rank behind its back
             scheduling_strategy="SPREAD",
             runtime_env=runtime_env or None,
@@ -73,12 +85,44 @@ class WorkerGroup:
         self._on_demand: set["ray.ObjectRef"] = set()  # pending spares started by promote() itself
         self.ready_spares: list[Member] = []
         self.newly_ready: list[tuple[str, int]] = []  # (node, pid) of spares that became ready since the controller last looked
+        self.lost_spares: list[str] = []  # why spares were lost inside a group operation, for the event log
+        # Nodes that hosted a rank lost to silence (stopped, partitioned, dead). Ray may list such a
+        # node as alive for a while; nothing new goes there until it answers again (see `probe_suspects`).
+        self.suspect_nodes: set[str] = set()
+
+    def _new_actor(self):
+        """A new worker actor, never on a suspect node."""
+        opts = dict(self._actor_opts)
+        if self.suspect_nodes:
+            opts["label_selector"] = {"ray.io/node-id": f"!in({','.join(sorted(self.suspect_nodes))})"}
+        return self._remote_worker.options(**opts).remote(self.job_json, self.root, self.controller)
+
+    def suspect(self, node_id: str) -> None:
+        self.suspect_nodes.add(node_id)
+
+    def probe_suspects(self, timeout_s: float) -> list[str]:
+        """Clear suspect nodes that answer again (a thawed machine, a healed partition) or that Ray
+        has declared dead (it schedules nothing there anyway). Returns the cleared ones."""
+        if not self.suspect_nodes:
+            return []
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        cleared = [n for n in self.suspect_nodes if n not in alive]
+        probes = {n: _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+                  for n in self.suspect_nodes if n in alive}
+        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout_s)
+        for n, ref in probes.items():
+            if ref in ready:
+                cleared.append(n)
+            else:
+                ray.cancel(ref, force=False)
+        self.suspect_nodes -= set(cleared)
+        return cleared
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
         """Start one worker per rank and wait until each has built its dataset and answered.
         On failure, the ones that did start are kept only if all did (a half-done start is undone)."""
-        handles = {r: self._actor_cls.remote(self.job_json, self.root, self.controller) for r in ranks}
+        handles = {r: self._new_actor() for r in ranks}
         refs = {r: h.info.remote() for r, h in handles.items()}
         infos, bad = self._gather(refs, timeout_s)
         if bad:
@@ -93,7 +137,7 @@ class WorkerGroup:
     def add_spares(self, n: int, on_demand: bool = False) -> None:
         """Start n spare workers in the background; they warm up (build the model) on their own."""
         for _ in range(max(0, n)):
-            h = self._actor_cls.remote(self.job_json, self.root, self.controller)
+            h = self._new_actor()
             ref = h.warm.remote()
             self._pending_spares[ref] = h
             if on_demand:
@@ -149,21 +193,37 @@ class WorkerGroup:
             else:
                 self._kill_member(self.ready_spares.pop())
 
-    def request_stop(self, timeout_s: float) -> dict[int, int]:
-        out, bad = self._gather({r: m.handle.request_stop.remote() for r, m in self.members.items()}, timeout_s)
+    def request_stop(self, generation: int, timeout_s: float) -> dict[int, int]:
+        out, bad = self._gather({r: m.handle.request_stop.remote(generation) for r, m in self.members.items()},
+                                timeout_s)
         if bad:
             raise GroupError(f"request_stop failed for ranks {sorted(bad)}: {bad}", bad)
         return out
 
-    def take_spare_for(self, rank: int, max_calib_s: float) -> Member | None:
-        """Give `rank` to the fastest ready spare whose calibration is at most max_calib_s."""
+    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float) -> Member | None:
+        """Give `rank` to the fastest live ready spare whose calibration is at most max_calib_s."""
         self.refresh_spares()
-        ok = [m for m in self.ready_spares if m.calib_s is not None and m.calib_s <= max_calib_s]
-        if not ok:
-            return None
-        m = min(ok, key=lambda m: m.calib_s)
-        self._assign(rank, m)
-        return m
+        while True:
+            ok = [m for m in self.ready_spares if m.calib_s is not None and m.calib_s <= max_calib_s]
+            if not ok:
+                return None
+            m = min(ok, key=lambda m: m.calib_s)
+            if self._spare_alive(m, ping_timeout_s):
+                self._assign(rank, m)
+                return m
+
+    def _spare_alive(self, m: Member, ping_timeout_s: float) -> bool:
+        """A spare is pinged before it gets a rank: one that died or went silent since it warmed
+        (its node stopped) would otherwise block the next rendezvous. A dead one is dropped."""
+        _, bad = self._gather({0: m.handle.ping.remote()}, ping_timeout_s)
+        if not bad:
+            return True
+        self.ready_spares.remove(m)
+        self._kill_member(m)
+        if bad[0] != "process_died":
+            self.suspect(m.node_id)
+        self.lost_spares.append(f"spare on node {m.node_id[:12]} {bad[0]} when it was to take a rank")
+        return False
 
     def renumber(self) -> dict[int, int]:
         """After a shrink: ranks 0..k-1 for the k members, in their old order. Returns old -> new."""
@@ -176,45 +236,108 @@ class WorkerGroup:
         self.ready_spares.remove(spare)
         self.members[rank] = Member(rank, spare.handle, spare.node_id, spare.ip, spare.pid, spare.calib_s)
 
-    def promote(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
-        """Fill `ranks` with spares: warm ones first, then ones still warming (waited for), then
-        freshly started workers. Returns {rank: how it was filled}, for the event log."""
+    def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]:
+        """Fill `ranks` with spares: live warm ones first, then ones still warming (waited for), then
+        freshly started workers. A spare that dies or goes silent before it gets its rank is
+        replaced in turn, until `timeout_s` runs out. Returns {rank: how it was filled}."""
         how: dict[int, str] = {}
         need = list(ranks)
+        deadline = time.monotonic() + timeout_s
 
         def take_ready(label_if_planned: str) -> None:
-            while need and self.ready_spares:
-                m = self.ready_spares[0]
+            for m in list(self.ready_spares):
+                if not need:
+                    return
+                if not self._spare_alive(m, ping_timeout_s):
+                    continue
                 r = need.pop(0)
                 self._assign(r, m)
                 how[r] = "started on demand" if m.on_demand else label_if_planned
 
-        self.refresh_spares()
+        self.lost_spares.extend(self.refresh_spares())
         take_ready("warm spare")
-        if need:
+        while need and time.monotonic() < deadline:
+            # Keep one warming spare per missing rank: a replacement that died (its node was lost
+            # too, or not yet known to be lost) is replaced in turn, never waited on forever.
             self.add_spares(len(need) - len(self._pending_spares), on_demand=True)
-            deadline = time.monotonic() + timeout_s
-            while need and self._pending_spares and time.monotonic() < deadline:
-                self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
-                take_ready("spare, waited while it warmed")
+            self.lost_spares.extend(self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
+            take_ready("spare, waited while it warmed")
         if need:
             raise GroupError(f"no worker could be started for ranks {need} within {timeout_s:.0f}s; is there a free "
                              f"slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", {r: "unavailable" for r in need})
         return how
 
     # ---------------------------------------------------------------- form / restore / run
-    def form(self, timeout_s: float) -> None:
-        """A fresh rendezvous (new port, so a fresh store) for the current members."""
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float) -> None:
+        """A fresh rendezvous (new port, so a fresh store) for the current members, as group
+        `generation`. A member that dies or stops answering fails the formation at once: the
+        others' joins are aborted, and they come back with their state as survivors (a join
+        that failed because of a peer is the peer's failure, reported as "peer failed")."""
         world = len(self.members)
         assert sorted(self.members) == list(range(world)), f"ranks must be 0..{world - 1}: {sorted(self.members)}"
         m0 = self.members[0]
-        port, bad = self._gather({0: m0.handle.free_port.remote()}, timeout_s)
+        port, bad = self._gather({0: m0.handle.free_port.remote()}, ping_timeout_s * 5)
         if bad:
             raise GroupError(f"rank 0 did not give a rendezvous port: {bad}", bad)
-        refs = {r: m.handle.join.remote(m0.ip, port[0], r, world) for r, m in self.members.items()}
-        _, bad = self._gather(refs, timeout_s)
+        refs = {r: m.handle.join.remote(m0.ip, port[0], r, world, generation) for r, m in self.members.items()}
+        pending = {ref: r for r, ref in refs.items()}
+        bad: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        polls: dict[int, tuple] = {}
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except RayActorError as e:
+                    bad[r] = death_cause(e)
+                except Exception as e:  # noqa: BLE001 - join raised: a peer failed, or the rendezvous timed out
+                    bad[r] = f"error: {type(e).__name__}: {str(e)[:300]}"
+            # A member that stops answering (its machine stopped) would hold everyone for the whole
+            # rendezvous timeout: watch them all, as the run loop does.
+            now = time.monotonic()
+            for r, m in self.members.items():
+                if r in bad or r not in {*pending.values()}:
+                    continue
+                ref_sent = polls.get(r)
+                if ref_sent is None:
+                    polls[r] = (m.handle.ping.remote(), now)
+                    continue
+                done, _ = ray.wait([ref_sent[0]], timeout=0)
+                if done:
+                    try:
+                        ray.get(done[0])
+                        polls.pop(r)
+                    except RayActorError as e:
+                        bad[r] = death_cause(e)
+                elif now - ref_sent[1] > ping_timeout_s:
+                    bad[r] = "unresponsive"
+            if any(cause_of(w) != "error" for w in bad.values()):
+                break  # someone is gone: the rest cannot complete; cut their rendezvous
+        if pending and bad:
+            self.abort_all(generation, ping_timeout_s * 3, only=[r for r in pending.values() if r not in bad])
+            late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=ping_timeout_s * 5)
+            for ref in late:
+                r = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - expected: its rendezvous was cut
+                    pass
+                bad.setdefault(r, "error: peer failed during formation")
+        for r in pending.values():
+            bad.setdefault(r, "unresponsive")
         if bad:
             raise GroupError(f"process group formation failed for ranks {sorted(bad)}: {bad}", bad)
+
+    def abort_all(self, generation: int, timeout_s: float, only: list[int] | None = None) -> dict[int, str]:
+        """Ask members (all, or `only`) to abort their collectives of `generation` (answered on
+        another actor thread while run() or join() is blocked). Returns {rank: why} for those
+        that did not answer."""
+        ranks = self.members if only is None else only
+        _, bad = self._gather({r: self.members[r].handle.abort.remote(generation) for r in ranks
+                               if r in self.members}, timeout_s)
+        return bad
 
     def restore(self, candidates: list[str], timeout_s: float) -> dict[int, dict]:
         return self._all("restore", timeout_s, candidates)

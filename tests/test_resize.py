@@ -2,7 +2,6 @@
 replaced, grow back when capacity appears. DDP with state moved from survivors' memory."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -12,6 +11,7 @@ import ray
 
 from elastic import Trainer
 from elastic.bench.workload import NUM_SAMPLES
+from elastic.telemetry import parse_lines
 from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -29,7 +29,7 @@ def wait_for(path, kind, pred=lambda e: True, timeout_s=120):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists():
-            for e in map(json.loads, path.read_text().splitlines()):
+            for e in parse_lines(path.read_text(), str(path)):  # the live log may end in a half-written line
                 if e["kind"] == kind and pred(e):
                     return e
         time.sleep(0.2)

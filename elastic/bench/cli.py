@@ -9,6 +9,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--systems", default=None,
                    help="recovery, resize: comma-separated systems to compare (default: all of that benchmark's)")
     p.add_argument("--storage", choices=["file", "s3"], default="file", help="checkpoint storage under test")
+    p.add_argument("--fault", default="kill_node",
+                   help="recovery: kill_node (sockets close), freeze_node (silence, as a power loss), or both "
+                        "comma-separated (interleaved in one run)")
 
 
 def run_bench(args) -> int:

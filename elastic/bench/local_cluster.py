@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Iterator
 
+import psutil
 import ray
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
@@ -45,7 +46,15 @@ def _raylet_alive(node: "ray._private.node.Node") -> bool:
     wait for when counting usable nodes.
     """
     infos = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
-    return bool(infos) and all(info.process.poll() is None for info in infos)
+    return bool(infos) and all(info.process.poll() is None and not _stopped(info.process.pid) for info in infos)
+
+
+def _stopped(pid: int) -> bool:
+    """A frozen node (chaos freeze_node): its raylet exists but is SIGSTOPped."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
 
 
 class LocalCluster:
@@ -96,7 +105,13 @@ class LocalCluster:
             time.sleep(0.2)
 
     def _drop_node(self, node: "ray._private.node.Node") -> None:
-        """Forget a dead node, stopping whatever of it still runs."""
+        """Forget a dead (or frozen) node, stopping whatever of it still runs. The raylet's
+        children (workers, agents) go first: a frozen one would otherwise stay stopped forever."""
+        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(info.process.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
         try:
             # No graceful period: the raylet is gone, nothing left listens for SIGTERM.
             self.cluster.remove_node(node, allow_graceful=False)

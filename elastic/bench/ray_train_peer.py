@@ -170,7 +170,7 @@ def _train_loop(config: dict) -> None:
                 os.write(fd, json.dumps({"t": fault_t, "step": step, "rank": rank}).encode())
                 os.close(fd)
                 _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=fault_t)
-                chaos.kill_own_node()
+                chaos.inject(config.get("fault", "kill_node"))
 
         loss = train_step(model, optimizer, dataset, step, global_batch, rank, per_rank_batch)
         step += 1
@@ -232,8 +232,10 @@ def run_ray_train_recovery(
     global_batch_size: int = 96,
     seed: int = 0,
     max_failures: int = 3,
+    fault: str = "kill_node",
 ) -> dict:
-    """Train the common workload with Ray Train, kill rank 1's node after `fault_step` steps, measure the recovery.
+    """Train the common workload with Ray Train, fault rank 1's node after `fault_step` steps (kill it,
+    or freeze it: `elastic.chaos` actions), measure the recovery.
 
     Needs `ray.init` done (on a cluster with a spare node). Returns one
     benchmark record (see shared/BENCHMARKS.md), plus `restart_s` and the
@@ -260,7 +262,7 @@ def run_ray_train_recovery(
         _train_loop,
         train_loop_config={
             "timeline_dir": timeline_dir, "num_steps": num_steps, "fault_step": fault_step,
-            "ckpt_every": ckpt_every, "global_batch_size": global_batch_size, "seed": seed,
+            "ckpt_every": ckpt_every, "global_batch_size": global_batch_size, "seed": seed, "fault": fault,
         },
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(
@@ -282,6 +284,7 @@ def run_ray_train_recovery(
     return {
         "bench": "recovery",
         "system": "ray-train",
+        "fault": fault,
         **_summarise(events, fault_step=fault_step),
         "final_step": final_step,
         "total_s": total_s,

@@ -5,10 +5,17 @@ log with its reason. Detection, fastest signal first:
   * a survivor's collective fails the moment a peer's sockets close (process
     or node death), so its `run()` returns "aborted" at once;
   * Ray reports the dead actor (its `run()` or `poll()` raises);
-  * a rank that does not answer a ping within `ping_timeout_s` is lost (a
-    dead node that Ray has not noticed yet, or a stopped process);
+  * a rank that answers no poll for `ping_timeout_s` while the group makes no
+    progress is lost: a machine that stopped or was cut off, which closes no
+    socket (Ray lists its node as alive for many seconds more). Its peers are
+    blocked on it in a collective: the controller aborts their collectives,
+    so they leave with their state (the memory path) instead of being killed;
   * no step completed for max(floor, k x median step): a hang; the ranks that
     do not answer are the culprits.
+
+Every group formation is a new generation. Workers stamp their answers with
+the generation they joined; an answer from an older one (a worker that was
+frozen and came back) is ignored, and it may not write checkpoints (fence).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import ray
 
 from elastic.checkpoint import checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
+from elastic.fencing import write_fence
 from elastic.controller.states import (
     TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State,
     Swapping)
@@ -33,7 +41,7 @@ from elastic.policies.straggler import Drop, Report, StragglerState, Swap, decid
 from elastic.storage import Storage, join
 from elastic.strategies import STRATEGIES
 from elastic.telemetry import EventLog
-from elastic.worker_group import GroupError, WorkerGroup, death_cause
+from elastic.worker_group import GroupError, WorkerGroup, cause_of, death_cause
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,9 @@ class Controller:
         self._grow_checked_at = time.monotonic()
         self._swap_healthy_s = 0.0  # healthy ranks' median compute at the last Swap decision
         self._spares_checked_at = 0.0
+        self.generation = 0  # bumped by every group formation
+        self.rank_status: dict[int, str | None] = {}  # each rank's last reported status
+        self._stale: set[tuple[int, int]] = set()  # (rank, generation) of stale answers already logged
 
     # ---------------------------------------------------------------- public (called from the driver / workers)
     def run(self) -> dict:
@@ -107,12 +118,18 @@ class Controller:
                 "loss": self.loss, "world_size": len(self.group.members), "failures": self.failures,
                 "events": self.events.events[since_event:]}
 
-    def report_fault(self, fault: dict, rank: int, step: int, t: float) -> None:
+    def is_current(self, generation: int) -> bool:
+        """Whether `generation` is the run's newest group (a worker asks after its group failed)."""
+        return generation == self.generation and not isinstance(self.state, TERMINAL)
+
+    def report_fault(self, fault: dict, rank: int, step: int, t: float, pid: int | None = None,
+                     generation: int | None = None) -> None:
         with self._fault_lock:
             if fault in self.pending_faults:
                 self.pending_faults.remove(fault)
         self.last_fault = {"action": fault["action"], "rank": rank, "step": step, "t": t}
-        self.events.emit("fault_injected", action=fault["action"], rank=rank, step=step, fault_t=t)
+        self.events.emit("fault_injected", action=fault["action"], rank=rank, step=step, fault_t=t, pid=pid,
+                         generation=generation, thaw_after_s=fault.get("thaw_after_s"))
 
     # ---------------------------------------------------------------- states
     def _set_state(self, new: State) -> None:
@@ -138,11 +155,15 @@ class Controller:
 
     def _on_forming(self, _: Forming) -> State:
         t0 = time.monotonic()
+        cfg = self.job.failure
+        self.generation += 1
+        self._write_fence()
         try:
-            self.group.form(self.job.failure.rendezvous_timeout_s)
+            self.group.form(self.generation, cfg.rendezvous_timeout_s, cfg.ping_timeout_s)
         except GroupError as e:
             return self._lost_from(e, "group formation")
-        self.events.emit("group_formed", world_size=len(self.group.members), form_s=time.monotonic() - t0)
+        self.events.emit("group_formed", world_size=len(self.group.members), form_s=time.monotonic() - t0,
+                         generation=self.generation)
         return Restoring()
 
     def _on_restoring(self, _: Restoring) -> State:
@@ -178,11 +199,11 @@ class Controller:
         failed: dead ranks go through recovery; otherwise re-form and load from storage."""
         self.events.emit("reshard_failed", error=str(e)[:500], fallback="storage")
         self.offers = {}
-        if any(_silence(w) != "error" for w in e.ranks.values()):
+        if any(cause_of(w) != "error" for w in e.ranks.values()):
             return self._lost_from(e, "re-shard")
         bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
         if bad:
-            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+            return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), time.time())
         if self.resizing is not None:
             self.resizing["path"] = "storage (after a failed re-shard in memory)"
         return Forming()
@@ -222,6 +243,8 @@ class Controller:
         aborted: set[int] = set()
         lost: dict[int, LostRank] = {}
         failing_since: float | None = None  # first failure signal; then we settle who is lost
+        storage_wait_logged = False
+        self.rank_status = {}
         self.last_progress_at = time.monotonic()
         while True:
             if ref_rank:
@@ -252,12 +275,27 @@ class Controller:
             self._tend_spares()
             for r, why in silent.items():
                 if why != "unresponsive" and r not in lost:  # Ray says it is dead: no need to wait
-                    lost[r] = LostRank(r, _silence(why), why)
-            if swap is not None and failing_since is None and len(stopped | set(done)) == len(self.group.members):
-                if not done:
+                    lost[r] = LostRank(r, cause_of(why), why)
+            quiet = sorted(r for r, why in silent.items() if why == "unresponsive" and r not in lost)
+            idle_s = time.monotonic() - self.last_progress_at
+            if quiet and idle_s > cfg.ping_timeout_s and failing_since is None:
+                # Silence while the others wait: a stopped or cut-off machine. Its peers are blocked on
+                # it and will never see an error of their own; the recovery aborts their collectives.
+                why = (f"answered no poll for {cfg.ping_timeout_s:g}s (failure.ping_timeout_s) while the group "
+                       f"made no progress for {idle_s:.1f}s")
+                self.events.emit("silence_detected", ranks=quiet, reason=why)
+                for r in quiet:
+                    lost[r] = LostRank(r, "unresponsive", why)
+                return Recovering(tuple(lost[r] for r in sorted(lost)), time.time())
+            # A stop is agreed in one all-reduce, so either every rank stopped or none did.
+            if stopped and len(stopped) == len(self.group.members) and failing_since is None:
+                if swap is not None:
                     self._collect_reports()
                     return swap
-                swap = None  # the run reached its end before the stop: nothing left to swap for
+                # A stop nobody planned any more (the request reached only some ranks, and the
+                # plan was dropped): carry on training.
+                self.events.emit("stop_without_plan", step=self.step)
+                return Running()
             if len(done) == len(self.group.members):
                 return self._finish(done)
             if (lost or aborted) and failing_since is None:
@@ -267,8 +305,8 @@ class Controller:
                 self.group.add_spares(max(len(lost), 1) - self.group.num_spares(), on_demand=True)
             if failing_since is not None:
                 for r, why in silent.items():
-                    lost.setdefault(r, LostRank(r, _silence(why), why))
-                unaccounted = set(self.group.members) - aborted - set(done) - set(lost)
+                    lost.setdefault(r, LostRank(r, cause_of(why), why))
+                unaccounted = set(self.group.members) - aborted - stopped - set(done) - set(lost)
                 # Settled: every rank has failed its collective, finished, or is lost. Or the bound
                 # passed: a rank that still answers pings but never aborts is dealt with as stuck.
                 if not unaccounted or time.monotonic() - failing_since > cfg.ping_timeout_s + 1.0:
@@ -278,6 +316,14 @@ class Controller:
                 swap = self._check_stragglers()
             if swap is None:
                 swap = self._check_growth()
+            if self.group.members and all(self.rank_status.get(r) == "storage_wait" for r in self.group.members):
+                # Every rank waits for a persist (storage slow or down): not a hang. Persists retry
+                # with backoff and then fail, reported; training never pays for storage with a step.
+                if not storage_wait_logged:
+                    storage_wait_logged = True
+                    self.events.emit("storage_wait", step=self.step,
+                                     reason="every rank waits for a checkpoint persist; not counted as a hang")
+                self.last_progress_at = time.monotonic()
             hung, reason = detect_hang(self.last_progress_at, list(self.step_times), cfg, time.monotonic())
             if hung:
                 culprits = silent or {r: "no progress" for r in self.group.members}
@@ -320,16 +366,30 @@ class Controller:
                                         "detected_t": st.detected_at, "fault_step": fault_step}
         self.last_fault = None
         t0 = time.monotonic()
+        causes = {x.rank: x.cause for x in st.lost}
         for x in decision.ranks:
+            m = self.group.members.get(x)
+            if m is not None and causes.get(x) != "process_died":
+                # Its machine may be stopped or cut off while Ray still lists it as alive: place
+                # nothing new there until it answers again.
+                self.group.suspect(m.node_id)
             self.group.kill(x)
-        # Survivors' collectives fail once the lost ranks' sockets close; their run() then returns.
-        # One that stays stuck cannot safely join a new group: replace it rather than wait on it.
+        # A survivor blocked in a collective on a silent peer never sees an error of its own: abort
+        # its collectives (a stale abort is ignored), so run() returns with the state of its last
+        # completed step. One that still does not return cannot safely join a new group: replace it.
         grace_s = cfg.ping_timeout_s * 3
+        unanswered = self.group.abort_all(self.generation, grace_s)
         stuck = self.group.wait_runs(self.run_refs, grace_s)
         stuck.update(self.group.leave_all(grace_s))
         self.run_refs = {}
+        if self.group.suspect_nodes or unanswered:
+            self.events.emit("collectives_aborted", generation=self.generation,
+                             ranks=sorted(r for r in self.group.members if r not in unanswered),
+                             unanswered=unanswered, suspect_nodes=sorted(n[:12] for n in self.group.suspect_nodes))
         for rank, why in stuck.items():
             self.events.emit("worker_replaced", rank=rank, reason=f"did not leave its group: {why}")
+            if cause_of(why) != "process_died" and rank in self.group.members:
+                self.group.suspect(self.group.members[rank].node_id)
             self.group.kill(rank)
         answers, silent = self._collect_reports(cfg.ping_timeout_s, progress=False)
         for rank in silent:
@@ -340,7 +400,8 @@ class Controller:
         missing = [r for r in range(self.world_size) if r not in self.group.members]
         may_shrink = sc.min_size <= len(self.group.members) < self.world_size
         try:
-            how = self.group.promote(missing, sc.shrink_after_s if may_shrink else cfg.replacement_timeout_s)
+            how = self.group.promote(missing, sc.shrink_after_s if may_shrink else cfg.replacement_timeout_s,
+                                     cfg.ping_timeout_s)
         except GroupError as e:
             if len(self.group.members) < sc.min_size:
                 return Errored(f"{e}; scaling.min_workers={sc.min_size}; "
@@ -393,7 +454,7 @@ class Controller:
         """Ask every rank to stop at a common step boundary. False when a rank cannot be asked:
         it is failing anyway, and the failure path takes over."""
         try:
-            self.group.request_stop(self.job.failure.ping_timeout_s * 3)
+            self.group.request_stop(self.generation, self.job.failure.ping_timeout_s * 3)
         except GroupError:
             return False
         return True
@@ -428,7 +489,7 @@ class Controller:
                                   time.time())
         bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
         if bad:
-            return Recovering(tuple(LostRank(r, _silence(w), w) for r, w in bad.items()), time.time())
+            return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), time.time())
         return None
 
     def _on_swapping(self, st: Swapping) -> State:
@@ -442,10 +503,10 @@ class Controller:
         max_calib = self.job.stragglers.threshold * self._swap_healthy_s
         old = self.group.members[st.rank]
         self.group.kill(st.rank)
-        spare = self.group.take_spare_for(st.rank, max_calib)
+        spare = self.group.take_spare_for(st.rank, max_calib, cfg.ping_timeout_s)
         how = "warm spare"
         if spare is None:
-            self.group.promote([st.rank], cfg.replacement_timeout_s)
+            self.group.promote([st.rank], cfg.replacement_timeout_s, cfg.ping_timeout_s)
             how = "started on demand"
         src = min(r for r in self.group.members if r != st.rank)
         self.restore_plan = self._planned_plan(self.world_size, src)
@@ -453,6 +514,16 @@ class Controller:
                          new_node=self.group.members[st.rank].node_id[:12], swap_s=time.monotonic() - t0,
                          spare_calib_s=spare.calib_s if spare else None)
         return Forming()
+
+    def _write_fence(self) -> None:
+        """The fence: the newest generation, in storage beside the checkpoints. A worker may write
+        checkpoints only while it is not older than this (a frozen worker that comes back finds
+        itself fenced off). Best effort: if storage is down, fencing is weaker for a while, but
+        training is never held up by it."""
+        try:
+            write_fence(self.storage, self.root, self.generation)
+        except Exception as e:  # noqa: BLE001 - storage may be out; the next formation writes it again
+            self.events.emit("fence_not_written", generation=self.generation, error=str(e)[:300])
 
     def _write_metrics(self) -> None:
         """metrics.json: the loss of every step and the world size it ran at (redone steps: the
@@ -517,7 +588,7 @@ class Controller:
         old = self.world_size
         new_ranks = list(range(old, old + st.num_new))
         try:
-            self.group.promote(new_ranks, self.job.failure.replacement_timeout_s)
+            self.group.promote(new_ranks, self.job.failure.replacement_timeout_s, self.job.failure.ping_timeout_s)
         except GroupError:
             self.group.renumber()  # whatever joined keeps consecutive ranks
         self.world_size = len(self.group.members)
@@ -551,7 +622,11 @@ class Controller:
         if now - self._spares_checked_at < 2.0 or self.job.scaling.num_spares == 0:
             return
         self._spares_checked_at = now
+        for node in self.group.probe_suspects(self.job.failure.ping_timeout_s):
+            self.events.emit("node_cleared", node=node[:12], reason="answers again, or Ray declared it dead")
         lost = self.group.refresh_spares() + self.group.check_spares(self.job.failure.ping_timeout_s)
+        lost += self.group.lost_spares
+        self.group.lost_spares = []
         for node, pid in self.group.newly_ready:
             self.events.emit("spare_ready", node=node, pid=pid, num_ready=len(self.group.ready_spares))
         self.group.newly_ready.clear()
@@ -562,15 +637,19 @@ class Controller:
 
     # ---------------------------------------------------------------- helpers
     def _lost_from(self, e: GroupError, during: str) -> State:
-        self.events.emit("group_error", during=during, error=str(e)[:500])
-        return Recovering(tuple(LostRank(r, _silence(w), _last_line(w)) for r, w in e.ranks.items()), time.time())
+        """Only ranks that are gone or silent are lost. A rank whose join or restore raised because
+        a peer failed is a survivor: it keeps its state, which may be the newest there is."""
+        gone = {r: w for r, w in e.ranks.items() if cause_of(w) != "error"}
+        survivors = sorted(r for r in e.ranks if r not in gone)
+        self.events.emit("group_error", during=during, error=str(e)[:500], lost=sorted(gone), survivors=survivors)
+        return Recovering(tuple(LostRank(r, cause_of(w), _last_line(w)) for r, w in gone.items()), time.time())
 
     def _collect_reports(self, timeout_s: float | None = None, progress: bool = True):
         """Before the group changes: the polls in flight and one more carry the last reports.
         Returns the fresh poll's (answers, silent). During a recovery only the reports are folded
         in: progress from before the fault must not count as a step of the recovered group."""
         timeout_s = timeout_s or self.job.failure.ping_timeout_s * 5
-        absorb = self._absorb if progress else self._absorb_reports
+        absorb = self._absorb if progress else (lambda a: self._absorb_reports(self._current(a)))
         absorb(self.group.drain_polls(timeout_s))
         answers, silent = self.group.poll(timeout_s)
         absorb(answers)
@@ -578,8 +657,23 @@ class Controller:
 
     def _absorb(self, answers: dict[int, dict]) -> None:
         """Fold polled progress into run-level progress and events."""
+        answers = self._current(answers)
         self._absorb_reports(answers)
         self._absorb_progress(answers)
+
+    def _current(self, answers: dict[int, dict]) -> dict[int, dict]:
+        """Answers of the current generation only: one from an older generation comes from a
+        worker that was cut off (a frozen machine that came back) and describes a group that no
+        longer exists."""
+        out = {}
+        for r, a in answers.items():
+            g = a.get("generation")
+            if g is None or g == self.generation:
+                out[r] = a
+            elif (r, g) not in self._stale:
+                self._stale.add((r, g))
+                self.events.emit("stale_report_ignored", rank=r, generation=g, current_generation=self.generation)
+        return out
 
     def _absorb_reports(self, answers: dict[int, dict]) -> None:
         """Persist results, compute times and the sample ledger: each is reported once, so every
@@ -592,6 +686,10 @@ class Controller:
                                      persist_s=p["persist_s"], attempts=p["attempts"], loss=p["metrics"].get("loss"))
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
+        for step in sorted({s for a in answers.values() for s in a.get("deferred", [])}):
+            self.events.emit("checkpoint_deferred", step=step,
+                             reason="the previous persist is still running (storage slow or down); training goes "
+                                    "on, and the next checkpoint step saves again")
         for rank, a in answers.items():
             for step, compute_s, loss in a.get("compute_log", []):
                 if self.job.stragglers.enabled:
@@ -604,6 +702,7 @@ class Controller:
                 entry[1][r] = ids
 
     def _absorb_progress(self, answers: dict[int, dict]) -> None:
+        self.rank_status.update({r: a.get("status") for r, a in answers.items()})
         steps = [a["step"] for a in answers.values()]
         if not steps:
             return
@@ -644,10 +743,6 @@ class Controller:
                          detect_s=rec["detected_t"] - rec["fault_t"], resumed_step=resumed,
                          fault_step=rec["fault_step"], lost_steps=max(0, rec["fault_step"] - resumed),
                          world_size=len(self.group.members))
-
-
-def _silence(why: str) -> str:
-    return why if why in ("node_died", "process_died", "unreachable", "unresponsive") else "error"
 
 
 def _short(e: BaseException) -> str:
