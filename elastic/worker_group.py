@@ -42,6 +42,12 @@ def cause_of(why: str) -> str:
     return why if why in ("node_died", "process_died", "unreachable", "unresponsive") else "error"
 
 
+def short_reason(e: BaseException) -> str:
+    if isinstance(e, ActorUnavailableError):
+        return "RPC socket closed"
+    return str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+
+
 def death_cause(e: BaseException) -> str:
     if isinstance(e, ActorUnavailableError):
         return "unreachable"  # its RPC socket closed: the process, or the whole node, is gone
@@ -367,6 +373,25 @@ class WorkerGroup:
         if bad:
             raise GroupError(f"{method} failed for ranks {sorted(bad)}: {bad}", bad)
         return out
+
+    @staticmethod
+    def collect_runs(refs: dict[int, "ray.ObjectRef"], timeout_s: float) -> tuple[dict[int, dict], dict[int, tuple]]:
+        """The run() calls in `refs` that returned within `timeout_s` (removed from `refs`):
+        ({rank: result}, {rank: (cause, detail)} for ranks whose actor died)."""
+        if not refs:
+            time.sleep(timeout_s)
+            return {}, {}
+        by_ref = {ref: r for r, ref in refs.items()}
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=timeout_s)
+        results, died = {}, {}
+        for ref in ready:
+            rank = by_ref[ref]
+            del refs[rank]
+            try:
+                results[rank] = ray.get(ref)
+            except RayActorError as e:
+                died[rank] = (death_cause(e), short_reason(e))
+        return results, died
 
     def run(self, num_steps: int, faults: list[dict]) -> dict[int, "ray.ObjectRef"]:
         self._polls.clear()  # an answer to a poll sent before a recovery describes the old group

@@ -32,16 +32,16 @@ from elastic.checkpoint import checkpoints_root, committed_checkpoints, latest_c
 from elastic.config import JobConfig
 from elastic.fencing import write_fence
 from elastic.controller.states import (
-    TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State,
+    TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, RunWatch, Starting, State,
     Swapping)
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromShards, FromStorage, LostRank, Raise, choose_restore, decide_failure,
-    detect_hang)
+    decide_silence, detect_hang)
 from elastic.policies.straggler import Drop, Report, StragglerState, Swap, decide_straggler, observe
 from elastic.storage import Storage, join
 from elastic.strategies import STRATEGIES
 from elastic.telemetry import EventLog
-from elastic.worker_group import GroupError, WorkerGroup, cause_of, death_cause
+from elastic.worker_group import GroupError, WorkerGroup, cause_of
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +49,19 @@ POLL_INTERVAL_S = 0.2
 
 
 class Controller:
-    def __init__(self, job_json: str, runtime_env: dict | None = None):
+    def __init__(self, job_json: str, runtime_env: dict | None = None, *, group=None, clock=None, wall=None):
+        """`group`, `clock` (monotonic seconds) and `wall` (epoch seconds) are for tests: a fake
+        worker group and a fake clock drive the controller without Ray."""
+        self.now = clock or time.monotonic
+        self.wall = wall or time.time
         self.job = JobConfig.model_validate_json(job_json)
         ck = self.job.checkpoint
         self.storage = Storage(ck.storage_uri, ck.storage_options)
         self.run_dir = join(self.storage.uri, self.job.run.name)
         self.root = checkpoints_root(self.storage.uri, self.job.run.name)
         self.events = EventLog(self.storage, self.run_dir)
-        self.group = WorkerGroup(self.job, job_json, self.root, ray.get_runtime_context().current_actor, runtime_env)
+        self.group = group or WorkerGroup(self.job, job_json, self.root, ray.get_runtime_context().current_actor,
+                                          runtime_env)
         self.state: State = Starting()
         self.failures = 0
         self.pending_faults = [f.model_dump() for f in self.job.chaos]
@@ -66,7 +71,7 @@ class Controller:
         self.max_step_seen = 0
         self.loss: float | None = None
         self.step_times: deque[float] = deque(maxlen=50)  # recent step times, for the hang bound
-        self.last_progress_at = time.monotonic()
+        self.last_progress_at = self.now()
         self.awaiting_first_step: dict | None = None  # recovery in progress until a step completes
         self.last_committed: str | None = None
         self.run_refs: dict = {}
@@ -81,7 +86,7 @@ class Controller:
         self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
         # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
         self.ledger: dict[int, tuple[int, dict[int, list[int]]]] = {}
-        self._grow_checked_at = time.monotonic()
+        self._grow_checked_at = self.now()
         self._swap_healthy_s = 0.0  # healthy ranks' median compute at the last Swap decision
         self._spares_checked_at = 0.0
         self.generation = 0  # bumped by every group formation
@@ -94,8 +99,7 @@ class Controller:
                          num_steps=self.job.run.num_steps, run_dir=self.run_dir)
         try:
             while not isinstance(self.state, TERMINAL):
-                handler = getattr(self, f"_on_{type(self.state).__name__.lower()}")
-                self._set_state(handler(self.state))
+                self.step_once()
         except Exception as e:  # noqa: BLE001 - a controller bug must still end the run with a reason
             log.exception("controller failed")
             self._set_state(Errored(f"controller error: {type(e).__name__}: {e}"))
@@ -112,6 +116,13 @@ class Controller:
                 "checkpoint": self.last_committed, "digests": getattr(st, "digests", {}),
                 "losses": {s: x for s, (x, _) in sorted(self.loss_curve.items())},
                 "events": self.events.events, "run_dir": self.run_dir}
+
+    def step_once(self) -> tuple[str, str]:
+        """Exactly one iteration of the state machine; returns (previous state, new state) names."""
+        prev = self.state
+        handler = getattr(self, f"_on_{type(prev).__name__.lower()}")
+        self._set_state(handler(prev))
+        return type(prev).__name__, type(self.state).__name__
 
     def progress(self, since_event: int = 0) -> dict:
         return {"state": type(self.state).__name__, "step": self.step, "num_steps": self.job.run.num_steps,
@@ -147,14 +158,14 @@ class Controller:
                          nodes={r: m.node_id[:12] for r, m in self.group.members.items()})
         self.group.add_spares(self.job.scaling.num_spares)
         if self.job.scaling.wait_for_spares and self.job.scaling.num_spares:
-            t0 = time.monotonic()
+            t0 = self.now()
             ok = self.group.wait_spares_ready(self.job.failure.replacement_timeout_s)
             self.events.emit("spares_ready" if ok else "spares_not_ready", num_ready=len(self.group.ready_spares),
-                             wait_s=time.monotonic() - t0)
+                             wait_s=self.now() - t0)
         return Forming()
 
     def _on_forming(self, _: Forming) -> State:
-        t0 = time.monotonic()
+        t0 = self.now()
         cfg = self.job.failure
         self.generation += 1
         self._write_fence()
@@ -162,7 +173,7 @@ class Controller:
             self.group.form(self.generation, cfg.rendezvous_timeout_s, cfg.ping_timeout_s)
         except GroupError as e:
             return self._lost_from(e, "group formation")
-        self.events.emit("group_formed", world_size=len(self.group.members), form_s=time.monotonic() - t0,
+        self.events.emit("group_formed", world_size=len(self.group.members), form_s=self.now() - t0,
                          generation=self.generation)
         return Restoring()
 
@@ -203,7 +214,7 @@ class Controller:
             return self._lost_from(e, "re-shard")
         bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
         if bad:
-            return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), time.time())
+            return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), self.wall())
         if self.resizing is not None:
             self.resizing["path"] = "storage (after a failed re-shard in memory)"
         return Forming()
@@ -231,104 +242,96 @@ class Controller:
         self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares())
         return Running()
 
-    def _on_running(self, _: Running) -> State:
+    def _on_running(self, st: Running) -> State:
+        """Start every rank's run(), then one observe -> decide iteration per call: the state
+        machine steps through a run one poll at a time (and tests can drive it that way)."""
+        if st.watch is None:
+            with self._fault_lock:
+                faults = list(self.pending_faults)
+            self.run_refs = self.group.run(self.job.run.num_steps, faults)
+            self.rank_status = {}
+            self.last_progress_at = self.now()
+            return Running(RunWatch(dict(self.run_refs)))
+        return self._tick(st.watch) or st
+
+    def _tick(self, w: RunWatch) -> State | None:
+        """One iteration of the run loop: collect run() results and polls, then decide. None: go on."""
         cfg = self.job.failure
-        with self._fault_lock:
-            faults = list(self.pending_faults)
-        refs = self.run_refs = self.group.run(self.job.run.num_steps, faults)
-        ref_rank = {ref: r for r, ref in refs.items()}
-        done: dict[int, dict] = {}
-        stopped: set[int] = set()
-        swap: Swapping | Growing | None = None  # a planned stop in progress
-        aborted: set[int] = set()
-        lost: dict[int, LostRank] = {}
-        failing_since: float | None = None  # first failure signal; then we settle who is lost
-        storage_wait_logged = False
-        self.rank_status = {}
-        self.last_progress_at = time.monotonic()
-        while True:
-            if ref_rank:
-                ready, _ = ray.wait(list(ref_rank), num_returns=len(ref_rank), timeout=POLL_INTERVAL_S)
+        results, died = self.group.collect_runs(w.refs, POLL_INTERVAL_S)
+        for rank, (cause, detail) in died.items():
+            w.lost[rank] = LostRank(rank, cause, detail)
+        for rank, out in results.items():
+            if out["status"] == "done":
+                w.done[rank] = out
+            elif out["status"] == "stopped":
+                w.stopped.add(rank)
+            elif out["status"] == "user_error":
+                self.events.emit("user_error", rank=rank, step=out["step"], error=out["error"],
+                                 traceback=out.get("traceback"))
+                return Recovering((), self.wall(), user_error=f"rank {rank} at step {out['step']}: {out['error']}")
             else:
-                ready = []
-                time.sleep(POLL_INTERVAL_S)
-            for ref in ready:
-                rank = ref_rank.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    lost[rank] = LostRank(rank, death_cause(e), _short(e))
-                    continue
-                if out["status"] == "done":
-                    done[rank] = out
-                elif out["status"] == "stopped":
-                    stopped.add(rank)
-                elif out["status"] == "user_error":
-                    self.events.emit("user_error", rank=rank, step=out["step"], error=out["error"],
-                                     traceback=out.get("traceback"))
-                    return Recovering((), time.time(), user_error=f"rank {rank} at step {out['step']}: {out['error']}")
-                else:
-                    aborted.add(rank)
-                    self.events.emit("collective_failed", rank=rank, step=out["step"], error=out["error"][:300])
-            answers, silent = self.group.poll_nowait(cfg.ping_timeout_s)
-            self._absorb(answers)
-            self._tend_spares()
-            for r, why in silent.items():
-                if why != "unresponsive" and r not in lost:  # Ray says it is dead: no need to wait
-                    lost[r] = LostRank(r, cause_of(why), why)
-            quiet = sorted(r for r, why in silent.items() if why == "unresponsive" and r not in lost)
-            idle_s = time.monotonic() - self.last_progress_at
-            if quiet and idle_s > cfg.ping_timeout_s and failing_since is None:
+                w.aborted.add(rank)
+                self.events.emit("collective_failed", rank=rank, step=out["step"], error=out["error"][:300])
+        answers, silent = self.group.poll_nowait(cfg.ping_timeout_s)
+        self._absorb(answers)
+        self._tend_spares()
+        for r, why in silent.items():
+            if why != "unresponsive" and r not in w.lost:  # Ray says it is dead: no need to wait
+                w.lost[r] = LostRank(r, cause_of(why), why)
+        if w.failing_since is None:
+            decision = decide_silence(silent, self.now() - self.last_progress_at, cfg)
+            if decision is not None:
                 # Silence while the others wait: a stopped or cut-off machine. Its peers are blocked on
                 # it and will never see an error of their own; the recovery aborts their collectives.
-                why = (f"answered no poll for {cfg.ping_timeout_s:g}s (failure.ping_timeout_s) while the group "
-                       f"made no progress for {idle_s:.1f}s")
-                self.events.emit("silence_detected", ranks=quiet, reason=why)
+                quiet, why = decision
+                self.events.emit("silence_detected", ranks=list(quiet), reason=why)
                 for r in quiet:
-                    lost[r] = LostRank(r, "unresponsive", why)
-                return Recovering(tuple(lost[r] for r in sorted(lost)), time.time())
-            # A stop is agreed in one all-reduce, so either every rank stopped or none did.
-            if stopped and len(stopped) == len(self.group.members) and failing_since is None:
-                if swap is not None:
-                    self._collect_reports()
-                    return swap
-                # A stop nobody planned any more (the request reached only some ranks, and the
-                # plan was dropped): carry on training.
-                self.events.emit("stop_without_plan", step=self.step)
-                return Running()
-            if len(done) == len(self.group.members):
-                return self._finish(done)
-            if (lost or aborted) and failing_since is None:
-                failing_since = time.monotonic()
-                # Start a replacement now, while we settle exactly who is lost: the slow part of a
-                # new worker (process start, imports, model build) overlaps with detection.
-                self.group.add_spares(max(len(lost), 1) - self.group.num_spares(), on_demand=True)
-            if failing_since is not None:
-                for r, why in silent.items():
-                    lost.setdefault(r, LostRank(r, cause_of(why), why))
-                unaccounted = set(self.group.members) - aborted - stopped - set(done) - set(lost)
-                # Settled: every rank has failed its collective, finished, or is lost. Or the bound
-                # passed: a rank that still answers pings but never aborts is dealt with as stuck.
-                if not unaccounted or time.monotonic() - failing_since > cfg.ping_timeout_s + 1.0:
-                    return Recovering(tuple(lost[r] for r in sorted(lost)), time.time())
-                continue
-            if swap is None and self.job.stragglers.enabled:
-                swap = self._check_stragglers()
-            if swap is None:
-                swap = self._check_growth()
-            if self.group.members and all(self.rank_status.get(r) == "storage_wait" for r in self.group.members):
-                # Every rank waits for a persist (storage slow or down): not a hang. Persists retry
-                # with backoff and then fail, reported; training never pays for storage with a step.
-                if not storage_wait_logged:
-                    storage_wait_logged = True
-                    self.events.emit("storage_wait", step=self.step,
-                                     reason="every rank waits for a checkpoint persist; not counted as a hang")
-                self.last_progress_at = time.monotonic()
-            hung, reason = detect_hang(self.last_progress_at, list(self.step_times), cfg, time.monotonic())
-            if hung:
-                culprits = silent or {r: "no progress" for r in self.group.members}
-                self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
-                return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), time.time())
+                    w.lost[r] = LostRank(r, "unresponsive", why)
+                return Recovering(tuple(w.lost[r] for r in sorted(w.lost)), self.wall())
+        members = set(self.group.members)
+        # A stop is agreed in one all-reduce, so either every rank stopped or none did.
+        if w.stopped and w.stopped == members and w.failing_since is None:
+            if w.planned is not None:
+                self._collect_reports()
+                return w.planned
+            # A stop nobody planned any more (the request reached only some ranks, and the plan
+            # was dropped): carry on training.
+            self.events.emit("stop_without_plan", step=self.step)
+            return Running()
+        if members and set(w.done) == members:
+            return self._finish(w.done)
+        if (w.lost or w.aborted) and w.failing_since is None:
+            w.failing_since = self.now()
+            # Start a replacement now, while we settle exactly who is lost: the slow part of a new
+            # worker (process start, imports, model build) overlaps with detection.
+            self.group.add_spares(max(len(w.lost), 1) - self.group.num_spares(), on_demand=True)
+        if w.failing_since is not None:
+            for r, why in silent.items():
+                w.lost.setdefault(r, LostRank(r, cause_of(why), why))
+            unaccounted = members - w.aborted - w.stopped - set(w.done) - set(w.lost)
+            # Settled: every rank has failed its collective, finished, or is lost. Or the bound
+            # passed: a rank that still answers pings but never aborts is dealt with as stuck.
+            if not unaccounted or self.now() - w.failing_since > cfg.ping_timeout_s + 1.0:
+                return Recovering(tuple(w.lost[r] for r in sorted(w.lost)), self.wall())
+            return None
+        if w.planned is None and self.job.stragglers.enabled:
+            w.planned = self._check_stragglers()
+        if w.planned is None:
+            w.planned = self._check_growth()
+        if members and all(self.rank_status.get(r) == "storage_wait" for r in members):
+            # Every rank waits for a persist (storage slow or down): not a hang. Persists retry with
+            # backoff and then fail, reported; training never pays for storage with a step.
+            if not w.storage_wait_logged:
+                w.storage_wait_logged = True
+                self.events.emit("storage_wait", step=self.step,
+                                 reason="every rank waits for a checkpoint persist; not counted as a hang")
+            self.last_progress_at = self.now()
+        hung, reason = detect_hang(self.last_progress_at, list(self.step_times), cfg, self.now())
+        if hung:
+            culprits = silent or {r: "no progress" for r in members}
+            self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
+            return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), self.wall())
+        return None
 
     def _finish(self, done: dict[int, dict]) -> Finished:
         # Every run() waited for its last persist: collect those reports. Storage has the last
@@ -352,7 +355,7 @@ class Controller:
         latest = latest_committed(self.storage, self.root)
         self.last_committed = latest.uri if latest else None
         obs = FailureObservation(st.lost, len(self.group.members), self.failures, st.user_error, self.last_committed)
-        decision, reason = decide_failure(obs, cfg, time.time())
+        decision, reason = decide_failure(obs, cfg, self.wall())
         self.events.emit("failure_detected", lost=[x.__dict__ for x in st.lost], step=self.step,
                          detect_s=(st.detected_at - fault["t"]) if fault else None)
         self.events.emit("decision", decision=type(decision).__name__, ranks=list(getattr(decision, "ranks", ())),
@@ -365,7 +368,7 @@ class Controller:
             self.awaiting_first_step = {"fault_t": fault["t"] if fault else st.detected_at,
                                         "detected_t": st.detected_at, "fault_step": fault_step}
         self.last_fault = None
-        t0 = time.monotonic()
+        t0 = self.now()
         causes = {x.rank: x.cause for x in st.lost}
         for x in decision.ranks:
             m = self.group.members.get(x)
@@ -407,7 +410,7 @@ class Controller:
                 return Errored(f"{e}; scaling.min_workers={sc.min_size}; "
                                f"last committed checkpoint: {self.last_committed or 'none'}")
             return self._shrink(str(e), t0)
-        self.events.emit("workers_replaced", ranks=missing, start_s=time.monotonic() - t0, how=how,
+        self.events.emit("workers_replaced", ranks=missing, start_s=self.now() - t0, how=how,
                          nodes={r: self.group.members[r].node_id[:12] for r in missing})
         return Forming()
 
@@ -431,14 +434,14 @@ class Controller:
             healthy = [statistics.median(window[r]) for r in ranks if r not in slow and window[r]]
             healthy_s = statistics.median(healthy) if healthy else 0.0
             self.group.refresh_spares()
-            decision, reason = decide_straggler(self.stragglers, sc, time.monotonic(),
+            decision, reason = decide_straggler(self.stragglers, sc, self.now(),
                                                 [m.calib_s for m in self.group.ready_spares if m.calib_s],
                                                 healthy_s, may_shrink=self.world_size > self.job.scaling.min_size)
             if isinstance(decision, Report) and decision.rank not in self.stragglers.reported:
                 self.stragglers.reported.add(decision.rank)
                 self.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason)
             if isinstance(decision, (Swap, Drop)):
-                self.stragglers.last_action_t = time.monotonic()
+                self.stragglers.last_action_t = self.now()
                 self.events.emit("decision", decision=type(decision).__name__, ranks=[decision.rank],
                                  reason=reason, healthy_compute_s=healthy_s)
                 if not self._request_stop():
@@ -460,7 +463,7 @@ class Controller:
         return True
 
     def _begin_resize(self, new_world: int, reason: str) -> None:
-        self.resizing = {"decided_t": time.time(), "old_world_size": self.world_size,
+        self.resizing = {"decided_t": self.wall(), "old_world_size": self.world_size,
                          "new_world_size": new_world, "reason": reason}
 
     def _planned_plan(self, old_world: int, src_rank: int = 0) -> FromPeer | FromShards | FromStorage:
@@ -486,17 +489,17 @@ class Controller:
             self.offers, late = self.group.offer_shards(self.job.failure.collective_timeout_s)
             if late:
                 return Recovering(tuple(LostRank(r, "unresponsive", "did not offer its shards") for r in late),
-                                  time.time())
+                                  self.wall())
         bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
         if bad:
-            return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), time.time())
+            return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), self.wall())
         return None
 
     def _on_swapping(self, st: Swapping) -> State:
         """A planned replacement at a step boundary: nothing is lost, the spare gets state from a
         healthy rank's memory."""
         cfg = self.job.failure
-        t0 = time.monotonic()
+        t0 = self.now()
         failed = self._leave_for_planned_change()
         if failed:
             return failed
@@ -511,7 +514,7 @@ class Controller:
         src = min(r for r in self.group.members if r != st.rank)
         self.restore_plan = self._planned_plan(self.world_size, src)
         self.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
-                         new_node=self.group.members[st.rank].node_id[:12], swap_s=time.monotonic() - t0,
+                         new_node=self.group.members[st.rank].node_id[:12], swap_s=self.now() - t0,
                          spare_calib_s=spare.calib_s if spare else None)
         return Forming()
 
@@ -553,14 +556,14 @@ class Controller:
             self.restore_plan = FromPeer(mapping[self.restore_plan.src_rank], self.restore_plan.step)
         self.resizing["path"] = self._path(self.restore_plan)
         self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
-                         reason=reason, decide_s=time.monotonic() - t0)
+                         reason=reason, decide_s=self.now() - t0)
         return Forming()
 
     def _check_growth(self) -> Growing | None:
         """Below max_workers, keep workers waiting for capacity; once some are warm, plan a stop
         at a step boundary and grow (never in the middle of a step or of a checkpoint persist)."""
         sc = self.job.scaling
-        now = time.monotonic()
+        now = self.now()
         if self.world_size >= sc.max_size or now - self._grow_checked_at < sc.grow_check_s:
             return None
         self._grow_checked_at = now
@@ -581,7 +584,7 @@ class Controller:
         return Growing(n)
 
     def _on_growing(self, st: Growing) -> State:
-        t0 = time.monotonic()
+        t0 = self.now()
         failed = self._leave_for_planned_change()
         if failed:
             return failed
@@ -595,13 +598,13 @@ class Controller:
         self.restore_plan = self._planned_plan(old)
         self.resizing.update(new_world_size=self.world_size, path=self._path(self.restore_plan))
         self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
-                         reason="capacity appeared", decide_s=time.monotonic() - t0)
+                         reason="capacity appeared", decide_s=self.now() - t0)
         return Forming()
 
     def _on_dropping(self, st: Dropping) -> State:
         """A straggler with no spare to take its place, and the world may shrink: stop at a
         step boundary, let it hand over its part of the state, and go on without it."""
-        t0 = time.monotonic()
+        t0 = self.now()
         failed = self._leave_for_planned_change()
         if failed:
             return failed
@@ -613,12 +616,12 @@ class Controller:
         self.restore_plan = self._planned_plan(old)
         self.resizing.update(new_world_size=self.world_size, path=self._path(self.restore_plan))
         self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
-                         reason=f"rank {st.rank} dropped (node {node}): {st.reason}", decide_s=time.monotonic() - t0)
+                         reason=f"rank {st.rank} dropped (node {node}): {st.reason}", decide_s=self.now() - t0)
         return Forming()
 
     def _tend_spares(self) -> None:
         """Background care of the spare pool: notice spares that finished warming, replace dead ones."""
-        now = time.monotonic()
+        now = self.now()
         if now - self._spares_checked_at < 2.0 or self.job.scaling.num_spares == 0:
             return
         self._spares_checked_at = now
@@ -642,7 +645,7 @@ class Controller:
         gone = {r: w for r, w in e.ranks.items() if cause_of(w) != "error"}
         survivors = sorted(r for r in e.ranks if r not in gone)
         self.events.emit("group_error", during=during, error=str(e)[:500], lost=sorted(gone), survivors=survivors)
-        return Recovering(tuple(LostRank(r, cause_of(w), _last_line(w)) for r, w in gone.items()), time.time())
+        return Recovering(tuple(LostRank(r, cause_of(w), _last_line(w)) for r, w in gone.items()), self.wall())
 
     def _collect_reports(self, timeout_s: float | None = None, progress: bool = True):
         """Before the group changes: the polls in flight and one more carry the last reports.
@@ -708,7 +711,7 @@ class Controller:
             return
         new_step = min(steps)
         if new_step > self.step:
-            self.last_progress_at = time.monotonic()
+            self.last_progress_at = self.now()
             step_s = [a["step_s"] for a in answers.values() if a.get("step_s")]
             if step_s:
                 self.step_times.append(max(step_s))
@@ -726,7 +729,7 @@ class Controller:
         """The first step at the new world size completed: how long the resize took."""
         rz, self.resizing = self.resizing, None
         ends = [a["first_step_end"] for a in answers.values() if a.get("first_step_end")]
-        first_step_t = max(ends) if ends else time.time()
+        first_step_t = max(ends) if ends else self.wall()
         self.events.emit("resize_completed", old_world_size=rz["old_world_size"],
                          new_world_size=len(self.group.members), path=rz.get("path"), source=rz.get("source"),
                          resize_s=first_step_t - rz["decided_t"], restore_s=rz.get("restore_s"),
@@ -737,18 +740,12 @@ class Controller:
         rec = self.awaiting_first_step
         self.awaiting_first_step = None
         ends = [a["first_step_end"] for a in answers.values() if a.get("first_step_end")]
-        first_step_t = max(ends) if ends else time.time()
+        first_step_t = max(ends) if ends else self.wall()
         resumed = rec.get("resumed_step", 0)
         self.events.emit("recovered", recover_s=first_step_t - rec["fault_t"],
                          detect_s=rec["detected_t"] - rec["fault_t"], resumed_step=resumed,
                          fault_step=rec["fault_step"], lost_steps=max(0, rec["fault_step"] - resumed),
                          world_size=len(self.group.members))
-
-
-def _short(e: BaseException) -> str:
-    if isinstance(e, ray.exceptions.ActorUnavailableError):
-        return "RPC socket closed"
-    return str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
 
 
 def _last_line(text: str) -> str:

@@ -31,9 +31,23 @@ class Restoring:
     pass
 
 
+@dataclass
+class RunWatch:
+    """What the run loop learns across its iterations; it lives in the Running state."""
+
+    refs: dict  # rank -> run() call still in flight
+    done: dict = field(default_factory=dict)  # rank -> run() result, for ranks that finished
+    stopped: set = field(default_factory=set)  # ranks that stopped at an agreed step boundary
+    aborted: set = field(default_factory=set)  # ranks whose collective failed
+    lost: dict = field(default_factory=dict)  # rank -> LostRank
+    failing_since: float | None = None  # first failure signal; then we settle who is lost
+    planned: "Swapping | Growing | Dropping | None" = None  # a planned stop in progress
+    storage_wait_logged: bool = False
+
+
 @dataclass(frozen=True)
 class Running:
-    pass
+    watch: RunWatch | None = None  # None: run() not started yet
 
 
 @dataclass(frozen=True)
@@ -70,5 +84,5 @@ class Errored:
     error: str
 
 
-State = Starting | Forming | Restoring | Running | Recovering | Swapping | Growing | Finished | Errored
+State = Starting | Forming | Restoring | Running | Recovering | Swapping | Growing | Dropping | Finished | Errored
 TERMINAL = (Finished, Errored)

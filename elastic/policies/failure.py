@@ -94,6 +94,19 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
     return FromPeer(src, step), f"state from the memory of rank {src} (step {step}), no storage read"
 
 
+def decide_silence(silent: dict[int, str], idle_s: float, cfg: FailureConfig) -> tuple[tuple[int, ...], str] | None:
+    """A machine that stops (power, kernel panic, partition) closes no socket: its peers wait on it
+    and never see an error. The sign is silence: ranks whose poll has been unanswered for
+    ping_timeout_s ("unresponsive") while the group completed no step for as long. Returns
+    (those ranks, reason), or None. A rank slow to answer while others still make progress is not
+    lost: it is not holding anyone up."""
+    quiet = tuple(sorted(r for r, why in silent.items() if why == "unresponsive"))
+    if not quiet or idle_s <= cfg.ping_timeout_s:
+        return None
+    return quiet, (f"answered no poll for {cfg.ping_timeout_s:g}s (failure.ping_timeout_s) while the group made "
+                   f"no progress for {idle_s:.1f}s")
+
+
 def hang_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
     """No progress for longer than this is a hang: hang_factor x the median step, never below the floor."""
     if not step_times_s:

@@ -1,0 +1,303 @@
+"""A worker group without Ray: simulated ranks on a fake clock, for stepping the controller.
+
+The controller talks to its workers only through the group, so this stand-in
+lets tests drive it one iteration at a time (`Controller.step_once`) through
+frozen ranks, partial stop deliveries, failures during a recovery or a resize,
+and lets `elastic bench controller` measure an iteration's cost at 10,000
+ranks. Training is simulated as in a real all-reduce group: every `step_s` of
+fake time all ranks complete a step together, unless one of them is frozen or
+dead, in which case the others wait (blocked in the collective) until they are
+aborted. Every call the controller makes is recorded in `calls`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from elastic.worker_group import GroupError
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@dataclass
+class FakeRank:
+    rank: int
+    node_id: str
+    pid: int
+    handle: object = None
+    calib_s: float | None = 0.01
+    on_demand: bool = False
+    step: int = 0
+    generation: int = 0
+    frozen_at: float | None = None  # silent from then on (a stopped machine)
+    dead: bool = False  # Ray reports it dead
+    run_out: dict | None = None  # what its run() returned, once it returned
+    running: bool = False
+    stop: bool = False
+
+
+@dataclass
+class FakeGroup:
+    clock: FakeClock
+    num_steps_hint: int = 0
+    step_s: float = 0.05  # fake seconds per training step
+    spare_warm_s: float = 0.5  # fake seconds for a spare to become ready
+    members: dict = field(default_factory=dict)
+    ready_spares: list = field(default_factory=list)
+    newly_ready: list = field(default_factory=list)
+    lost_spares: list = field(default_factory=list)
+    suspect_nodes: set = field(default_factory=set)
+    calls: list = field(default_factory=list)  # (method, args) in order
+    # test hooks
+    fail_promote: int = 0  # the next N promote() calls raise (replacements that never come)
+    die_on_form: list = field(default_factory=list)  # ranks that die during the next form()
+    stop_undelivered: set = field(default_factory=set)  # ranks a request_stop does not reach
+    self_s: float = 0.0  # real seconds spent inside this fake (to subtract from controller timings)
+
+    def __post_init__(self):
+        self._pending: list[float] = []  # fake times at which pending spares become ready
+        self._next_pid = 10_000
+        self._num_steps = 0
+        self._last_advance = self.clock()
+        self._polls_sent = 0
+
+    # ---------------------------------------------------------------- helpers for tests
+    def _new_rank(self, rank: int, on_demand: bool = False) -> FakeRank:
+        self._next_pid += 1
+        return FakeRank(rank, f"node{self._next_pid:06d}" + "0" * 44, self._next_pid, on_demand=on_demand)
+
+    def freeze(self, rank: int) -> None:
+        self.members[rank].frozen_at = self.clock()
+
+    def kill_process(self, rank: int) -> None:
+        self.members[rank].dead = True
+
+    def _advance_training(self) -> None:
+        """All ranks step together while none is frozen or dead (an all-reduce needs everyone)."""
+        now = self.clock()
+        live = [m for m in self.members.values() if m.running]
+        blocked = any(m.frozen_at is not None or m.dead for m in self.members.values())
+        while now - self._last_advance >= self.step_s:
+            self._last_advance += self.step_s
+            if blocked or not live or len(live) != len(self.members):
+                continue
+            stop = any(m.stop for m in live)
+            for m in live:
+                m.step += 1
+                if m.step >= self._num_steps:
+                    m.running, m.run_out = False, {"status": "done", "step": m.step, "digest": "d",
+                                                   "generation": m.generation}
+                elif stop:
+                    m.running, m.stop = False, False
+                    m.run_out = {"status": "stopped", "step": m.step, "generation": m.generation}
+            if any(not m.running for m in live):
+                return
+
+    # ---------------------------------------------------------------- start and spares
+    def start(self, ranks, timeout_s) -> None:
+        self.calls.append(("start", tuple(ranks)))
+        for r in ranks:
+            self.members[r] = self._new_rank(r)
+
+    def add_spares(self, n: int, on_demand: bool = False) -> None:
+        for _ in range(max(0, n)):
+            self._pending.append(self.clock() + self.spare_warm_s)
+
+    def wait_spares_ready(self, timeout_s: float) -> bool:
+        self.clock.advance(self.spare_warm_s)
+        self.refresh_spares()
+        return not self._pending
+
+    def num_spares(self) -> int:
+        return len(self.ready_spares) + len(self._pending)
+
+    def refresh_spares(self, wait_s: float = 0.0) -> list[str]:
+        now = self.clock()
+        for t in [t for t in self._pending if t <= now]:
+            self._pending.remove(t)
+            m = self._new_rank(-1)
+            self.ready_spares.append(m)
+            self.newly_ready.append((m.node_id[:12], m.pid))
+        return []
+
+    def check_spares(self, timeout_s: float) -> list[str]:
+        return []
+
+    def probe_suspects(self, timeout_s: float) -> list[str]:
+        return []
+
+    def trim_spares(self, keep: int) -> None:
+        while self.num_spares() > keep:
+            (self._pending.pop() if self._pending else self.ready_spares.pop())
+
+    def suspect(self, node_id: str) -> None:
+        self.suspect_nodes.add(node_id)
+
+    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float):
+        self.refresh_spares()
+        if not self.ready_spares:
+            return None
+        m = self.ready_spares.pop(0)
+        m.rank = rank
+        self.members[rank] = m
+        return m
+
+    def promote(self, ranks, timeout_s, ping_timeout_s) -> dict[int, str]:
+        self.calls.append(("promote", tuple(ranks)))
+        if self.fail_promote > 0:
+            self.fail_promote -= 1
+            self.clock.advance(timeout_s)
+            raise GroupError(f"no worker could be started for ranks {list(ranks)}", {r: "unavailable" for r in ranks})
+        how = {}
+        self.refresh_spares()
+        for r in ranks:
+            if self.ready_spares:
+                m = self.ready_spares.pop(0)
+                how[r] = "warm spare"
+            else:
+                m = self._new_rank(r, on_demand=True)
+                how[r] = "started on demand"
+            m.rank = r
+            self.members[r] = m
+        return how
+
+    def renumber(self) -> dict[int, int]:
+        mapping = {old: new for new, old in enumerate(sorted(self.members))}
+        self.members = {mapping[o]: m for o, m in self.members.items()}
+        for r, m in self.members.items():
+            m.rank = r
+        return mapping
+
+    # ---------------------------------------------------------------- group
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float) -> None:
+        self.calls.append(("form", generation))
+        dying, self.die_on_form = self.die_on_form, []
+        for r in dying:
+            self.members[r].dead = True
+        if dying:
+            bad = {r: "process_died" for r in dying}
+            bad.update({r: "error: peer failed during formation" for r in self.members if r not in dying})
+            raise GroupError(f"process group formation failed for ranks {sorted(bad)}", bad)
+        for m in self.members.values():
+            m.generation = generation
+
+    def _restored(self, step: int, source: str) -> dict[int, dict]:
+        for m in self.members.values():
+            m.step = step
+        return {r: {"step": step, "uri": None, "skipped": [], "restore_s": 0.01, "source": source}
+                for r in self.members}
+
+    def restore(self, candidates, timeout_s) -> dict[int, dict]:
+        self.calls.append(("restore", len(candidates)))
+        return self._restored(0, "init")
+
+    def restore_from_peer(self, src_rank: int, timeout_s: float) -> dict[int, dict]:
+        self.calls.append(("restore_from_peer", src_rank))
+        return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
+
+    def restore_from_shards(self, offers, old_world, timeout_s) -> dict[int, dict]:
+        self.calls.append(("restore_from_shards", old_world))
+        step = max(m.step for m in self.members.values())
+        return self._restored(step, f"re-sharded in memory from {old_world} ranks")
+
+    def offer_shards(self, timeout_s: float):
+        return {r: object() for r in self.members}, []
+
+    def request_stop(self, generation: int, timeout_s: float) -> dict[int, int]:
+        self.calls.append(("request_stop", generation))
+        for r, m in self.members.items():
+            if r not in self.stop_undelivered:
+                m.stop = True
+        if self.stop_undelivered:
+            bad = {r: "unresponsive" for r in self.stop_undelivered}
+            self.stop_undelivered = set()
+            raise GroupError(f"request_stop failed for ranks {sorted(bad)}", bad)
+        return {r: m.step for r, m in self.members.items()}
+
+    # ---------------------------------------------------------------- run and poll
+    def run(self, num_steps: int, faults) -> dict[int, object]:
+        self.calls.append(("run", num_steps))
+        self._num_steps = num_steps
+        self._last_advance = self.clock()
+        for m in self.members.values():
+            m.running, m.run_out = True, None
+        return {r: ("run", r, m.generation) for r, m in self.members.items()}
+
+    def collect_runs(self, refs: dict, timeout_s: float):
+        t0 = time.perf_counter()
+        self.clock.advance(timeout_s)
+        self._advance_training()
+        results, died = {}, {}
+        for r in list(refs):
+            m = self.members.get(r)
+            if m is None:
+                continue
+            if m.dead:
+                died[r] = ("process_died", "killed")
+                del refs[r]
+            elif m.run_out is not None:
+                results[r] = m.run_out
+                del refs[r]
+        self.self_s += time.perf_counter() - t0
+        return results, died
+
+    def _answer(self, m: FakeRank) -> dict:
+        return {"step": m.step, "status": "running" if m.running else "idle", "loss": 1.0, "step_s": self.step_s,
+                "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": [],
+                "compute_log": [], "ledger": [], "deferred": []}
+
+    def poll_nowait(self, ping_timeout_s: float):
+        t0 = time.perf_counter()
+        now = self.clock()
+        answers, silent = {}, {}
+        for r, m in self.members.items():
+            self._polls_sent += 1
+            if m.dead:
+                silent[r] = "process_died"
+            elif m.frozen_at is not None:
+                if now - m.frozen_at > ping_timeout_s:
+                    silent[r] = "unresponsive"
+            else:
+                answers[r] = self._answer(m)
+        self.self_s += time.perf_counter() - t0
+        return answers, silent
+
+    def poll(self, timeout_s: float):
+        answers, silent = self.poll_nowait(0.0)
+        return answers, {r: w for r, w in silent.items()}
+
+    def drain_polls(self, timeout_s: float) -> dict:
+        return {}
+
+    # ---------------------------------------------------------------- failure handling
+    def kill(self, rank: int) -> None:
+        self.calls.append(("kill", rank))
+        self.members.pop(rank, None)
+
+    def abort_all(self, generation: int, timeout_s: float, only=None) -> dict[int, str]:
+        self.calls.append(("abort_all", generation))
+        for r, m in self.members.items():
+            if (only is None or r in only) and m.generation == generation and m.running and m.frozen_at is None:
+                m.running, m.run_out = False, {"status": "aborted", "step": m.step, "error": "aborted",
+                                               "generation": generation}
+        return {r: "unresponsive" for r, m in self.members.items() if m.frozen_at is not None}
+
+    def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]:
+        return {r: "unresponsive" for r in refs if r in self.members and self.members[r].running}
+
+    def leave_all(self, timeout_s: float) -> dict[int, str]:
+        return {}
+
+    def shutdown(self) -> None:
+        self.members.clear()
+        self.ready_spares.clear()
+        self._pending.clear()

@@ -1,0 +1,132 @@
+"""The controller, stepped one iteration at a time against a fake worker group and a fake clock
+(no Ray): a frozen rank, a partial stop delivery, a failure during a recovery, a failure
+during a resize."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from elastic.config import JobConfig
+from elastic.controller.controller import Controller
+from elastic.controller.states import TERMINAL, Finished, Recovering
+from elastic.testing.fake_group import FakeClock, FakeGroup
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make(num_steps=40, scaling=None, failure=None, **group_kw):
+    clock = FakeClock()
+    job = JobConfig.model_validate({
+        "run": {"name": "ctl", "num_steps": num_steps},
+        "scaling": {"num_workers": 3, **(scaling or {})},
+        "failure": {"max_failures": 3, "hang_floor_s": 5, **(failure or {})},
+        "checkpoint": {"storage_uri": f"memory://ctl-{uuid.uuid4().hex[:8]}"},
+        "train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 48},
+    })
+    group = FakeGroup(clock, **group_kw)
+    return Controller(job.model_dump_json(), group=group, clock=clock, wall=clock), group, clock
+
+
+def drive(c, until=lambda c: False, max_iters=20_000):
+    for _ in range(max_iters):
+        if isinstance(c.state, TERMINAL) or until(c):
+            return
+        c.step_once()
+    raise AssertionError(f"still {type(c.state).__name__} at step {c.step} after {max_iters} iterations")
+
+
+def kinds(c, kind):
+    return [e for e in c.events.events if e["kind"] == kind]
+
+
+def calls(g, name):
+    return [args for n, args in g.calls if n == name]
+
+
+def test_a_frozen_rank_is_found_by_silence_and_its_peers_keep_their_state():
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 10)
+    g.freeze(1)
+    frozen_at = clock()
+    drive(c, lambda c: isinstance(c.state, Recovering))
+    (silence,) = kinds(c, "silence_detected")
+    assert silence["ranks"] == [1] and "ping_timeout_s" in silence["reason"]
+    # Found by silence within ping_timeout_s and a couple of polls, long before the 5 s hang floor.
+    assert clock() - frozen_at <= c.job.failure.ping_timeout_s + 0.5
+    step_at_freeze = c.step
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    assert ("abort_all", 1) in g.calls  # the survivors' collectives of generation 1 were aborted
+    assert calls(g, "kill")[0] == 1 and 0 not in calls(g, "kill") and 2 not in calls(g, "kill")
+    assert calls(g, "promote") == [(1,)]
+    assert calls(g, "restore_from_peer") == [0]  # memory path
+    (rec,) = kinds(c, "recovered")
+    assert rec["resumed_step"] == step_at_freeze and rec["lost_steps"] == 0
+    assert not kinds(c, "hang_detected")
+    assert g.suspect_nodes  # the frozen rank's node gets nothing new
+
+
+def test_a_slow_answer_while_the_group_progresses_is_not_a_failure():
+    """A rank whose poll is late while the others keep stepping is holding nobody up: not lost."""
+    c, g, clock = make(num_steps=200)
+    drive(c, lambda c: c.step >= 5)
+    g.members[2].frozen_at = clock()  # unanswered polls...
+    g._advance_training = lambda: [setattr(m, "step", m.step + 1) for m in g.members.values()]  # ...yet progress
+    for _ in range(30):
+        c.step_once()
+    assert not kinds(c, "silence_detected") and not kinds(c, "failure_detected")
+
+
+def test_a_stop_request_that_reaches_only_some_ranks_is_not_lost():
+    """Growth asks every rank to stop; one does not get the request. The others' flag rides on the
+    step's all-reduce, so all stop together; the dropped plan must not leave the run waiting."""
+    c, g, clock = make(num_steps=400, scaling={"num_workers": 2, "max_workers": 3, "grow_check_s": 1})
+    g.stop_undelivered = {1}
+    drive(c, lambda c: c.world_size == 3)
+    assert kinds(c, "stop_without_plan")
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 400 and len(g.members) == 3
+    assert not kinds(c, "failure_detected")
+
+
+def test_a_failure_during_a_recovery_keeps_the_survivors():
+    """Rank 1's machine stops; while the new group forms, rank 2 dies. Ranks 0 and the replacement
+    failed their join because of a peer: they are survivors, and rank 0's state is still used."""
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 10)
+    step = c.step
+    g.freeze(1)
+    drive(c, lambda c: isinstance(c.state, Recovering))
+    g.die_on_form = [2]
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    errors = kinds(c, "group_error")
+    assert errors and errors[0]["lost"] == [2] and errors[0]["survivors"] == [0, 1]
+    detected = kinds(c, "failure_detected")
+    assert [[x["rank"] for x in d["lost"]] for d in detected] == [[1], [2]]
+    assert 0 not in calls(g, "kill")
+    assert calls(g, "restore_from_peer") == [0]
+    assert kinds(c, "restored")[-1]["step"] == step  # nothing redone
+
+
+def test_a_failure_during_a_resize_recovers_at_the_new_size():
+    c, g, clock = make(num_steps=400, scaling={"num_workers": 2, "max_workers": 3, "grow_check_s": 1})
+    drive(c, lambda c: type(c.state).__name__ == "Growing")
+    g.die_on_form = [1]
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 400 and len(g.members) == 3
+    (detected,) = kinds(c, "failure_detected")
+    assert [x["rank"] for x in detected["lost"]] == [1]
+    assert calls(g, "promote")[-1] == (1,)
+    assert kinds(c, "restored")[-1]["source"] == "peer rank 0"
+
+
+def test_replacements_that_never_come_end_the_run_naming_the_checkpoint():
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 10)
+    g.freeze(1)
+    g.fail_promote = 1
+    drive(c)
+    assert not isinstance(c.state, Finished)
+    assert "scaling.min_workers=3" in c.state.error and "last committed checkpoint: none" in c.state.error
