@@ -24,6 +24,10 @@ def describe_event(ev: dict) -> str:
         return f"SKIP checkpoint {ev['uri']}: {ev['reason']}"
     if k == "hang_detected":
         return f"HANG ranks {ev['ranks']}: {ev['reason']}"
+    if k == "silence_detected":
+        return f"SILENT ranks {ev['ranks']}: {ev['reason']}"
+    if k == "checkpoint_deferred":
+        return f"CHECKPOINT step {ev['step']} deferred: {ev['reason']}"
     if k == "workers_replaced":
         return f"REPLACED ranks {ev['ranks']} in {ev['start_s']:.2f}s"
     if k == "checkpoint_failed":

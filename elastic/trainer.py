@@ -75,8 +75,7 @@ class Trainer:
         _check_resume(storage, self.job, num_samples)
 
     def fit(self, progress: bool = True) -> Result:
-        if not ray.is_initialized():
-            ray.init(log_to_driver=False)
+        _connect_or_start_ray(self.job)
         controller = ray.remote(Controller).options(
             num_cpus=0, max_concurrency=8,
             # The controller must outlive any worker node, so it runs on the head node (where
@@ -192,29 +191,88 @@ def _worker_runtime_env() -> dict | None:
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
 
 
+def cpu_slots_needed(job: JobConfig) -> float:
+    """CPU slots the job can use at its largest: every rank and every warm spare."""
+    sc = job.scaling
+    return sc.cpus_per_worker * (sc.max_size + sc.num_spares)
+
+
+def _connect_or_start_ray(job: JobConfig, out=sys.stderr) -> None:
+    """Join the Ray cluster this process belongs to, or start a local one sized for the job.
+    A laptop with fewer cores than the job has workers still runs it (the workers share the
+    cores, slower); a cluster with fewer CPU slots than the job needs is said so at once, not
+    after a placement timeout (an autoscaler may still add nodes, so it is not an error)."""
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address or job.scaling.use_gpu:
+            ray.init(log_to_driver=False)
+        else:
+            cores = os.cpu_count() or 1
+            slots = max(cores, int(-(-cpu_slots_needed(job) // 1)))
+            try:
+                # A fresh local Ray: give it the slots the job needs, even on fewer cores.
+                ray.init(num_cpus=slots, log_to_driver=False)
+            except ValueError as e:
+                if "existing cluster" not in str(e):
+                    raise
+                ray.init(log_to_driver=False)  # a local cluster (`ray start`) runs already: join it as it is
+            else:
+                print(f"elastic: started a local Ray with {slots} CPU slots for {job.scaling.num_workers} workers"
+                      + (f" (this machine has {cores} cores: the workers share them)" if slots > cores else ""),
+                      file=out)
+                return
+    have = ray.cluster_resources().get("CPU", 0.0)
+    need = job.scaling.cpus_per_worker * job.scaling.min_size
+    if have < need:
+        print(f"elastic: the Ray cluster has {have:g} CPU slots, the job needs at least {need:g} "
+              f"(scaling.min_workers={job.scaling.min_size} x cpus_per_worker={job.scaling.cpus_per_worker:g}); "
+              f"it waits up to failure.replacement_timeout_s={job.failure.replacement_timeout_s:g}s for capacity "
+              f"(add nodes, or lower scaling.num_workers / cpus_per_worker)", file=out)
+
+
 class _Progress:
-    """A tqdm bar on the driver, with faults and recoveries printed above it as they happen."""
+    """Progress on the driver: a tqdm bar on a terminal; elsewhere (`ray job submit` logs,
+    `kubectl logs`) one plain line every `every_s`, since a bar's carriage-return redraws fill a
+    log file with partial lines. Faults and recoveries are printed as they happen either way."""
 
     NOTABLE = {"fault_injected", "failure_detected", "decision", "recovered", "checkpoint_skipped",
-               "hang_detected", "user_error", "workers_replaced", "checkpoint_failed"}
+               "hang_detected", "user_error", "workers_replaced", "checkpoint_failed", "silence_detected",
+               "checkpoint_deferred"}
 
-    def __init__(self, total: int):
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+    def __init__(self, total: int, out=None, every_s: float = 10.0):
+        self.out = out or sys.stderr
+        self.total, self.every_s = total, every_s
         self.t0 = time.time()
+        self._last_line = float("-inf")
+        self.bar = None
+        if self.out.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="step", file=self.out, dynamic_ncols=True)
+
+    def _write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=self.out, flush=True)
 
     def update(self, p: dict) -> None:
         from elastic.report import describe_event
         for ev in p["events"]:
             if ev["kind"] in self.NOTABLE:
-                self.bar.write(f"[{ev['t'] - self.t0:6.1f}s] {describe_event(ev)}")
-        self.bar.n = p["step"]
+                self._write(f"[{ev['t'] - self.t0:6.1f}s] {describe_event(ev)}")
         loss = f"{p['loss']:.4f}" if p["loss"] is not None else "-"
-        self.bar.set_postfix_str(f"{p['state']} world={p['world_size']} loss={loss} failures={p['failures']}")
-        self.bar.refresh()
+        status = f"{p['state']} world={p['world_size']} loss={loss} failures={p['failures']}"
+        if self.bar is not None:
+            self.bar.n = p["step"]
+            self.bar.set_postfix_str(status)
+            self.bar.refresh()
+        elif time.time() - self._last_line >= self.every_s:
+            self._last_line = time.time()
+            self._write(f"[{time.time() - self.t0:6.1f}s] step {p['step']}/{self.total} {status}")
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _check_fsdp_blocks(model_fn, blocks: list[str] | None) -> None:

@@ -210,3 +210,31 @@ def test_a_dead_controller_ends_the_run_with_training_failed_naming_the_last_che
     assert result.checkpoint == named.group(1) and result.error == message
     assert result.run_dir == join(storage.uri, "dies")
     assert any(ev["kind"] == "run_started" for ev in result.events)
+
+
+def test_a_job_needs_a_slot_per_rank_at_its_largest_and_per_spare():
+    from elastic.config import parse_job
+    from elastic.trainer import cpu_slots_needed
+    base = {"train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 12}}
+    assert cpu_slots_needed(parse_job({**base, "scaling": {"num_workers": 3}})) == 3
+    assert cpu_slots_needed(parse_job({**base, "scaling": {"num_workers": 2, "max_workers": 4, "num_spares": 1,
+                                                           "cpus_per_worker": 2}})) == 10
+
+
+def test_progress_outside_a_terminal_is_plain_lines():
+    """`ray job submit` and `kubectl logs` capture the driver's output: no carriage-return redraws."""
+    import io
+
+    from elastic.trainer import _Progress
+    out = io.StringIO()  # not a terminal
+    bar = _Progress(100, out=out, every_s=0.0)
+    for step in (10, 20):
+        bar.update({"step": step, "state": "Running", "world_size": 3, "loss": 1.5, "failures": 0,
+                    "events": [{"t": 0.0, "kind": "silence_detected", "ranks": [1], "reason": "r"}] if step == 20
+                    else []})
+    bar.close()
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert any("step 10/100 Running world=3 loss=1.5000" in x for x in lines)
+    assert any("step 20/100" in x for x in lines) and any("SILENT ranks [1]" in x for x in lines)
