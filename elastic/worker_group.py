@@ -95,6 +95,7 @@ class WorkerGroup:
         # Nodes that hosted a rank lost to silence (stopped, partitioned, dead). Ray may list such a
         # node as alive for a while; nothing new goes there until it answers again (see `probe_suspects`).
         self.suspect_nodes: set[str] = set()
+        self._probes: dict[str, "ray.ObjectRef"] = {}  # suspect node -> probe task in flight
 
     def _new_actor(self):
         """A new worker actor, never on a suspect node."""
@@ -106,23 +107,23 @@ class WorkerGroup:
     def suspect(self, node_id: str) -> None:
         self.suspect_nodes.add(node_id)
 
-    def probe_suspects(self, timeout_s: float) -> list[str]:
+    def probe_suspects(self) -> list[str]:
         """Clear suspect nodes that answer again (a thawed machine, a healed partition) or that Ray
-        has declared dead (it schedules nothing there anyway). Returns the cleared ones."""
+        has declared dead (it schedules nothing there anyway). Never waits: a probe stays in flight
+        until its node answers. Returns the cleared ones."""
         if not self.suspect_nodes:
             return []
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        cleared = [n for n in self.suspect_nodes if n not in alive]
-        probes = {n: _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
-                  for n in self.suspect_nodes if n in alive}
-        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout_s)
-        for n, ref in probes.items():
-            if ref in ready:
-                cleared.append(n)
-            else:
-                ray.cancel(ref, force=False)
-        self.suspect_nodes -= set(cleared)
-        return cleared
+        cleared = {n for n in self.suspect_nodes if n not in alive}
+        for n in self.suspect_nodes - cleared - set(self._probes):
+            self._probes[n] = _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+        if self._probes:
+            ready, _ = ray.wait(list(self._probes.values()), num_returns=len(self._probes), timeout=0)
+            cleared |= {n for n, ref in self._probes.items() if ref in ready}
+        for n in cleared:
+            self._probes.pop(n, None)
+        self.suspect_nodes -= cleared
+        return sorted(cleared)
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:

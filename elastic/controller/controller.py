@@ -274,7 +274,7 @@ class Controller:
                 self.events.emit("collective_failed", rank=rank, step=out["step"], error=out["error"][:300])
         answers, silent = self.group.poll_nowait(cfg.ping_timeout_s)
         self._absorb(answers)
-        self._tend_spares()
+        self._tend()
         for r, why in silent.items():
             if why != "unresponsive" and r not in w.lost:  # Ray says it is dead: no need to wait
                 w.lost[r] = LostRank(r, cause_of(why), why)
@@ -619,14 +619,17 @@ class Controller:
                          reason=f"rank {st.rank} dropped (node {node}): {st.reason}", decide_s=self.now() - t0)
         return Forming()
 
-    def _tend_spares(self) -> None:
-        """Background care of the spare pool: notice spares that finished warming, replace dead ones."""
+    def _tend(self) -> None:
+        """Background care, every 2 s: suspect nodes that answer again become usable; spares that
+        finished warming are noticed, dead ones replaced."""
         now = self.now()
-        if now - self._spares_checked_at < 2.0 or self.job.scaling.num_spares == 0:
+        if now - self._spares_checked_at < 2.0:
             return
         self._spares_checked_at = now
-        for node in self.group.probe_suspects(self.job.failure.ping_timeout_s):
+        for node in self.group.probe_suspects():
             self.events.emit("node_cleared", node=node[:12], reason="answers again, or Ray declared it dead")
+        if self.job.scaling.num_spares == 0:
+            return
         lost = self.group.refresh_spares() + self.group.check_spares(self.job.failure.ping_timeout_s)
         lost += self.group.lost_spares
         self.group.lost_spares = []

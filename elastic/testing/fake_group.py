@@ -132,7 +132,7 @@ class FakeGroup:
     def check_spares(self, timeout_s: float) -> list[str]:
         return []
 
-    def probe_suspects(self, timeout_s: float) -> list[str]:
+    def probe_suspects(self) -> list[str]:
         return []
 
     def trim_spares(self, keep: int) -> None:
