@@ -3,18 +3,31 @@ from __future__ import annotations
 
 
 def add_bench_args(p) -> None:
-    p.add_argument("name", choices=["recovery", "straggler", "resize"], help="which benchmark")
+    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn"], help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
     p.add_argument("--out", default=None, help="also write results.jsonl, results.md and a plot here")
     p.add_argument("--systems", default=None,
-                   help="recovery, resize: comma-separated systems to compare (default: all of that benchmark's)")
+                   help="recovery, resize, churn: comma-separated systems to compare (default: all of that benchmark's)")
     p.add_argument("--storage", choices=["file", "s3"], default="file", help="checkpoint storage under test")
     p.add_argument("--fault", default="kill_node",
                    help="recovery: kill_node (sockets close), freeze_node (silence, as a power loss), or both "
                         "comma-separated (interleaved in one run)")
+    p.add_argument("--mtbf-s", type=float, default=30.0, help="churn: mean time between faults, seconds")
+    p.add_argument("--duration-s", type=float, default=600.0, help="churn: length of the fault schedule, seconds")
+    p.add_argument("--replace-after-s", type=float, default=10.0,
+                   help="churn: a lost node is replaced by a fresh one this long after the fault")
+    p.add_argument("--fault-free-s", type=float, default=30.0,
+                   help="churn: fault-free window (each system's own baseline steps/s) before the faults start")
+    p.add_argument("--seed", type=int, default=0, help="churn: seed of the fault schedule (rep r uses seed + r)")
 
 
 def run_bench(args) -> int:
+    if args.name == "churn":
+        from elastic.bench.churn import main as churn_main
+        return churn_main(args)
+    if args.name == "controller":
+        from elastic.bench.controller import main as controller_main
+        return controller_main(args)
     if args.name == "resize":
         from elastic.bench.resize import main as resize_main
         return resize_main(args)

@@ -123,6 +123,59 @@ class LocalCluster:
                     proc.wait(timeout=5)
             self.cluster.worker_nodes.discard(node)
 
+    # ---- for benchmarks that fault nodes from the outside (elastic bench churn); each acts on one node
+    @staticmethod
+    def raylet_pid(node: "ray._private.node.Node") -> int | None:
+        """The pid of this node's raylet, or None if it has none (any more)."""
+        infos = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+        return infos[0].process.pid if infos else None
+
+    @staticmethod
+    def node_usable(node: "ray._private.node.Node") -> bool:
+        """Its raylet runs and is not frozen: the node can still host work."""
+        return _raylet_alive(node)
+
+    def kill_node(self, node: "ray._private.node.Node") -> None:
+        """A lost machine: SIGKILL every process under the node's raylet, then the raylet
+        (what `elastic.chaos.kill_own_node` does from inside). Bookkeeping is left to
+        `ensure_worker_nodes`/shutdown, which drop dead nodes."""
+        pid = self.raylet_pid(node)
+        if pid is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            raylet = psutil.Process(pid)
+            for child in raylet.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            raylet.kill()
+
+    def freeze_node(self, node: "ray._private.node.Node") -> None:
+        """A machine that stops (power loss, kernel panic): SIGSTOP the raylet and every process
+        under it. Nothing exits, no socket closes. Never thawed here; `ensure_worker_nodes` and
+        shutdown treat it as not running and kill it when they drop it."""
+        pid = self.raylet_pid(node)
+        if pid is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            raylet = psutil.Process(pid)
+            raylet.suspend()  # first, so it starts nothing new while its children are stopped
+            for child in raylet.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.suspend()
+
+    def add_worker_node(self, timeout_s: float = NODE_REGISTER_TIMEOUT_S) -> "ray._private.node.Node":
+        """Add one worker node (a replacement machine) and wait until the GCS shows its CPUs.
+        Unlike `ensure_worker_nodes` it leaves lost nodes alone: a frozen one stays frozen."""
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node)
+        deadline = time.monotonic() + timeout_s
+        while node.node_id not in {n["NodeID"] for n in self.alive_worker_nodes()}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker node {node.node_id[:8]} not registered with CPUs after {timeout_s} s")
+            time.sleep(0.2)
+        logger.info("added a worker node %s (%d in the cluster's books)", node.node_id[:8],
+                    len(self.cluster.worker_nodes))
+        return node
+
     def shutdown(self) -> None:
         """Disconnect, then stop every node; tolerates nodes killed behind Ray's back."""
         try:
