@@ -1,0 +1,51 @@
+"""One Worker in this process, in a world of one (gloo, no Ray): the stop flag's lifetime."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from elastic.checkpoint import checkpoints_root
+from elastic.config import JobConfig
+from elastic.worker import Worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def worker(tmp_path):
+    job = JobConfig.model_validate({
+        "run": {"name": "w", "num_steps": 20, "seed": 1},
+        "scaling": {"num_workers": 1},
+        "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 100},
+        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
+                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 8},
+    })
+    w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
+    w.join("127.0.0.1", _port(), 0, 1, generation=1)
+    w.restore([])
+    yield w
+    w.leave()
+
+
+def test_a_stop_requested_before_run_starts_is_kept(worker):
+    """The controller may ask for a stop (a swap, a resize) between a restore and the start of run();
+    run() used to reset the flag, so that stop was lost and the planned change waited forever."""
+    worker.request_stop(generation=1)
+    out = worker.run(20, [])
+    assert out["status"] == "stopped" and out["step"] == 1
+
+
+def test_a_stop_of_an_older_generation_is_ignored_and_a_new_group_clears_a_pending_one(worker):
+    worker.request_stop(generation=0)  # stale: meant for a group that no longer exists
+    assert worker.run(3, [])["status"] == "done"
+    worker.request_stop(generation=1)
+    worker.join("127.0.0.1", _port(), 0, 1, generation=2)  # a stop belongs to the group it was asked in
+    worker.restore([])
+    assert worker.run(3, [])["status"] == "done"
