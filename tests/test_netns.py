@@ -33,13 +33,7 @@ def pc() -> Iterator[netns.PartitionCluster]:
 
 @pytest.fixture
 def iso(pc: netns.PartitionCluster) -> netns.IsolatedNode:
-    node = pc.isolated[-1]
-    if node.state == "closed" or not node.is_alive_in_gcs():  # an earlier test let Ray declare it dead
-        node.close()
-        node = pc.add_isolated_node()
-    if node.state != "up":  # a failed test may have left it cut or throttled
-        node.heal()
-    return node
+    return pc.isolated_node_ready()
 
 
 @ray.remote(num_cpus=0)

@@ -55,13 +55,7 @@ def pc() -> Iterator[netns.PartitionCluster]:
 
 @pytest.fixture
 def iso(pc: netns.PartitionCluster) -> netns.IsolatedNode:
-    node = pc.isolated[-1]
-    if node.state == "closed" or not node.is_alive_in_gcs():  # cut long enough for Ray to declare it dead
-        node.close()
-        node = pc.add_isolated_node()
-    if node.state != "up":  # an earlier test failed with it cut
-        node.heal()
-    return node
+    return pc.isolated_node_ready()
 
 
 @ray.remote(num_cpus=1)

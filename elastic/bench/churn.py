@@ -37,10 +37,10 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from elastic.bench.output import emit, medians, report_against_peer
+from elastic.bench.output import emit, medians, parse_systems, report_against_peer
 
 NUM_WORKERS, CKPT_EVERY, GLOBAL_BATCH = 3, 10, 96
 WARMUP_STEPS = 20  # steps before the fault-free window starts (group formed, caches warm)
@@ -526,11 +526,8 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args) -> tuple[dict
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
 
-    systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        print(f"elastic bench churn: --systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}",
-              file=sys.stderr)
+    systems = parse_systems("churn", args.systems, list(SYSTEMS))
+    if systems is None:
         return 2
     if args.mtbf_s <= 0 or args.duration_s <= 0 or args.replace_after_s < 0 or args.fault_free_s <= 0:
         print("elastic bench churn: --mtbf-s, --duration-s and --fault-free-s must be > 0, --replace-after-s >= 0",

@@ -5,7 +5,20 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from collections import defaultdict
+
+
+def parse_systems(bench: str, arg: str | None, known: list[str]) -> list[str] | None:
+    """`--systems a,b` checked against the benchmark's systems (all of them by default); None,
+    after saying why on stderr, if one is unknown."""
+    systems = [s.strip() for s in (arg or ",".join(known)).split(",") if s.strip()]
+    unknown = set(systems) - set(known)
+    if unknown:
+        print(f"elastic bench {bench}: --systems: unknown {sorted(unknown)}; choose from {', '.join(known)}",
+              file=sys.stderr)
+        return None
+    return systems
 
 
 def emit(record: dict) -> None:

@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 
-from elastic.bench.output import emit, medians, report_against_peer
+from elastic.bench.output import emit, medians, parse_systems, report_against_peer
 
 NUM_WORKERS, NUM_STEPS, FAULT_STEP, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 25, 10, 96
 METRICS = ["recover_s", "lost_steps", "detect_s"]
@@ -70,11 +70,8 @@ def run_ray_train(storage_dir: str, fault: str) -> dict:
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
 
-    systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        print(f"elastic bench recovery: --systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}",
-              file=sys.stderr)
+    systems = parse_systems("recovery", args.systems, list(SYSTEMS))
+    if systems is None:
         return 2
     faults = [f.strip() for f in args.fault.split(",") if f.strip()]
     if not faults or set(faults) - {"kill_node", "freeze_node"}:

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
 import uuid
 
-from elastic.bench.output import emit, medians, report_against_peer
+from elastic.bench.output import emit, medians, parse_systems, report_against_peer
 
 MIN, MAX, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 2, 3, 300, 10, 96
 RAY_TRAIN_STEPS, RAY_TRAIN_MONITOR_S = 300, 5.0
@@ -105,11 +104,8 @@ def run_ray_train(work: str, cluster) -> dict:
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else SYSTEMS
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        print(f"elastic bench resize: --systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}",
-              file=sys.stderr)
+    systems = parse_systems("resize", args.systems, list(SYSTEMS))
+    if systems is None:
         return 2
     records: list[dict] = []
     work = tempfile.mkdtemp(prefix="elastic-bench-resize-")

@@ -352,6 +352,17 @@ class PartitionCluster:
     def normal_node_ids(self) -> list[str]:
         return [n.node_id for n in self.cluster.worker_nodes]
 
+    def isolated_node_ready(self) -> IsolatedNode:
+        """The newest isolated node, up and not cut: a fresh one if Ray declared the last one dead
+        (a cut long enough), healed if an earlier test left it cut or throttled."""
+        node = self.isolated[-1]
+        if node.state == "closed" or not node.is_alive_in_gcs():
+            node.close()
+            node = self.add_isolated_node()
+        if node.state != "up":
+            node.heal()
+        return node
+
     def add_isolated_node(self, **kwargs) -> IsolatedNode:
         node = IsolatedNode(self.address, self._next_index, num_cpus=kwargs.pop("num_cpus", self.cpus_per_node),
                             **kwargs)
