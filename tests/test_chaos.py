@@ -114,10 +114,11 @@ def test_sigkill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F
 
 
 def test_sigstop_hang_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
+    """A SIGSTOPped worker (its node stays up) holds its sockets and answers nothing: the others
+    wait on it. That is silence, found in about ping_timeout_s, not by the (5 s) hang bound; the
+    others' collectives are aborted and they keep their state."""
     result = Trainer(job(tmp_path, [{"action": "hang", "rank": 1, "at_step": FAULT_STEP}])).fit(progress=False)
-    assert_recovered_bit_identical(result, baseline, "hang")
-    (hang,) = result.events_of("hang_detected")
-    assert hang["ranks"] == [1] and "no step completed" in hang["reason"]
+    _assert_silence_recovery(result, baseline, "hang")
 
 
 def _assert_silence_recovery(result, baseline, action, rank=1):
@@ -306,7 +307,8 @@ def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_p
     storage = Storage(uri, s3_server.storage_options)
     root = join(uri, j["run"]["name"], "checkpoints")
     deadline = time.monotonic() + 120
-    while not storage.list_dir(root) and time.monotonic() < deadline:  # the first persist has begun
+    # The first persist has begun: its step folder exists (GENERATION, the fence, is written earlier).
+    while not any(n.startswith("step_") for n in storage.list_dir(root)) and time.monotonic() < deadline:
         time.sleep(0.05)
     with s3_server.outage():
         time.sleep(12)

@@ -38,13 +38,20 @@ def free_port() -> int:
 def ray_head(tmp_path):
     """A Ray head with its dashboard, in its own process group so teardown stops exactly it
     (`ray stop` would stop every Ray on the machine)."""
-    gcs, dash = free_port(), free_port()
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]}
+    gcs, dash, agent, agent_grpc, env_agent, metrics = (free_port() for _ in range(6))
+    # No token auth, as on a plain cluster. Ray 2.60 turns it on for any `ray start` once a token file
+    # exists (~/.ray/auth_token, which any local `ray.init()` on the machine creates), and the
+    # dashboard then refuses this test's unauthenticated requests.
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "head.log", "w")
     proc = subprocess.Popen(
         [os.path.join(BIN, "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         # Free ports for the agents too: their defaults are fixed, and another Ray on the machine
+         # (a user's, or a head leaked by a crashed run) would leave this head without a job agent.
+         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--runtime-env-agent-port={env_agent}", f"--metrics-export-port={metrics}",
          "--disable-usage-stats"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
@@ -56,14 +63,23 @@ def ray_head(tmp_path):
         except OSError:
             if time.monotonic() > deadline or proc.poll() is not None:
                 log.flush()
+                _stop(proc)  # never leave a half-started head behind for the next test
                 pytest.fail("ray head did not come up:\n" + (tmp_path / "head.log").read_text()[-3000:])
             time.sleep(1)
-    yield url, env
-    os.killpg(proc.pid, signal.SIGTERM)
     try:
+        yield url, env
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def test_ray_job_submit_runs_a_yaml_job(ray_head, tmp_path):

@@ -521,8 +521,8 @@ class Controller:
     def _write_fence(self) -> None:
         """The fence: the newest generation, in storage beside the checkpoints. A worker may write
         checkpoints only while it is not older than this (a frozen worker that comes back finds
-        itself fenced off). Best effort: if storage is down, fencing is weaker for a while, but
-        training is never held up by it."""
+        itself fenced off). Best effort: a failed write is logged and fencing is weaker until the
+        next formation; a storage that hangs holds up this formation for as long (never a step)."""
         try:
             write_fence(self.storage, self.root, self.generation)
         except Exception as e:  # noqa: BLE001 - storage may be out; the next formation writes it again
