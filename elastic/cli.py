@@ -1,4 +1,5 @@
-"""`elastic train job.yaml` and `elastic bench ...`: a thin entry point over Trainer and the benchmarks."""
+"""`elastic train job.yaml`, `elastic status RUN`, `elastic timeline RUN` and `elastic bench ...`: a thin
+entry point over Trainer, the event log readers and the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     tl = sub.add_parser("timeline", help="draw a run's timeline (PNG) from its event log")
     tl.add_argument("events", help="path to a run's events.jsonl, or the run folder as a path or URI (s3://...)")
     tl.add_argument("--out", default="timeline.png", help="PNG to write")
+    tl.add_argument("--per-rank", action=argparse.BooleanOptionalAction, default=True,
+                    help="one row per rank below the controller's (default); --no-per-rank: the controller's only")
+    st = sub.add_parser("status", help="where a run stands, from its event log: state, step, incidents, checkpoint")
+    st.add_argument("run", help="the run folder as a path or URI (s3://...), or its events.jsonl")
+    st.add_argument("--json", action="store_true", help="print the summary as JSON")
     bench = sub.add_parser("bench", help="benchmarks: recovery, straggler")
     from elastic.bench.cli import add_bench_args
     add_bench_args(bench)
@@ -33,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         if not events:
             print(f"elastic: no events in {args.events}", file=sys.stderr)
             return 2
-        plot(events, args.out, title=args.events)
+        plot(events, args.out, title=args.events, per_rank=args.per_rank)
         print(f"wrote {args.out}")
         return 0
+    if args.cmd == "status":
+        from elastic.status import run_status
+        return run_status(args.run, as_json=args.json)
     from elastic.bench.cli import run_bench
     return run_bench(args)
 

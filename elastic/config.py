@@ -153,28 +153,80 @@ class FsdpSpec(_Strict):
     reduce_dtype: DTYPES = Field("float32", description="Dtype of the gradient reduce-scatter (GPU only).")
 
 
+SCHEDULES = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+class PipelineSpec(_Strict):
+    """Settings of the pipeline strategy (train.strategy: pipeline): the model is cut into stages at
+    the children of its nn.Sequential root, one stage per rank (two or more with interleaved_1f1b),
+    and torch.distributed.pipelining runs the schedule. scaling.num_workers = stages x replicas."""
+
+    stages: int = Field(ge=1, description="Pipeline stages (ranks per pipeline replica).")
+    schedule: SCHEDULES = Field("1f1b", description="gpipe | 1f1b | interleaved_1f1b (torch.distributed.pipelining).")
+    microbatches: int = Field(ge=1, description="Micro-batches per replica per step; they split the replica's share "
+                                                "of the global batch evenly.")
+    stages_per_rank: int | None = Field(
+        None, ge=1, description="Model chunks per rank (interleaved_1f1b only; default 2 there, 1 otherwise).")
+    split: list[str] | None = Field(
+        None, description="Names of the root's children where stages 2, 3, ... begin (one fewer than the number of "
+                          "chunks); default: balanced by parameter count.")
+    loss: str = Field(description="module:function(output, target) -> scalar loss, mean over the micro-batch; "
+                                  "the last stage calls it with its output and the batch's last element.")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule == "interleaved_1f1b" else 1
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "PipelineSpec":
+        if self.stages_per_rank not in (None, 1) and self.schedule != "interleaved_1f1b":
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule: interleaved_1f1b "
+                             f"(gpipe and 1f1b run one stage per rank)")
+        if self.schedule == "interleaved_1f1b" and self.chunks_per_rank < 2:
+            raise ValueError("schedule interleaved_1f1b needs stages_per_rank >= 2")
+        return self
+
+
 class TrainSpec(_Strict):
     """What to train. Each callable is given as 'module:function' so workers can import it."""
 
     model: str = Field(description="module:function() -> torch.nn.Module")
     dataset: str = Field(description="module:function() -> map-style dataset (len, getitem)")
-    loss: str = Field(description="module:function(model, batch) -> scalar loss, mean over the batch")
+    loss: str | None = Field(None, description="module:function(model, batch) -> scalar loss, mean over the batch "
+                                              "(ddp, fsdp; a pipeline uses train.pipeline.loss)")
     optimizer: str | None = Field(None, description="module:function(params) -> optimizer; default AdamW(lr=1e-3)")
     global_batch_size: int = Field(ge=1, description="Samples per optimizer step, constant for the run.")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Samples per forward/backward on one rank; default: the whole per-rank share."
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
+    strategy: Literal["ddp", "fsdp", "pipeline"] = Field(
         "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
-                           "state sharded across ranks (re-sharded on every resize).")
+                           "state sharded across ranks (re-sharded on every resize); pipeline: the model cut "
+                           "into stages, one per rank, with data-parallel replicas of the whole pipeline.")
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Used when strategy is fsdp.")
+    pipeline: PipelineSpec | None = Field(None, description="Required when strategy is pipeline.")
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> "TrainSpec":
+        if self.strategy == "pipeline" and self.pipeline is None:
+            raise ValueError("train.strategy=pipeline needs train.pipeline: {stages, microbatches, loss}")
+        if self.strategy != "pipeline" and self.pipeline is not None:
+            raise ValueError(f"train.pipeline is set but train.strategy={self.strategy}: set train.strategy: pipeline")
+        if self.strategy != "pipeline" and self.loss is None:
+            raise ValueError(f"train.loss is required with train.strategy={self.strategy}")
+        if self.strategy == "pipeline" and self.micro_batch_size is not None:
+            raise ValueError("train.micro_batch_size is not used by a pipeline: set train.pipeline.microbatches")
+        return self
 
     def resolve(self) -> dict[str, Callable | None]:
         """Import every callable; raises ValueError naming the field that fails."""
         return {
             "model": _import_ref(self.model, "train.model"),
             "dataset": _import_ref(self.dataset, "train.dataset"),
-            "loss": _import_ref(self.loss, "train.loss"),
+            "loss": _import_ref(self.loss, "train.loss") if self.loss else None,
+            "stage_loss": _import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
             "optimizer": _import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
         }
 
@@ -206,6 +258,9 @@ class JobConfig(_Strict):
     def _check_plan(self) -> "JobConfig":
         # The global batch is a constant of the run: it must split for every world size the run may take.
         sc, tr = self.scaling, self.train
+        if tr.strategy == "pipeline":
+            self._check_pipeline()
+            return self._check_chaos()
         bad = {}
         for w in range(sc.min_size, sc.max_size + 1):
             try:
@@ -227,12 +282,53 @@ class JobConfig(_Strict):
                                  f"scaling.use_gpu: true, or leave it at float32 on CPU")
         if tr.strategy != "fsdp" and fs != FsdpSpec():
             raise ValueError(f"train.fsdp is set but train.strategy={tr.strategy}: set train.strategy: fsdp")
+        return self._check_chaos()
+
+    def _check_pipeline(self) -> None:
+        """Every layout the run may take (replicas dropped, then stages: elastic.topology.chain)
+        must split the global batch and suit the schedule."""
+        from elastic.topology import Layout, chain
+        sc, tr = self.scaling, self.train
+        pl = tr.pipeline
+        for field, n in (("num_workers", sc.num_workers), ("max_workers", sc.max_size)):
+            if n % pl.stages:
+                raise ValueError(f"scaling.{field}={n} is not a multiple of train.pipeline.stages={pl.stages}: a "
+                                 f"pipeline runs whole replicas of {pl.stages} stages")
+        for lay in chain(Layout(pl.stages, sc.max_size // pl.stages), sc.min_size):
+            pipeline_plan(tr.global_batch_size, lay.dp, pl.microbatches)
+            if pl.schedule == "1f1b" and pl.microbatches < lay.pp:
+                raise ValueError(f"train.pipeline.microbatches={pl.microbatches} < {lay.pp} stages: the 1f1b schedule "
+                                 f"needs at least one micro-batch per stage")
+            if pl.schedule == "interleaved_1f1b" and pl.microbatches % lay.pp:
+                raise ValueError(f"train.pipeline.microbatches={pl.microbatches} is not a multiple of {lay.pp} "
+                                 f"stages, which interleaved_1f1b needs (a layout this run may take: {lay})")
+        if pl.split is not None and len(pl.split) != pl.stages * pl.chunks_per_rank - 1:
+            raise ValueError(f"train.pipeline.split names {len(pl.split)} split points; {pl.stages} stages x "
+                             f"{pl.chunks_per_rank} chunk(s) per rank need {pl.stages * pl.chunks_per_rank - 1}")
+        if tr.fsdp != FsdpSpec():
+            raise ValueError("train.fsdp is set but train.strategy=pipeline: set train.strategy: fsdp")
+        if self.stragglers.enabled:
+            raise ValueError("stragglers.enabled: straggler swaps are not built for pipelines yet (a stage's step "
+                             "time includes waiting for its neighbours); leave it off with train.strategy: pipeline")
+        if pl.split is not None and sc.min_size < pl.stages:
+            raise ValueError("train.pipeline.split fixes the stage boundaries, so the pipeline cannot be re-planned "
+                             "onto fewer stages: leave split unset, or set scaling.min_workers to num_workers")
+
+    def _check_chaos(self) -> "JobConfig":
         for i, f in enumerate(self.chaos):
             if f.rank >= self.scaling.num_workers:
                 raise ValueError(f"chaos[{i}].rank={f.rank} but scaling.num_workers={self.scaling.num_workers}")
             if f.at_step >= self.run.num_steps:
                 raise ValueError(f"chaos[{i}].at_step={f.at_step} must be < run.num_steps={self.run.num_steps}")
         return self
+
+
+def pipeline_plan(global_batch_size: int, dp: int, microbatches: int) -> int:
+    """Samples per micro-batch of one pipeline replica; ValueError if the batch does not split."""
+    if global_batch_size % (dp * microbatches):
+        raise ValueError(f"train.global_batch_size={global_batch_size} does not split into {dp} replica(s) x "
+                         f"train.pipeline.microbatches={microbatches}")
+    return global_batch_size // (dp * microbatches)
 
 
 def format_validation_error(e: ValidationError) -> str:

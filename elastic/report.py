@@ -94,8 +94,10 @@ def summarize(result) -> str:
         lines.append("  faults: none")
     final = [e for e in ev if e["kind"] == "final_state"]
     if final:
-        what = "gathered (unsharded) final state" if result.metrics.get("strategy") == "fsdp" else "final state"
-        lines.append(f"  all ranks hold identical {what}: {final[-1]['replicas_identical']}")
+        strategy = result.metrics.get("strategy")
+        what = "gathered (unsharded) final state" if strategy == "fsdp" else "final state"
+        who = "replicas of every stage" if strategy == "pipeline" else "all ranks"
+        lines.append(f"  {who} hold identical {what}: {final[-1]['replicas_identical']}")
     lines.append(f"  event log: {event_log_uri(result.run_dir)}")
     lines.append("=" * 64)
     return "\n".join(lines)

@@ -65,6 +65,8 @@ class Trainer:
             raise ConfigError("train.dataset: the dataset is empty")
         if job.train.strategy == "fsdp":
             _check_fsdp_blocks(fns["model"], job.train.fsdp.blocks)
+        if job.train.strategy == "pipeline":
+            _check_pipeline_cut(fns["model"], job)
         uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
         self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
         storage = Storage(uri, job.checkpoint.storage_options)
@@ -285,4 +287,24 @@ def _check_fsdp_blocks(model_fn, blocks: list[str] | None) -> None:
     try:
         select_blocks(model, blocks)
     except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_pipeline_cut(model_fn, job: JobConfig) -> None:
+    """Cut the model (built on the meta device) for every stage count the run may take."""
+    import torch
+
+    from elastic.strategies.pipeline import PlanError, plan_chunks, units_of
+    from elastic.topology import Layout, chain
+    pl = job.train.pipeline
+    with torch.device("meta"):
+        model = model_fn()
+    try:
+        units = units_of(model)
+        for pp in sorted({lay.pp for lay in chain(Layout(pl.stages, 1), job.scaling.min_size)}, reverse=True):
+            try:
+                plan_chunks(units, pp * pl.chunks_per_rank, pl.split if pp == pl.stages else None)
+            except PlanError as e:
+                raise PlanError(f"train.pipeline: {pp} stage(s) x {pl.chunks_per_rank} chunk(s) per rank: {e}") from None
+    except PlanError as e:
         raise ConfigError(str(e)) from None

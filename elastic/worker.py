@@ -30,6 +30,7 @@ from elastic.data import GlobalOrder, cursor_after
 from elastic.storage import Storage
 from elastic.strategies import make_strategy
 from elastic.strategies.base import forget_old_meshes
+from elastic.topology import Layout
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -69,6 +70,8 @@ class Worker:
         self.root = checkpoints_root
         self.controller = controller
         self.rank = self.world_size = -1
+        self.layout = Layout(1, 1)
+        self._built_for = None  # the strategy layout the model was built for (a pipeline: its stage)
         self.generation = 0  # the controller's group generation this rank last joined
         self._abort: collectives.GroupAbort | None = None
         self._joining = None
@@ -103,11 +106,12 @@ class Worker:
             return s.getsockname()[1]
 
     # ---------------------------------------------------------------- group
-    def join(self, addr: str, port: int, rank: int, world_size: int, generation: int) -> None:
+    def join(self, addr: str, port: int, rank: int, world_size: int, generation: int, pp: int = 1) -> None:
         """Form generation `generation` of the group. The rendezvous (a fresh TCP store on rank 0's
         port) waits at most failure.rendezvous_timeout_s; the group's collectives at most
         failure.collective_timeout_s, a backstop: the controller aborts a collective blocked on
-        a silent peer long before (see `abort`)."""
+        a silent peer long before (see `abort`). `pp`: pipeline stages (elastic.topology: rank =
+        replica x pp + stage); 1 for ddp and fsdp."""
         if self._running.is_set():
             # A run() still blocked in a collective of the old group would, when it finally fails,
             # tear down whatever group is current. Refuse; the controller aborts or replaces us.
@@ -125,15 +129,21 @@ class Worker:
                 "nccl" if self.job.scaling.use_gpu else "gloo", store=store,
                 rank=rank, world_size=world_size, timeout=timedelta(seconds=fc.collective_timeout_s))
             self.rank, self.world_size = rank, world_size
-            self.mesh = init_device_mesh("cuda" if self.job.scaling.use_gpu else "cpu", (world_size,),
-                                         mesh_dim_names=("dp",))
+            self.layout = Layout(pp, world_size // pp)
+            device = "cuda" if self.job.scaling.use_gpu else "cpu"
+            if pp == 1:
+                self.mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
+            else:
+                self.mesh = init_device_mesh(device, (self.layout.dp, pp), mesh_dim_names=("dp", "pp"))
+                # Created now, inside the window whose sockets `capture` records for an abort.
+                self.mesh.get_group("dp"), self.mesh.get_group("pp")
             # Checkpoint collectives run on their own group, from the persist thread, concurrently
             # with training collectives on the default group.
             self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
         finally:
             self._joining = None
         self._abort = collectives.capture(before, self.ckpt_pg, nccl=self.job.scaling.use_gpu, store_port=port)
-        self.strategy = make_strategy(self.job.train, self.mesh)
+        self.strategy = make_strategy(self.job.train, self.mesh, self.layout, rank)
         self._forget_old_meshes()
         self._set(status="joined", generation=generation)
 
@@ -172,8 +182,11 @@ class Worker:
 
     def calibrate(self, reps: int = 3) -> float:
         """Median compute time of one rank's share of a step (forward + backward) on this process:
-        how fast a spare would be, measured before it is trusted with a rank."""
+        how fast a spare would be, measured before it is trusted with a rank. None for a pipeline
+        (a stage's compute needs its peers)."""
         tr = self.job.train
+        if tr.strategy == "pipeline":
+            return None
         per_rank = tr.global_batch_size // self.job.scaling.num_workers
         micro, _ = batch_plan(tr.global_batch_size, self.job.scaling.num_workers, tr.micro_batch_size)
         idx = list(range(min(per_rank, len(self.dataset))))
@@ -201,8 +214,12 @@ class Worker:
         shards it over the current mesh, so every world size gets a fresh build)."""
         torch.manual_seed(self.job.run.seed)
         model = self.fns["model"]().to(self.device)
-        self.model = self.strategy.prepare(model, sync_init) if self.strategy else model
         make_opt = self.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))
+        if self.strategy:
+            self.strategy.note_optimizer(model, make_opt)
+            model = self.strategy.prepare(model, sync_init)
+        self.model = model
+        self._built_for = self.strategy.layout_key if self.strategy else None
         self.optimizer = make_opt(self.model.parameters())
 
     def _start_checkpointer(self) -> None:
@@ -248,19 +265,22 @@ class Worker:
         return {"step": self.step, "uri": loaded, "skipped": skipped, "restore_s": time.monotonic() - t0,
                 "source": "storage" if loaded else "init"}
 
-    def restore_from_peer(self, src_rank: int) -> dict:
+    def restore_from_peer(self, src_rank: int, stage_sources: list[int] | None = None) -> dict:
         """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
-        holds the newest state, through the new group. No storage read."""
+        holds the newest state, through the new group. No storage read. A pipeline names one
+        source per stage (`stage_sources[stage]`, a replica of that stage); a rank whose model
+        was built for another stage (a spare, a re-numbered survivor) builds its stage first."""
         t0 = time.monotonic()
-        if self.model is None:
+        if self.model is None or self._built_for != self.strategy.layout_key:
             self._build()
         step = torch.tensor([self.step], dtype=torch.int64, device=self.device)
         dist.broadcast(step, src=src_rank)
         self.step = int(step.item())
-        self.strategy.broadcast_state(self.model, self.optimizer, src_rank)
+        src = stage_sources[self.layout.stage_of(self.rank)] if stage_sources else src_rank
+        self.strategy.broadcast_state(self.model, self.optimizer, src)
         self._start_checkpointer()
         return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
-                "source": f"peer rank {src_rank}"}
+                "source": f"peer rank {src}" if not stage_sources else f"stage replicas {list(stage_sources)}"}
 
     def offer_shards(self) -> dict:
         """This rank's part of the state, for a re-shard in memory at a planned resize. Returned
@@ -268,9 +288,9 @@ class Worker:
         process is gone."""
         self._forget_old_meshes()
         state = self.strategy.state_dict(self.model, self.optimizer)
-        return resharding.offer(state, self.rank, self.world_size, self.step)
+        return self.strategy.offer(state, self.rank, self.world_size, self.step)
 
-    def restore_from_shards(self, offers: list, old_world: int) -> dict:
+    def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1) -> dict:
         """Memory path of a sharded strategy: a fresh sharded build at the new world size, filled
         from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
         this rank's new shards overlap. No storage read."""
@@ -278,9 +298,14 @@ class Worker:
         self._forget_old_meshes()
         self._build()
         state = self.strategy.state_dict(self.model, self.optimizer)
-        parts = resharding.needed_parts(state, old_world, self.world_size, self.rank)
-        got = dict(zip(parts, ray.get([offers[p] for p in parts])))
-        self.step = resharding.assemble(state, got, self.world_size, self.rank)
+        if self.strategy.name == "pipeline":  # by name, from replica 0 of each old stage (rank = stage)
+            parts = self.strategy.needed_stages(old_pp)
+            got = dict(zip(parts, ray.get([offers[p] for p in parts])))
+            self.step = self.strategy.assemble(state, got)
+        else:
+            parts = resharding.needed_parts(state, old_world, self.world_size, self.rank)
+            got = dict(zip(parts, ray.get([offers[p] for p in parts])))
+            self.step = resharding.assemble(state, got, self.world_size, self.rank)
         self.strategy.load_state_dict(self.model, self.optimizer, state)
         self._start_checkpointer()
         return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
@@ -301,7 +326,9 @@ class Worker:
         """Train until `num_steps` steps are done. Returns {"status": "done" | "aborted" |
         "user_error", ...}; a collective failure aborts (the controller decides what next)."""
         tr = self.job.train
-        micro, _ = batch_plan(tr.global_batch_size, self.world_size, tr.micro_batch_size)
+        # A pipeline splits each replica's share into train.pipeline.microbatches itself.
+        micro = 0 if tr.strategy == "pipeline" else batch_plan(tr.global_batch_size, self.world_size,
+                                                               tr.micro_batch_size)[0]
         self._set(status="running")
         generation = self.generation
         self._forget_old_meshes()
@@ -370,25 +397,21 @@ class Worker:
         tr = self.job.train
         t_start = time.perf_counter()
         torch.manual_seed(step_seed(self.job.run.seed, self.step, self.rank))
-        idx = self.order.rank_indices(self.step, tr.global_batch_size, self.world_size, self.rank)
+        # The data slice follows the rank's replica (its dp coordinate): every stage of a pipeline
+        # replica works on the same samples; ddp and fsdp ranks are each a replica.
+        lay = self.layout
+        replica = lay.replica_of(self.rank)
+        idx = self.order.rank_indices(self.step, tr.global_batch_size, lay.dp, replica)
         self.optimizer.zero_grad(set_to_none=True)
-        local_loss = torch.zeros((), device=self.device)
         stop_flag = 1.0 if self.stop_requested else 0.0
         busy_flag = 1.0 if self.ckpt is not None and self.ckpt.in_flight() else 0.0
-        for i in range(0, len(idx), micro):
-            chunk = idx[i:i + micro]
-            self.strategy.set_gradient_sync(self.model, i + micro >= len(idx))
-            batch = _to(default_collate([self.dataset[j] for j in chunk]), self.device)
-            try:
-                # The loss is a mean over the micro-batch; weight it so the sum over micro-batches
-                # and ranks (after the average over ranks) is the mean over the global batch.
-                loss = self.fns["loss"](self.model, batch) * (len(chunk) / len(idx))
-                loss.backward()
-            except Exception as e:
-                if is_collective_failure(e):
-                    raise CollectiveError(f"{type(e).__name__}: {e}") from e
-                raise
-            local_loss += loss.detach()
+        loss_fn = self.fns["stage_loss"] if tr.strategy == "pipeline" else self.fns["loss"]
+        try:
+            local_loss = self.strategy.train_step(self.model, idx, self._load, loss_fn, micro).to(self.device)
+        except Exception as e:
+            if is_collective_failure(e):
+                raise CollectiveError(f"{type(e).__name__}: {e}") from e
+            raise
         if self.slow_factor > 1.0:
             chaos.busy_wait((self.slow_factor - 1.0) * (time.perf_counter() - t_start))
         compute_s = time.perf_counter() - t_start
@@ -396,22 +419,26 @@ class Worker:
             self.strategy.reduce_gradients(self.model)
             stats = torch.stack([local_loss, torch.tensor(stop_flag, device=self.device),
                                  torch.tensor(busy_flag, device=self.device)])
-            dist.all_reduce(stats, group=self.mesh.get_group("dp"))
+            dist.all_reduce(stats)  # the whole world: every rank agrees on the stop, whatever its stage
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
         self.optimizer.step()
         self.step += 1
-        loss = stats[0].item() / self.world_size
+        loss = stats[0].item() / self.strategy.loss_ranks
         with self._lock:
             self._compute_log.append((self.step, compute_s, loss))
-            if self.job.run.sample_ledger:
-                self._ledger.append((self.step, self.world_size, self.rank, idx))
+            if self.job.run.sample_ledger and lay.stage_of(self.rank) == 0:
+                self._ledger.append((self.step, lay.dp, replica, idx))
         now = time.time()
         self._stop_agreed = bool(stats[1].item() > 0)
         self._persist_busy = bool(stats[2].item() > 0)  # on any rank: agreed, like the stop
         self._set(step=self.step, loss=loss, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
                   first_step_end=self._progress.get("first_step_end") or now)
+
+    def _load(self, ids: list[int]):
+        """The collated batch of global sample ids, on this rank's device."""
+        return _to(default_collate([self.dataset[j] for j in ids]), self.device)
 
     def _fire(self, fault: dict) -> None:
         # Tell the controller first (it records the fault time and never hands this fault out

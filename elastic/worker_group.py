@@ -232,9 +232,12 @@ class WorkerGroup:
         self.lost_spares.append(f"spare on node {m.node_id[:12]} {bad[0]} when it was to take a rank")
         return False
 
-    def renumber(self) -> dict[int, int]:
-        """After a shrink: ranks 0..k-1 for the k members, in their old order. Returns old -> new."""
-        mapping = {old: new for new, old in enumerate(sorted(self.members))}
+    def renumber(self, mapping: dict[int, int] | None = None) -> dict[int, int]:
+        """After a shrink: ranks 0..k-1 for the k members, in their old order, or as `mapping`
+        (old -> new) says; members it leaves out are killed. Returns old -> new."""
+        mapping = mapping if mapping is not None else {old: new for new, old in enumerate(sorted(self.members))}
+        for o in [o for o in self.members if o not in mapping]:
+            self.kill(o)
         self.members = {mapping[o]: replace(m, rank=mapping[o]) for o, m in self.members.items()}
         self._polls.clear()
         return mapping
@@ -275,7 +278,7 @@ class WorkerGroup:
         return how
 
     # ---------------------------------------------------------------- form / restore / run
-    def form(self, generation: int, timeout_s: float, ping_timeout_s: float) -> None:
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> None:
         """A fresh rendezvous (new port, so a fresh store) for the current members, as group
         `generation`. A member that dies or stops answering fails the formation at once: the
         others' joins are aborted, and they come back with their state as survivors (a join
@@ -286,7 +289,7 @@ class WorkerGroup:
         port, bad = self._gather({0: m0.handle.free_port.remote()}, ping_timeout_s * 5)
         if bad:
             raise GroupError(f"rank 0 did not give a rendezvous port: {bad}", bad)
-        refs = {r: m.handle.join.remote(m0.ip, port[0], r, world, generation) for r, m in self.members.items()}
+        refs = {r: m.handle.join.remote(m0.ip, port[0], r, world, generation, pp) for r, m in self.members.items()}
         pending = {ref: r for r, ref in refs.items()}
         bad: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
@@ -349,13 +352,13 @@ class WorkerGroup:
     def restore(self, candidates: list[str], timeout_s: float) -> dict[int, dict]:
         return self._all("restore", timeout_s, candidates)
 
-    def restore_from_peer(self, src_rank: int, timeout_s: float) -> dict[int, dict]:
-        return self._all("restore_from_peer", timeout_s, src_rank)
+    def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple[int, ...] = ()) -> dict[int, dict]:
+        return self._all("restore_from_peer", timeout_s, src_rank, list(stage_sources))
 
     def restore_from_shards(self, offers: dict[int, "ray.ObjectRef"], old_world: int,
-                            timeout_s: float) -> dict[int, dict]:
+                            timeout_s: float, old_pp: int = 1) -> dict[int, dict]:
         # Refs nested in a list reach the workers as refs: each fetches only the parts it needs.
-        return self._all("restore_from_shards", timeout_s, [offers[p] for p in range(old_world)], old_world)
+        return self._all("restore_from_shards", timeout_s, [offers[p] for p in range(old_world)], old_world, old_pp)
 
     def offer_shards(self, timeout_s: float) -> tuple[dict[int, "ray.ObjectRef"], list[int]]:
         """Every member's part of the state, as object refs owned by this (the controller's)

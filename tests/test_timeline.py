@@ -1,7 +1,13 @@
-"""The event log alone is enough to draw the run's timeline."""
+"""The event log alone is enough to draw the run's timeline: the controller's row, and one row per
+rank (its state over time, faults, losses, replacements, swaps, rows that end and begin with resizes)."""
 import json
+import struct
+
+import pytest
 
 from elastic.cli import main
+from elastic.timeline import load, plot, rank_marks, rank_spans
+from test_status import T0, Log, a_run, write_run  # the same synthetic runs as `elastic status`
 
 
 def test_timeline_png_from_an_event_log(tmp_path):
@@ -25,3 +31,85 @@ def test_timeline_png_from_an_event_log(tmp_path):
     out = tmp_path / "timeline.png"
     assert main(["timeline", str(log), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+# ------------------------------------------------------------------ one row per rank
+
+
+def rows(events):
+    return {r: [(round(s.start_s, 3), round(s.end_s, 3), s.state) for s in spans]
+            for r, spans in rank_spans(events).items()}
+
+
+def test_rank_rows_follow_faults_swaps_and_resizes():
+    # a_run: rank 1's node killed at 12.0 (found at 13.2, a spare in at 13.22), rank 2 swapped at 18.6,
+    # rank 2's node killed at 21.0 and no replacement (shrink to 2 at 24.32), growth back to 3 at 30.1
+    pauses = [(18.6, 18.7, "paused"), (18.7, 22.3, "running"), (22.3, 24.4, "recovering"), (24.4, 30.1, "running"),
+              (30.1, 30.18, "paused"), (30.18, 35.0, "running")]
+    assert rows(a_run()) == {
+        0: [(0.0, 6.2, "starting"), (6.2, 13.2, "running"), (13.2, 13.3, "recovering"), (13.3, 18.6, "running")]
+        + pauses,
+        # lost from the fault, not from when the controller found out; a warm spare holds it from 13.22
+        1: [(0.0, 6.2, "starting"), (6.2, 12.0, "running"), (12.0, 13.22, "lost"), (13.22, 13.3, "recovering"),
+            (13.3, 18.6, "running")] + pauses,
+        # its row ends when the world shrinks to 2, and begins again when it grows back to 3
+        2: [(0.0, 6.2, "starting"), (6.2, 13.2, "running"), (13.2, 13.3, "recovering"), (13.3, 18.6, "running"),
+            (18.6, 18.7, "paused"), (18.7, 21.0, "running"), (21.0, 24.32, "lost"), (30.1, 30.18, "paused"),
+            (30.18, 35.0, "running")],
+    }
+
+
+def test_rank_marks_put_faults_losses_replacements_and_swaps_on_their_rows():
+    marks = [(round(m.t_s, 3), m.rank, m.kind, m.label) for m in rank_marks(a_run())]
+    assert marks == [(12.0, 1, "fault", "kill_node after step 110"), (13.2, 1, "detected", "unresponsive"),
+                     (13.22, 1, "replaced", "warm spare"), (17.0, 2, "fault", "slow after step 160"),
+                     (18.0, 2, "slow", "x3.1 at step 170"), (18.5, 2, "slow", "x3.1 at step 175"),
+                     (18.62, 2, "swapped", "warm spare"), (21.0, 2, "fault", "kill_node after step 205"),
+                     (22.3, 2, "detected", "unresponsive")]
+
+
+def test_rank_rows_of_a_running_and_of_a_resumed_run():
+    running = a_run(upto_s=23.0)  # rank 2's node is gone, no replacement yet; the last event is at 22.31
+    now = rows(running)
+    assert now[2][-1] == (21.0, 22.31, "lost") and now[0][-1] == now[1][-1] == (22.3, 22.31, "recovering")
+    log = Log("file:///data/runs/charlm")
+    log.start(100.0, restored_step=200)
+    log.commit(110.0, 220, 1.75)
+    # The driver died; a resubmit resumed from storage. Nothing is known in between: the rows stop
+    # at the last event of the first invocation and every rank starts again.
+    resumed = rows(running + log.events)
+    assert resumed == {r: now[r] + [(100.0, 106.2, "starting"), (106.2, 110.0, "running")] for r in range(3)}
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_timeline_draws_one_row_per_rank_from_a_run_folder(where, tmp_path):
+    run = write_run(where, tmp_path, a_run())
+    assert load(run) == a_run()
+    per_rank, controller = tmp_path / "ranks.png", tmp_path / "controller.png"
+    assert main(["timeline", run, "--out", str(per_rank)]) == 0
+    assert main(["timeline", run, "--out", str(controller), "--no-per-rank"]) == 0
+    (w1, h1), (w2, h2) = png_size(per_rank), png_size(controller)
+    assert w1 == w2 and h1 > h2  # three rank rows under the controller's
+
+
+def test_plot_keeps_its_controller_only_default(tmp_path):
+    out = tmp_path / "t.png"
+    plot(a_run(), str(out), title="charlm")
+    assert png_size(out)[1] == 336  # 2.8 in at 120 dpi: no rank rows unless asked for
+    with pytest.raises(ValueError, match="no events"):
+        plot([], str(out))
+
+
+def test_a_log_without_ranks_or_states_still_draws(tmp_path):
+    events = [{"t": T0, "kind": "run_started"}, {"t": T0 + 1, "kind": "checkpoint_committed", "i": 0},
+              {"t": T0 + 2, "kind": "step", "i": 1}]
+    assert rank_spans(events) == {} and rank_marks(events) == []
+    out = tmp_path / "t.png"
+    assert main(["timeline", str(write_run("file", tmp_path, events)), "--out", str(out)]) == 0
+    assert png_size(out)[1] > 0

@@ -41,6 +41,7 @@ from elastic.policies.straggler import Drop, Report, StragglerState, Swap, decid
 from elastic.storage import Storage, join
 from elastic.strategies import STRATEGIES
 from elastic.telemetry import EventLog
+from elastic.topology import Layout, grow_to, reassign, shrink_to, stage_sources
 from elastic.worker_group import GroupError, WorkerGroup, cause_of
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,14 @@ class Controller:
         self.loss_curve: dict[int, tuple[float, int]] = {}  # step -> (global mean loss, world size)
         self.next_window_end = 0
         self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
+        # Where ranks sit (elastic.topology): ddp and fsdp are (pp=1, dp=world); a pipeline's layout
+        # walks the chain below `top` (replicas dropped, then stages) as capacity comes and goes.
+        tr = self.job.train
+        self.pipeline = tr.strategy == "pipeline"
+        stages = tr.pipeline.stages if self.pipeline else 1
+        self.top = Layout(stages, self.job.scaling.max_size // stages)
+        self.layout = Layout(stages, self.world_size // stages)
+        self._survivor_steps: dict[int, int] = {}  # old rank -> step, of the survivors of the last failure
         # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
         self.ledger: dict[int, tuple[int, dict[int, list[int]]]] = {}
         self._grow_checked_at = self.now()
@@ -170,24 +179,27 @@ class Controller:
         self.generation += 1
         self._write_fence()
         try:
-            self.group.form(self.generation, cfg.rendezvous_timeout_s, cfg.ping_timeout_s)
+            self.group.form(self.generation, cfg.rendezvous_timeout_s, cfg.ping_timeout_s, self.layout.pp)
         except GroupError as e:
             return self._lost_from(e, "group formation")
+        extra = {"stages": self.layout.pp, "replicas": self.layout.dp} if self.pipeline else {}
         self.events.emit("group_formed", world_size=len(self.group.members), form_s=self.now() - t0,
-                         generation=self.generation)
+                         generation=self.generation, **extra)
         return Restoring()
 
     def _on_restoring(self, _: Restoring) -> State:
         plan, self.restore_plan = self.restore_plan, FromStorage()
         if isinstance(plan, FromShards):
             try:
-                out = self.group.restore_from_shards(plan.offers, plan.old_world, self.job.failure.collective_timeout_s)
+                out = self.group.restore_from_shards(plan.offers, plan.old_world, self.job.failure.collective_timeout_s,
+                                                     plan.old_pp)
             except GroupError as e:
                 return self._reshard_failed(e)
             return self._restored(out)
         if isinstance(plan, FromPeer):
             try:
-                out = self.group.restore_from_peer(plan.src_rank, self.job.failure.collective_timeout_s)
+                out = self.group.restore_from_peer(plan.src_rank, self.job.failure.collective_timeout_s,
+                                                   plan.stage_sources)
             except GroupError as e:
                 return self._lost_from(e, "restore from peer")
             return self._restored(out)
@@ -343,8 +355,10 @@ class Controller:
         latest = latest_committed(self.storage, self.root)
         self.last_committed = latest.uri if latest else self.last_committed
         digests = {r: o["digest"] for r, o in done.items()}
+        # Replicas of the same stage hold the same state (ddp: every rank; a pipeline: per stage).
+        by_stage = {s: {d for r, d in digests.items() if self.layout.stage_of(r) == s} for s in range(self.layout.pp)}
         self.events.emit("final_state", step=self.step, digests=digests,
-                         replicas_identical=len(set(digests.values())) == 1)
+                         replicas_identical=all(len(ds) <= 1 for ds in by_stage.values()))
         return Finished(digests)
 
     def _on_recovering(self, st: Recovering) -> State:
@@ -397,7 +411,8 @@ class Controller:
         answers, silent = self._collect_reports(cfg.ping_timeout_s, progress=False)
         for rank in silent:
             self.group.kill(rank)
-        self.restore_plan, why = choose_restore({r: a["step"] for r, a in answers.items()}, cfg, self.sharded)
+        self._survivor_steps = {r: a["step"] for r, a in answers.items()}
+        self.restore_plan, why = choose_restore(self._survivor_steps, cfg, self.sharded, self.layout)
         self.events.emit("restore_plan", source=type(self.restore_plan).__name__, reason=why)
         sc = self.job.scaling
         missing = [r for r in range(self.world_size) if r not in self.group.members]
@@ -466,12 +481,19 @@ class Controller:
         self.resizing = {"decided_t": self.wall(), "old_world_size": self.world_size,
                          "new_world_size": new_world, "reason": reason}
 
-    def _planned_plan(self, old_world: int, src_rank: int = 0) -> FromPeer | FromShards | FromStorage:
+    def _planned_plan(self, old_world: int, src_rank: int = 0,
+                      old_layout: Layout | None = None) -> FromPeer | FromShards | FromStorage:
         """How state reaches the new group after a planned stop (every old rank alive, all at
         the same step): rank `src_rank`'s broadcast (ddp), a re-shard of every rank's offered
-        part (fsdp), or, with failure.peer_restore off, the checkpoint taken at the stop."""
+        part (fsdp), or, with failure.peer_restore off, the checkpoint taken at the stop. A
+        pipeline that keeps its stages copies each stage from replica 0 (ranks 0..pp-1, which
+        keep their numbers); one re-partitioned moves every unit's state by name."""
         if not self.job.failure.peer_restore:
             return FromStorage()
+        if self.pipeline and old_layout is not None:
+            if old_layout.pp == self.layout.pp:
+                return FromPeer(0, self.step, tuple(range(self.layout.pp)))
+            return FromShards(self.offers, old_world, self.step, old_layout.pp)
         if self.sharded:
             return FromShards(self.offers, old_world, self.step)
         return FromPeer(src_rank, self.step)
@@ -485,7 +507,7 @@ class Controller:
         change into a recovery."""
         self.run_refs = {}
         self.offers = {}
-        if self.sharded and self.job.failure.peer_restore:
+        if (self.sharded or self.pipeline) and self.job.failure.peer_restore:
             self.offers, late = self.group.offer_shards(self.job.failure.collective_timeout_s)
             if late:
                 return Recovering(tuple(LostRank(r, "unresponsive", "did not offer its shards") for r in late),
@@ -549,14 +571,40 @@ class Controller:
         old = self.world_size
         reason = (f"no replacement within scaling.shrink_after_s={self.job.scaling.shrink_after_s}s "
                   f"({why.splitlines()[0][:200]}); scaling.min_workers={self.job.scaling.min_size}")
+        if self.pipeline:
+            return self._replan(reason, t0)
         self._begin_resize(len(self.group.members), reason)
         mapping = self.group.renumber()
         self.world_size = len(self.group.members)
+        self.layout = Layout(1, self.world_size)
         if isinstance(self.restore_plan, FromPeer):
             self.restore_plan = FromPeer(mapping[self.restore_plan.src_rank], self.restore_plan.step)
         self.resizing["path"] = self._path(self.restore_plan)
         self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
                          reason=reason, decide_s=self.now() - t0)
+        return Forming()
+
+    def _replan(self, reason: str, t0: float) -> State:
+        """A pipeline short of ranks: the largest layout the survivors fill (elastic.topology).
+        Whole replicas go first, each stage keeping a survivor that holds it, whose memory the
+        new group copies; with one replica left the model is re-partitioned over fewer stages,
+        and the lost stage's layers come from the latest committed checkpoint (DCP reads them
+        by name into the new stages)."""
+        old, old_world = self.layout, self.world_size
+        new = shrink_to(self.top, len(self.group.members), self.job.scaling.min_size)
+        mapping = reassign(old, sorted(self.group.members), new)
+        self.group.renumber(mapping)
+        self.layout, self.world_size = new, new.world_size
+        sources = stage_sources(old, mapping, new, self._survivor_steps) if self.job.failure.peer_restore else None
+        if sources:
+            self.restore_plan = FromPeer(sources[0], max(self._survivor_steps.values()), sources)
+        else:
+            self.restore_plan = FromStorage()
+        self._begin_resize(new.world_size, reason)
+        self.resizing["path"] = self._path(self.restore_plan)
+        self.events.emit("resized", old_world_size=old_world, new_world_size=self.world_size,
+                         path=self.resizing["path"], reason=reason, decide_s=self.now() - t0,
+                         old_layout=str(old), new_layout=str(new))
         return Forming()
 
     def _check_growth(self) -> Growing | None:
@@ -574,6 +622,11 @@ class Controller:
         if extra < 1:
             return None
         n = min(extra, want)
+        if self.pipeline:  # whole layouts only: a stage more, or a replica more
+            target = grow_to(self.top, self.layout, n)
+            if target is None:
+                return None
+            n = target.world_size - self.world_size
         if not self._request_stop():
             return None
         reason = (f"{n} warm worker(s) available and world size {self.world_size} < "
@@ -589,13 +642,22 @@ class Controller:
         if failed:
             return failed
         old = self.world_size
+        old_layout = self.layout
         new_ranks = list(range(old, old + st.num_new))
         try:
             self.group.promote(new_ranks, self.job.failure.replacement_timeout_s, self.job.failure.ping_timeout_s)
         except GroupError:
-            self.group.renumber()  # whatever joined keeps consecutive ranks
+            if self.pipeline:  # whole layouts only: back to the old one
+                for r in new_ranks:
+                    self.group.kill(r)
+            else:
+                self.group.renumber()  # whatever joined keeps consecutive ranks
         self.world_size = len(self.group.members)
-        self.restore_plan = self._planned_plan(old)
+        if self.pipeline:
+            self.layout = grow_to(self.top, old_layout, self.world_size - old) or old_layout
+        else:
+            self.layout = Layout(1, self.world_size)
+        self.restore_plan = self._planned_plan(old, old_layout=old_layout)
         self.resizing.update(new_world_size=self.world_size, path=self._path(self.restore_plan))
         self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],
                          reason="capacity appeared", decide_s=self.now() - t0)
@@ -613,6 +675,7 @@ class Controller:
         self.group.kill(st.rank)  # a sharded state's offer outlives the process (object store)
         self.group.renumber()
         self.world_size = len(self.group.members)
+        self.layout = Layout(1, self.world_size)
         self.restore_plan = self._planned_plan(old)
         self.resizing.update(new_world_size=self.world_size, path=self._path(self.restore_plan))
         self.events.emit("resized", old_world_size=old, new_world_size=self.world_size, path=self.resizing["path"],

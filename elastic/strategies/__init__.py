@@ -5,10 +5,14 @@ Strategies know nothing about failures; the worker and controller own that.
 from elastic.strategies.base import Strategy
 from elastic.strategies.ddp import DataParallel
 from elastic.strategies.fsdp import FullyShardedDataParallel
+from elastic.strategies.pipeline import Pipeline
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "fsdp": FullyShardedDataParallel}
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "fsdp": FullyShardedDataParallel,
+                                         "pipeline": Pipeline}
 
 
-def make_strategy(spec, mesh) -> Strategy:
-    """`spec`: the job's TrainSpec (its `strategy` picks the class)."""
+def make_strategy(spec, mesh, layout, rank: int) -> Strategy:
+    """`spec`: the job's TrainSpec (its `strategy` picks the class); `layout`: the rank's mesh."""
+    if spec.strategy == "pipeline":
+        return Pipeline(mesh, spec, layout, rank)
     return STRATEGIES[spec.strategy](mesh, spec)

@@ -30,6 +30,9 @@ class Strategy(ABC):
     name = "base"
     sharded = False  # True: a rank holds only its part of the state, so no single survivor holds it all
 
+    layout_key = None  # what a rank's built model depends on besides the seed (a pipeline: its stage)
+    needs_data = True  # whether this rank reads the step's samples (a pipeline's middle stages do not)
+
     def __init__(self, mesh, spec=None):
         self.mesh = mesh  # a DeviceMesh with named axes; "dp" for data parallel
         self.spec = spec  # the job's TrainSpec (strategy options)
@@ -38,11 +41,40 @@ class Strategy(ABC):
     def world_size(self) -> int:
         return self.mesh.size()
 
+    @property
+    def loss_ranks(self) -> int:
+        """How many ranks contribute a loss to the step's sum over the world."""
+        return self.world_size
+
+    def note_optimizer(self, full_model: nn.Module, make_opt) -> None:
+        """Called with the unsplit model before `prepare` (a pipeline records the param groups)."""
+
+    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int) -> torch.Tensor:
+        """Forward and backward of this rank's samples `idx` (global sample ids) in micro-batches
+        of `micro`; `load(ids)` returns the collated batch. The loss is a mean over each
+        micro-batch; weighted so the sum over micro-batches and ranks (after the average over
+        ranks) is the mean over the global batch. Returns this rank's weighted loss sum.
+        Gradients are reduced by `reduce_gradients`, after."""
+        local_loss = None
+        for i in range(0, len(idx), micro):
+            chunk = idx[i:i + micro]
+            self.set_gradient_sync(model, i + micro >= len(idx))
+            loss = loss_fn(model, load(chunk)) * (len(chunk) / len(idx))
+            loss.backward()
+            local_loss = loss.detach() if local_loss is None else local_loss + loss.detach()
+        return local_loss
+
+    def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:
+        """This rank's part of the state for a re-shard in memory at a planned resize."""
+        from elastic import resharding
+        return resharding.offer(state, rank, world, step)
+
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
         """Wrap a freshly built model for this strategy. `sync_init`: make every rank's initial
         weights rank 0's first (a fresh start; skipped when state is about to be loaded anyway)."""
         if sync_init:
-            broadcast_tensors(list(model.state_dict().values()), 0, self.mesh.get_group("dp"))
+            group = self.mesh.get_group("dp")
+            broadcast_tensors(list(model.state_dict().values()), dist.get_global_rank(group, 0), group)
         return model
 
     def set_gradient_sync(self, model: nn.Module, on: bool) -> None:

@@ -29,11 +29,12 @@ class DataParallel(Strategy):
         self.load_state_dict(model, optimizer, state)
 
     def reduce_gradients(self, model: nn.Module) -> None:
-        grad_scale = 1.0 / self.world_size
+        group = self.mesh.get_group("dp")
+        grad_scale = 1.0 / dist.get_world_size(group)
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"))
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         if grad_scale != 1.0:
             flat.mul_(grad_scale)
         offset = 0

@@ -170,16 +170,18 @@ class FakeGroup:
             self.members[r] = m
         return how
 
-    def renumber(self) -> dict[int, int]:
-        mapping = {old: new for new, old in enumerate(sorted(self.members))}
+    def renumber(self, mapping: dict[int, int] | None = None) -> dict[int, int]:
+        mapping = mapping if mapping is not None else {old: new for new, old in enumerate(sorted(self.members))}
+        for o in [o for o in self.members if o not in mapping]:
+            self.kill(o)
         self.members = {mapping[o]: m for o, m in self.members.items()}
         for r, m in self.members.items():
             m.rank = r
         return mapping
 
     # ---------------------------------------------------------------- group
-    def form(self, generation: int, timeout_s: float, ping_timeout_s: float) -> None:
-        self.calls.append(("form", generation))
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> None:
+        self.calls.append(("form", generation) if pp == 1 else ("form", generation, pp))
         dying, self.die_on_form = self.die_on_form, []
         for r in dying:
             self.members[r].dead = True
@@ -200,12 +202,14 @@ class FakeGroup:
         self.calls.append(("restore", len(candidates)))
         return self._restored(0, "init")
 
-    def restore_from_peer(self, src_rank: int, timeout_s: float) -> dict[int, dict]:
-        self.calls.append(("restore_from_peer", src_rank))
+    def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple = ()) -> dict[int, dict]:
+        self.calls.append(("restore_from_peer", src_rank) if not stage_sources else
+                          ("restore_from_peer", src_rank, tuple(stage_sources)))
         return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
 
-    def restore_from_shards(self, offers, old_world, timeout_s) -> dict[int, dict]:
-        self.calls.append(("restore_from_shards", old_world))
+    def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1) -> dict[int, dict]:
+        self.calls.append(("restore_from_shards", old_world) if old_pp == 1 else
+                          ("restore_from_shards", old_world, old_pp))
         step = max(m.step for m in self.members.values())
         return self._restored(step, f"re-sharded in memory from {old_world} ranks")
 

@@ -1,0 +1,99 @@
+"""Where each rank sits: a named mesh (dp, pp) of pipeline replicas x stages.
+
+One layout for every strategy. DDP and FSDP are (dp=world, pp=1). A pipeline
+has `pp` stages and `dp` replicas of the whole pipeline; rank = replica x pp +
+stage (replica-major), so adding a replica appends ranks and numbers nobody
+else. Resizes walk one chain of layouts, largest first: drop whole replicas
+while there is more than one, then re-partition the model over fewer stages:
+
+    (pp=3, dp=2) -> (3, 1) -> (2, 1) -> (1, 1)
+
+Shrinking picks the largest layout the survivors fill, growing the largest the
+new capacity fills. All functions here are pure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    pp: int  # pipeline stages
+    dp: int  # data-parallel replicas (of the whole pipeline)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.pp
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.pp
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        return replica * self.pp + stage
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [self.rank_of(d, stage) for d in range(self.dp)]
+
+    def __str__(self) -> str:
+        return f"{self.pp} stage(s) x {self.dp} replica(s)"
+
+
+def chain(top: Layout, min_world: int = 1) -> list[Layout]:
+    """Every layout a run may take, largest first: replicas dropped one by one, then stages."""
+    out = [Layout(top.pp, d) for d in range(top.dp, 0, -1)]
+    out += [Layout(p, 1) for p in range(top.pp - 1, 0, -1)]
+    return [lay for lay in out if lay.world_size >= min_world]
+
+
+def shrink_to(top: Layout, num_ranks: int, min_world: int) -> Layout | None:
+    """The largest layout of the chain that `num_ranks` ranks fill; None below min_world."""
+    for lay in chain(top, min_world):
+        if lay.world_size <= num_ranks:
+            return lay
+    return None
+
+
+def grow_to(top: Layout, current: Layout, extra: int) -> Layout | None:
+    """The largest layout of the chain, bigger than `current`, that `extra` more ranks fill."""
+    for lay in chain(top):
+        if current.world_size < lay.world_size <= current.world_size + extra:
+            return lay
+    return None
+
+
+def reassign(old: Layout, survivors: list[int], new: Layout) -> dict[int, int]:
+    """old rank -> new rank for the survivors that fit `new`. A survivor keeps its stage where it
+    can (it keeps its state in memory); the rest fill the places left, in rank order. Survivors
+    beyond new.world_size get no place (the caller releases them)."""
+    mapping: dict[int, int] = {}
+    free = [new.rank_of(d, s) for d in range(new.dp) for s in range(new.pp)]
+    if new.pp == old.pp:
+        for s in range(new.pp):
+            mine = [r for r in sorted(survivors) if old.stage_of(r) == s]
+            for d, r in enumerate(mine[:new.dp]):
+                mapping[r] = new.rank_of(d, s)
+                free.remove(mapping[r])
+    rest = [r for r in sorted(survivors) if r not in mapping]
+    for r, place in zip(rest, sorted(free)):
+        mapping[r] = place
+    return mapping
+
+
+def stage_sources(old: Layout, mapping: dict[int, int], new: Layout, survivor_steps: dict[int, int]) -> tuple[int, ...] | None:
+    """For a memory restore after a change of replicas: per new stage, the new rank of a survivor
+    that held that stage at the newest step. None when some stage has no such survivor (the
+    stages changed, or a whole stage was lost): then the state comes from storage."""
+    if new.pp != old.pp or not survivor_steps:
+        return None
+    step = max(survivor_steps.values())
+    out = []
+    for s in range(new.pp):
+        holders = sorted(mapping[r] for r, st in survivor_steps.items()
+                         if st == step and r in mapping and old.stage_of(r) == s and new.stage_of(mapping[r]) == s)
+        if not holders:
+            return None
+        out.append(holders[0])
+    return tuple(out)
