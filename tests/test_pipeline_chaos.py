@@ -9,7 +9,7 @@
 * 3 stages, a node lost with no free capacity: the pipeline is re-partitioned onto 2 stages
   (the lost stage's layers read by name from the checkpoint), then grows back to 3 stages when
   capacity returns (every layer's state moved between ranks in memory, by name); every sample
-  is seen once.
+  is seen once, and the run still ends bit-identical to the uninterrupted one.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
-NUM_STEPS, EVERY, FAULT_STEP, BATCH = 40, 10, 25, 16
+NUM_STEPS, EVERY, FAULT_STEP, BATCH = 160, 10, 25, 16
 
 
 def num_samples() -> int:
@@ -95,10 +95,10 @@ def test_stage_lost_with_a_surviving_replica_is_copied_from_memory(cluster, base
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH, num_samples(), seed=5)
 
 
-def test_node_loss_without_capacity_repartitions_then_grows_back(cluster, tmp_path):  # noqa: F811
+def test_node_loss_without_capacity_repartitions_then_grows_back(cluster, baseline_3x1, tmp_path):  # noqa: F811
     blocker = Blocker.remote()  # holds the 4th node's CPU: a lost stage has nowhere to go
     ray.get(blocker.node.remote())
-    steps = 160
+    steps = NUM_STEPS
     j = job(tmp_path, 3, 1, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], steps=steps,
             scaling={"min_workers": 2, "shrink_after_s": 2, "grow_check_s": 1})
     j["run"]["sample_ledger"] = True
@@ -118,4 +118,8 @@ def test_node_loss_without_capacity_repartitions_then_grows_back(cluster, tmp_pa
     done = result.events_of("resize_completed")
     assert done[-1]["source"].startswith("re-sharded in memory")
     assert result.metrics["step"] == steps and len(result.digests) == 3
+    # Moving stage boundaries changes where activations cross processes, not the arithmetic: every
+    # unit computes the same micro-batches in the same order, and with one replica nothing is
+    # summed across ranks. So even re-partitioned twice, the run ends bit-identical.
+    assert result.digests == baseline_3x1
     assert_exact_once(tmp_path / "runs" / name / "ledger.json", steps, BATCH, num_samples(), seed=5)

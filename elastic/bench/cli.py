@@ -3,11 +3,13 @@ from __future__ import annotations
 
 
 def add_bench_args(p) -> None:
-    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn"], help="which benchmark")
+    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline"],
+                   help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
     p.add_argument("--out", default=None, help="also write results.jsonl, results.md and a plot here")
     p.add_argument("--systems", default=None,
-                   help="recovery, resize, churn: comma-separated systems to compare (default: all of that benchmark's)")
+                   help="recovery, resize, churn, pipeline: comma-separated systems to compare "
+                        "(default: all of that benchmark's)")
     p.add_argument("--storage", choices=["file", "s3"], default="file", help="checkpoint storage under test")
     p.add_argument("--fault", default="kill_node",
                    help="recovery: kill_node (sockets close), freeze_node (silence, as a power loss), or both "
@@ -19,9 +21,16 @@ def add_bench_args(p) -> None:
     p.add_argument("--fault-free-s", type=float, default=30.0,
                    help="churn: fault-free window (each system's own baseline steps/s) before the faults start")
     p.add_argument("--seed", type=int, default=0, help="churn: seed of the fault schedule (rep r uses seed + r)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+                   help="pipeline: the schedule every system runs")
+    p.add_argument("--gpt", default="4,64,64",
+                   help="pipeline: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (the model every system trains)")
 
 
 def run_bench(args) -> int:
+    if args.name == "pipeline":
+        from elastic.bench.pipeline import main as pipeline_main
+        return pipeline_main(args)
     if args.name == "churn":
         from elastic.bench.churn import main as churn_main
         return churn_main(args)

@@ -153,6 +153,8 @@ class Pipeline(DataParallel):
         mine = chunks_of_stage(self.stage, self.layout.pp, self.per_rank)
         self.chunks = [all_chunks[c] for c in mine]
         stage_module = nn.Sequential(OrderedDict((u, getattr(model, u)) for chunk in self.chunks for u in chunk))
+        # A survivor keeps its module across groups (and strategy objects): the cut travels with it.
+        stage_module.elastic_chunks = self.chunks
         return super().prepare(stage_module, sync_init)  # replica 0's init, over the dp axis
 
     # ---------------------------------------------------------------- the step
@@ -164,7 +166,8 @@ class Pipeline(DataParallel):
         device = next(model.parameters()).device
         stages = [pl.PipelineStage(nn.Sequential(OrderedDict((u, getattr(model, u)) for u in chunk)), idx, num,
                                    device, group=self.mesh.get_group("pp"))
-                  for idx, chunk in zip(chunks_of_stage(self.stage, self.layout.pp, self.per_rank), self.chunks)]
+                  for idx, chunk in zip(chunks_of_stage(self.stage, self.layout.pp, self.per_rank),
+                                        model.elastic_chunks)]
         loss = self.loss_fn
         if self.cfg.schedule == "interleaved_1f1b":
             self._schedule = pl.ScheduleInterleaved1F1B(stages, self.cfg.microbatches, loss_fn=loss)
