@@ -96,6 +96,7 @@ class WorkerGroup:
         # node as alive for a while; nothing new goes there until it answers again (see `probe_suspects`).
         self.suspect_nodes: set[str] = set()
         self._probes: dict[str, "ray.ObjectRef"] = {}  # suspect node -> probe task in flight
+        self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
 
     def _new_actor(self):
         """A new worker actor, never on a suspect node."""
@@ -123,7 +124,22 @@ class WorkerGroup:
         for n in cleared:
             self._probes.pop(n, None)
         self.suspect_nodes -= cleared
+        if cleared:
+            self._restart_kept_off(cleared)
         return sorted(cleared)
+
+    def _restart_kept_off(self, cleared: set[str]) -> None:
+        """Spares still waiting for a slot, kept off a node that is now cleared, may wait forever
+        when that node's slot is the only free one (a stopped process on a full cluster): start
+        them again, free to go there."""
+        for ref, avoided in list(self._kept_off.items()):
+            if ref in self._pending_spares and avoided & cleared:
+                h = self._pending_spares.pop(ref)
+                on_demand = ref in self._on_demand
+                self._on_demand.discard(ref)
+                self._kept_off.pop(ref)
+                ray.kill(h, no_restart=True)
+                self.add_spares(1, on_demand=on_demand)
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
@@ -147,6 +163,7 @@ class WorkerGroup:
             h = self._new_actor()
             ref = h.warm.remote()
             self._pending_spares[ref] = h
+            self._kept_off[ref] = frozenset(self.suspect_nodes)
             if on_demand:
                 self._on_demand.add(ref)
 
@@ -167,6 +184,7 @@ class WorkerGroup:
         ready, _ = ray.wait(list(self._pending_spares), num_returns=len(self._pending_spares), timeout=wait_s)
         for ref in ready:
             h = self._pending_spares.pop(ref)
+            self._kept_off.pop(ref, None)
             on_demand = ref in self._on_demand
             self._on_demand.discard(ref)
             try:
@@ -196,6 +214,7 @@ class WorkerGroup:
         while self.num_spares() > keep:
             if self._pending_spares:
                 ref, h = self._pending_spares.popitem()
+                self._kept_off.pop(ref, None)
                 ray.kill(h, no_restart=True)
             else:
                 self._kill_member(self.ready_spares.pop())
@@ -270,6 +289,7 @@ class WorkerGroup:
             # Keep one warming spare per missing rank: a replacement that died (its node was lost
             # too, or not yet known to be lost) is replaced in turn, never waited on forever.
             self.add_spares(len(need) - len(self._pending_spares), on_demand=True)
+            self.probe_suspects()  # a node that answers again may hold the only free slot
             self.lost_spares.extend(self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
             take_ready("spare, waited while it warmed")
         if need:

@@ -123,3 +123,19 @@ def test_node_loss_without_capacity_repartitions_then_grows_back(cluster, baseli
     # summed across ranks. So even re-partitioned twice, the run ends bit-identical.
     assert result.digests == baseline_3x1
     assert_exact_once(tmp_path / "runs" / name / "ledger.json", steps, BATCH, num_samples(), seed=5)
+
+
+def test_frozen_stage_is_found_by_silence_and_its_neighbours_keep_their_state(cluster, baseline_2x2, tmp_path):  # noqa: F811
+    """A stopped process closes no socket: its pipeline neighbours block in a point-to-point
+    send or receive on it (and the other stage's replicas in their gradient all-reduce). The
+    controller finds the silence, cuts every survivor's group sockets, and they come back with
+    the state of their last completed step."""
+    result = Trainer(job(tmp_path, 2, 2, [{"action": "freeze_process", "rank": 1, "at_step": FAULT_STEP}])).fit(
+        progress=False)
+    assert result.digests == baseline_2x2
+    (silence,) = result.events_of("silence_detected")
+    assert silence["ranks"] == [1]
+    restored = result.events_of("restored")[-1]
+    assert restored["uri"] is None and restored["source"] == "stage replicas [0, 3]"
+    (rec,) = result.events_of("recovered")
+    assert rec["lost_steps"] == 0 and rec["detect_s"] < 10
