@@ -144,6 +144,17 @@ def latest_committed(storage: Storage, root: str, on_skip=None) -> CommittedChec
     return found[0] if found else None
 
 
+def abandon_after(storage: Storage, root: str, step: int) -> list[str]:
+    """Un-commit the checkpoints after `step` (a rollback abandons their timeline): their commit
+    markers go, so they are never restored and a redone step writes its own. Returns them."""
+    out = []
+    for c in committed_checkpoints(storage, root):
+        if c.step > step:
+            storage.remove(join(c.uri, COMMIT_MARKER))
+            out.append(c.uri)
+    return out
+
+
 def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
     """Remove committed checkpoints beyond the newest `num_to_keep`, and abandoned partial
     folders older than the newest committed one. Newer partial folders may be a persist in

@@ -207,6 +207,21 @@ class TrainSpec(_Strict):
                            "into stages, one per rank, with data-parallel replicas of the whole pipeline.")
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Used when strategy is fsdp.")
     pipeline: PipelineSpec | None = Field(None, description="Required when strategy is pipeline.")
+    scheduler: str | None = Field(
+        None, description="module:function(optimizer) -> torch LRScheduler, stepped once per training step; its state "
+                          "is a function of the step, replayed on every restore.")
+    clip_grad_norm: float | None = Field(
+        None, gt=0, description="Clip gradients to this global L2 norm (over every rank's parameters: replicas, "
+                                "shards and stages alike).")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32; bf16 (autocast, CPU and GPU); fp16 (autocast with dynamic loss scaling, whose "
+                            "scale is saved and restored with the state).")
+    bad_step: Literal["raise", "skip", "rollback"] = Field(
+        "raise", description="A step whose loss (or, with clipping or fp16, gradient norm) is not finite on any rank: "
+                             "raise: stop with an error naming the step; skip: no update on any rank (the samples are "
+                             "marked skipped); rollback: skip, and after bad_step_limit in a row return to the newest "
+                             "committed checkpoint and skip every batch from there to the last bad one.")
+    bad_step_limit: int = Field(3, ge=1, description="Bad steps in a row that end a skip (error) or trigger a rollback.")
 
     @model_validator(mode="after")
     def _check_strategy(self) -> "TrainSpec":
@@ -227,6 +242,7 @@ class TrainSpec(_Strict):
             "dataset": _import_ref(self.dataset, "train.dataset"),
             "loss": _import_ref(self.loss, "train.loss") if self.loss else None,
             "stage_loss": _import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
+            "scheduler": _import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
             "optimizer": _import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
         }
 

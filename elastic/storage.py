@@ -141,6 +141,13 @@ class Storage:
         except Exception as e:  # noqa: BLE001
             raise self._fail("remove", uri, e) from e
 
+    def remove(self, uri: str) -> None:
+        """Remove one file."""
+        try:
+            self.fs.rm_file(self._path(uri))
+        except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
+            raise self._fail("remove", uri, e) from e
+
     def check_writable(self, uri: str) -> None:
         """Fail fast at start, naming the URI, if we cannot write and delete there."""
         probe = join(uri, f".elastic-probe-{uuid.uuid4().hex}")

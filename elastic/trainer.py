@@ -67,6 +67,8 @@ class Trainer:
             _check_fsdp_blocks(fns["model"], job.train.fsdp.blocks)
         if job.train.strategy == "pipeline":
             _check_pipeline_cut(fns["model"], job)
+        if fns["scheduler"] is not None:
+            _check_scheduler(fns["scheduler"], job.train.scheduler)
         uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
         self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
         storage = Storage(uri, job.checkpoint.storage_options)
@@ -308,3 +310,19 @@ def _check_pipeline_cut(model_fn, job: JobConfig) -> None:
                 raise PlanError(f"train.pipeline: {pp} stage(s) x {pl.chunks_per_rank} chunk(s) per rank: {e}") from None
     except PlanError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_scheduler(make, ref: str) -> None:
+    """The schedule is replayed from the step count on every restore: it must be a torch
+    LRScheduler stepped without arguments (not ReduceLROnPlateau, which follows a metric)."""
+    import torch
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    try:
+        sched = make(opt)
+    except Exception as e:  # noqa: BLE001 - the user's factory
+        raise ConfigError(f"train.scheduler: {ref}(optimizer) raised {type(e).__name__}: {e}") from None
+    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) or \
+            not isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(f"train.scheduler: {ref} returned {type(sched).__name__}; it must return a torch "
+                          f"LRScheduler whose state depends only on the step (ReduceLROnPlateau follows a metric, "
+                          f"which elastic cannot replay on a restore)")

@@ -29,7 +29,7 @@ from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
 from elastic.storage import Storage
 from elastic.strategies import make_strategy
-from elastic.strategies.base import forget_old_meshes
+from elastic.strategies.base import broadcast_tensors, forget_old_meshes
 from elastic.topology import Layout
 
 
@@ -41,6 +41,21 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer died, hung past the backstop, or the group was torn down."""
+
+
+class BadStep(RuntimeError):
+    """A step's loss or gradient was not finite and train.bad_step says stop (the user's to fix)."""
+
+
+class RollBack(Exception):
+    """train.bad_step=rollback: bad_step_limit bad steps in a row; the controller restores."""
+
+    def __init__(self, bad_steps: list[int]):
+        super().__init__(f"bad steps {bad_steps}")
+        self.bad_steps = bad_steps
+
+
+LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000  # fp16 dynamic loss scaling, as torch's GradScaler
 
 
 # A lost peer (as the checkpointer recognises it) or any error raised by the transport itself.
@@ -90,6 +105,11 @@ class Worker:
         self._stop_agreed = False
         self._persist_busy = False  # some rank's previous persist was still running at the last step
         self._deferred: list[int] = []  # checkpoint steps skipped because a persist was in flight
+        self.scheduler = None  # train.scheduler, rebuilt and replayed to the step on every restore
+        self.amp: dict[str, torch.Tensor] = {}  # fp16: {"scale", "good_steps"}, saved and restored with the state
+        self.skip_steps: set[int] = set()  # steps (1-based) to train without an update (after a rollback)
+        self._bad_in_a_row: list[int] = []  # consecutive bad steps so far
+        self._skipped: list[tuple[int, str]] = []  # (step, why) since the last poll
 
     # ---------------------------------------------------------------- identity
     def info(self) -> dict:
@@ -221,8 +241,44 @@ class Worker:
         self.model = model
         self._built_for = self.strategy.layout_key if self.strategy else None
         self.optimizer = make_opt(self.model.parameters())
+        self._factory_lrs = [g["lr"] for g in self.optimizer.param_groups]  # where a schedule starts
+        if self.job.train.precision == "fp16":
+            self.amp = {"good_steps": torch.zeros((), dtype=torch.int64, device=self.device),
+                        "scale": torch.full((), LOSS_SCALE_INIT, device=self.device)}
+
+    def _state(self) -> dict:
+        """Everything a restore must bring back, keyed by name: model, optimizer and (fp16) the
+        loss scale. The learning-rate schedule is a function of the step (see _replay_schedule)."""
+        state = self.strategy.state_dict(self.model, self.optimizer)
+        if self.amp:
+            state["amp"] = self.amp
+        return state
+
+    def _load_state(self, state: dict) -> None:
+        self.strategy.load_state_dict(self.model, self.optimizer, state)
+        if self.amp:
+            self.amp = state["amp"]
+
+    def _replay_schedule(self) -> None:
+        """The schedule at this step, as an uninterrupted run has it: built on the optimizer with
+        each group's initial learning rate and stepped once per step done. Exact for any
+        schedule that depends only on the step count, whatever path the state came by."""
+        make = self.fns["scheduler"]
+        if make is None:
+            return
+        for g, lr in zip(self.optimizer.param_groups, self._factory_lrs):
+            g["lr"] = lr
+            g.pop("initial_lr", None)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": a replay
+            self.scheduler = make(self.optimizer)
+            for _ in range(self.step):
+                self.scheduler.step()
 
     def _start_checkpointer(self) -> None:
+        """The last part of every restore path: the schedule caught up, checkpoints from here."""
+        self._replay_schedule()
         self.ckpt = AsyncCheckpointer(
             self.storage, self.root, self.rank, self.world_size, self.strategy.name, self.ckpt_pg,
             self.job.checkpoint.persist_retries, self.job.checkpoint.persist_retry_backoff_s,
@@ -245,7 +301,7 @@ class Worker:
         loaded = None
         for uri in candidates:
             self._build()
-            state = self.strategy.state_dict(self.model, self.optimizer)
+            state = self._state()
             try:
                 # DCP reads each saved shard into the current layout: a checkpoint saved at any
                 # world size loads at this one.
@@ -253,7 +309,7 @@ class Worker:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
                 skipped.append((uri, f"{type(e).__name__}: {str(e)[:300]}"))
                 continue
-            self.strategy.load_state_dict(self.model, self.optimizer, state)
+            self._load_state(state)
             self.step = int(self.storage.read_bytes(uri + "/COMMITTED").decode())
             loaded = uri
             break
@@ -278,6 +334,8 @@ class Worker:
         self.step = int(step.item())
         src = stage_sources[self.layout.stage_of(self.rank)] if stage_sources else src_rank
         self.strategy.broadcast_state(self.model, self.optimizer, src)
+        if self.amp:
+            broadcast_tensors([self.amp[k] for k in sorted(self.amp)], src, self.mesh.get_group("dp"))
         self._start_checkpointer()
         return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
                 "source": f"peer rank {src}" if not stage_sources else f"stage replicas {list(stage_sources)}"}
@@ -287,8 +345,7 @@ class Worker:
         through Ray, it stays in this node's object store (owned by the caller) after this
         process is gone."""
         self._forget_old_meshes()
-        state = self.strategy.state_dict(self.model, self.optimizer)
-        return self.strategy.offer(state, self.rank, self.world_size, self.step)
+        return self.strategy.offer(self._state(), self.rank, self.world_size, self.step)
 
     def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1) -> dict:
         """Memory path of a sharded strategy: a fresh sharded build at the new world size, filled
@@ -297,7 +354,7 @@ class Worker:
         t0 = time.monotonic()
         self._forget_old_meshes()
         self._build()
-        state = self.strategy.state_dict(self.model, self.optimizer)
+        state = self._state()
         if self.strategy.name == "pipeline":  # by name, from replica 0 of each old stage (rank = stage)
             parts = self.strategy.needed_stages(old_pp)
             got = dict(zip(parts, ray.get([offers[p] for p in parts])))
@@ -306,7 +363,7 @@ class Worker:
             parts = resharding.needed_parts(state, old_world, self.world_size, self.rank)
             got = dict(zip(parts, ray.get([offers[p] for p in parts])))
             self.step = resharding.assemble(state, got, self.world_size, self.rank)
-        self.strategy.load_state_dict(self.model, self.optimizer, state)
+        self._load_state(state)
         self._start_checkpointer()
         return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
                 "source": f"re-sharded in memory from {old_world} ranks (read parts {parts})"}
@@ -322,10 +379,12 @@ class Worker:
         return h.hexdigest()
 
     # ---------------------------------------------------------------- training
-    def run(self, num_steps: int, faults: list[dict]) -> dict:
+    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = ()) -> dict:
         """Train until `num_steps` steps are done. Returns {"status": "done" | "aborted" |
-        "user_error", ...}; a collective failure aborts (the controller decides what next)."""
+        "user_error" | "rollback", ...}; a collective failure aborts (the controller decides what
+        next). `skip_steps`: steps trained without an update (the batches a rollback skips)."""
         tr = self.job.train
+        self.skip_steps = set(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
         micro = 0 if tr.strategy == "pipeline" else batch_plan(tr.global_batch_size, self.world_size,
                                                                tr.micro_batch_size)[0]
@@ -361,6 +420,11 @@ class Worker:
                 self._collect_persists()
             self._wait_persist()
             self._collect_persists()
+        except RollBack as e:
+            self._wait_persist()
+            self._collect_persists()
+            self._set(status="rollback")
+            return {"status": "rollback", "step": self.step, "bad_steps": e.bad_steps, "generation": generation}
         except CollectiveError as e:
             self._set(status="aborted")
             self._teardown_after_failure(generation)
@@ -388,7 +452,7 @@ class Worker:
         if self.ckpt.in_flight():
             self._set(status="storage_wait")  # only at the last step or a planned stop (see run())
         stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
-                                 self.strategy.state_dict(self.model, self.optimizer),
+                                 self._state(),
                                  {"loss": self._progress["loss"]})
         self._set(ckpt_stall_s=stall_s, status="running")
         return self.step
@@ -406,24 +470,44 @@ class Worker:
         stop_flag = 1.0 if self.stop_requested else 0.0
         busy_flag = 1.0 if self.ckpt is not None and self.ckpt.in_flight() else 0.0
         loss_fn = self.fns["stage_loss"] if tr.strategy == "pipeline" else self.fns["loss"]
+        scale = self.amp["scale"] if self.amp else None
+        if scale is not None:  # fp16: scale the loss so small gradients survive; unscaled below
+            loss_fn = _scaled(loss_fn, scale)
         try:
-            local_loss = self.strategy.train_step(self.model, idx, self._load, loss_fn, micro).to(self.device)
+            with torch.autocast(self.device.type, dtype=_AUTOCAST[tr.precision], enabled=tr.precision != "fp32"):
+                local_loss = self.strategy.train_step(self.model, idx, self._load, loss_fn, micro)
+            local_loss = local_loss.float().to(self.device)
         except Exception as e:
             if is_collective_failure(e):
                 raise CollectiveError(f"{type(e).__name__}: {e}") from e
             raise
+        if scale is not None:
+            local_loss = local_loss / scale
         if self.slow_factor > 1.0:
             chaos.busy_wait((self.slow_factor - 1.0) * (time.perf_counter() - t_start))
         compute_s = time.perf_counter() - t_start
         try:
             self.strategy.reduce_gradients(self.model)
+            grads = self.strategy.local_grads(self.model)
+            if scale is not None:
+                torch._foreach_mul_(grads, 1.0 / scale)
+            # The squared norm of this rank's gradients rides on the same all-reduce as the loss:
+            # every rank learns the global norm (for clipping) and whether any rank saw a
+            # non-finite value, in the same step, with no collective of its own.
+            check_grads = tr.clip_grad_norm is not None or scale is not None
+            sumsq = _sum_of_squares(grads, self.device) if check_grads else torch.zeros((), device=self.device)
             stats = torch.stack([local_loss, torch.tensor(stop_flag, device=self.device),
-                                 torch.tensor(busy_flag, device=self.device)])
+                                 torch.tensor(busy_flag, device=self.device),
+                                 (~torch.isfinite(local_loss)).float(), (~torch.isfinite(sumsq)).float(), sumsq])
             dist.all_reduce(stats)  # the whole world: every rank agrees on the stop, whatever its stage
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
-        self.optimizer.step()
+        grad_norm = (stats[5] / self.strategy.grad_copies).sqrt()
+        self._update(tr, grads, stats, grad_norm)
+        self._set(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or self.amp else None)
         self.step += 1
+        if self.scheduler is not None:
+            self.scheduler.step()  # once per step, skipped or not: the schedule is a function of the step
         loss = stats[0].item() / self.strategy.loss_ranks
         with self._lock:
             self._compute_log.append((self.step, compute_s, loss))
@@ -435,6 +519,48 @@ class Worker:
         self._set(step=self.step, loss=loss, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
                   first_step_end=self._progress.get("first_step_end") or now)
+
+    def _update(self, tr, grads: list[torch.Tensor], stats: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """The optimizer step of step `self.step + 1`, decided the same way on every rank from the
+        all-reduced stats: skipped after a rollback, after an fp16 overflow (the loss scale backs
+        off), or for a non-finite loss or gradient (train.bad_step); clipped to the global norm."""
+        step = self.step + 1
+        bad_loss, bad_grads = bool(stats[3] > 0), bool(stats[4] > 0)
+        if step in self.skip_steps:
+            self._skip(step, "rolled back: this batch is skipped")
+            return
+        if self.amp and bad_grads and not bad_loss:
+            self.amp["scale"].mul_(0.5)
+            self.amp["good_steps"].zero_()
+            self._skip(step, "fp16 overflow: loss scale halved")
+            return
+        if bad_loss or bad_grads:
+            what = "loss" if bad_loss else "gradient norm"
+            if tr.bad_step == "raise":
+                raise BadStep(f"step {step}: non-finite {what} on some rank (train.bad_step=raise)")
+            self._bad_in_a_row.append(step)
+            self._skip(step, f"non-finite {what} (train.bad_step={tr.bad_step})")
+            if len(self._bad_in_a_row) >= tr.bad_step_limit:
+                if tr.bad_step == "skip":
+                    raise BadStep(f"steps {self._bad_in_a_row}: {len(self._bad_in_a_row)} bad steps in a row "
+                                  f"(train.bad_step_limit={tr.bad_step_limit}); last: non-finite {what}")
+                raise RollBack(list(self._bad_in_a_row))
+            return
+        self._bad_in_a_row = []
+        if tr.clip_grad_norm is not None:
+            coef = tr.clip_grad_norm / (grad_norm + 1e-6)
+            if coef < 1:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        if self.amp:
+            self.amp["good_steps"].add_(1)
+            if int(self.amp["good_steps"]) >= LOSS_SCALE_GROWTH_INTERVAL:
+                self.amp["scale"].mul_(2.0)
+                self.amp["good_steps"].zero_()
+
+    def _skip(self, step: int, why: str) -> None:
+        with self._lock:
+            self._skipped.append((step, why))
 
     def _load(self, ids: list[int]):
         """The collated batch of global sample ids, on this rank's device."""
@@ -488,12 +614,27 @@ class Worker:
         self._collect_persists()
         with self._lock:
             out = dict(self._progress, rank=self.rank, generation=self.generation, persists=self._persists,
-                       compute_log=self._compute_log, ledger=self._ledger, deferred=self._deferred)
+                       compute_log=self._compute_log, ledger=self._ledger, deferred=self._deferred,
+                       skipped=self._skipped)
             self._deferred = []
+            self._skipped = []
             self._persists = []
             self._compute_log = []
             self._ledger = []
         return out
+
+
+_AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _scaled(loss_fn, scale: torch.Tensor):
+    return lambda *args: loss_fn(*args) * scale
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum().to(device)
 
 
 def _destroy_group() -> None:

@@ -417,9 +417,9 @@ class WorkerGroup:
                 died[rank] = (death_cause(e), short_reason(e))
         return results, died
 
-    def run(self, num_steps: int, faults: list[dict]) -> dict[int, "ray.ObjectRef"]:
+    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = ()) -> dict[int, "ray.ObjectRef"]:
         self._polls.clear()  # an answer to a poll sent before a recovery describes the old group
-        return {r: m.handle.run.remote(num_steps, faults) for r, m in self.members.items()}
+        return {r: m.handle.run.remote(num_steps, faults, list(skip_steps)) for r, m in self.members.items()}
 
     def drain_polls(self, timeout_s: float) -> dict[int, dict]:
         """Answers of the polls still in flight (they may carry the last persist reports)."""

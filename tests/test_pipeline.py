@@ -3,15 +3,12 @@ checks, and real Workers (gloo, one process per rank) that train a pipeline and 
 checkpoint between 2 stages x 2 replicas, 4 stages, interleaved stages, DDP and FSDP."""
 from __future__ import annotations
 
-import socket
-
 import pytest
-import torch
 from torch import nn
 
-from elastic.checkpoint import checkpoints_root
-from elastic.config import ConfigError, JobConfig, parse_job
+from elastic.config import ConfigError, parse_job
 from elastic.strategies.pipeline import PlanError, balanced_bounds, chunks_of_stage, plan_chunks, stage_of_unit, units_of
+from spawn_ranks import run_ranks
 from elastic.topology import Layout, chain, grow_to, reassign, shrink_to, stage_sources
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,41 +107,6 @@ def test_a_model_that_cannot_be_cut_is_refused_by_the_trainer(tmp_path):
 
 
 # ---------------------------------------------------------------- real workers, gloo
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, q):
-    from elastic.worker import Worker
-    w = Worker(job_json, root)
-    w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
-    out = w.restore(candidates)
-    res = w.run(steps, [])
-    q.put((rank, res["status"], res.get("digest") or res.get("error"), w._progress["loss"], out["source"], out["step"]))
-    w.leave()
-
-
-def run_ranks(job: dict, pp: int, candidates=(), steps=None) -> list[tuple]:
-    """Every rank of `job` as its own process (gloo on this machine), trained to `steps`."""
-    jc = JobConfig.model_validate(job)
-    world = jc.scaling.num_workers
-    ctx = torch.multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
-    port = _port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
-                                                  steps or jc.run.num_steps, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = sorted(q.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert all(o[1] == "done" for o in out), out
-    return out
-
-
 def test_pipeline_trains_like_ddp_and_its_checkpoint_loads_in_every_layout(tmp_path):
     base = tmp_path / "pp"
     first = run_ranks(gpt_job(base), pp=2)

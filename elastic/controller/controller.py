@@ -28,7 +28,7 @@ from collections import deque
 
 import ray
 
-from elastic.checkpoint import checkpoints_root, committed_checkpoints, latest_committed
+from elastic.checkpoint import abandon_after, checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
 from elastic.fencing import write_fence
 from elastic.controller.states import (
@@ -93,6 +93,8 @@ class Controller:
         self.top = Layout(stages, self.job.scaling.max_size // stages)
         self.layout = Layout(stages, self.world_size // stages)
         self._survivor_steps: dict[int, int] = {}  # old rank -> step, of the survivors of the last failure
+        self.skip_steps: set[int] = set()  # steps whose batches a rollback skips (no update)
+        self.skipped: dict[int, str] = {}  # step -> why it made no update (train.bad_step, fp16 overflow, rollback)
         # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
         self.ledger: dict[int, tuple[int, dict[int, list[int]]]] = {}
         self._grow_checked_at = self.now()
@@ -205,6 +207,8 @@ class Controller:
             return self._restored(out)
         skipped: list[tuple[str, str]] = []
         candidates = committed_checkpoints(self.storage, self.root, on_skip=lambda u, r: skipped.append((u, r)))
+        if plan.max_step is not None:  # a rollback: nothing from the abandoned timeline
+            candidates = [c for c in candidates if c.step <= plan.max_step]
         for uri, why in skipped:
             self.events.emit("checkpoint_skipped", uri=uri, reason=why)
         try:
@@ -260,7 +264,7 @@ class Controller:
         if st.watch is None:
             with self._fault_lock:
                 faults = list(self.pending_faults)
-            self.run_refs = self.group.run(self.job.run.num_steps, faults)
+            self.run_refs = self.group.run(self.job.run.num_steps, faults, sorted(self.skip_steps))
             self.rank_status = {}
             self.last_progress_at = self.now()
             return Running(RunWatch(dict(self.run_refs)))
@@ -277,6 +281,8 @@ class Controller:
                 w.done[rank] = out
             elif out["status"] == "stopped":
                 w.stopped.add(rank)
+            elif out["status"] == "rollback":
+                w.rollback[rank] = out
             elif out["status"] == "user_error":
                 self.events.emit("user_error", rank=rank, step=out["step"], error=out["error"],
                                  traceback=out.get("traceback"))
@@ -312,6 +318,8 @@ class Controller:
             return Running()
         if members and set(w.done) == members:
             return self._finish(w.done)
+        if members and set(w.rollback) == members and w.failing_since is None:
+            return self._rollback(next(iter(w.rollback.values()))["bad_steps"])
         if (w.lost or w.aborted) and w.failing_since is None:
             w.failing_since = self.now()
             # Start a replacement now, while we settle exactly who is lost: the slow part of a new
@@ -344,6 +352,26 @@ class Controller:
             self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
             return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), self.wall())
         return None
+
+    def _rollback(self, bad_steps: list[int]) -> State:
+        """train.bad_step=rollback: bad_step_limit steps in a row made no update. Every rank stopped
+        at the same step; back to the newest checkpoint committed before the first of them, and
+        skip every batch from there to the last (a replay of the same batches would go bad
+        again). The checkpoints of the abandoned timeline are un-committed."""
+        self._collect_reports()
+        first, last = min(bad_steps), max(bad_steps)
+        before = [c for c in committed_checkpoints(self.storage, self.root) if c.step < first]
+        to_step = before[0].step if before else 0
+        abandoned = abandon_after(self.storage, self.root, to_step)
+        self.skip_steps |= set(range(to_step + 1, last + 1))
+        self.events.emit("rolled_back", to_step=to_step, bad_steps=bad_steps, skip_from=to_step + 1, skip_to=last,
+                         abandoned=abandoned,
+                         reason=f"{len(bad_steps)} bad steps in a row (train.bad_step_limit="
+                                f"{self.job.train.bad_step_limit}): back to step {to_step}, skipping the batches of "
+                                f"steps {to_step + 1}..{last}")
+        self.restore_plan = FromStorage(max_step=to_step)
+        self.run_refs = {}
+        return Restoring()
 
     def _finish(self, done: dict[int, dict]) -> Finished:
         # Every run() waited for its last persist: collect those reports. Storage has the last
@@ -561,7 +589,8 @@ class Controller:
 
     def _write_ledger(self) -> None:
         """ledger.json: for every step, the world size it ran at and each rank's sample ids."""
-        body = {str(s): {"world_size": w, "ranks": {str(r): ids for r, ids in sorted(by_rank.items())}}
+        body = {str(s): {"world_size": w, "ranks": {str(r): ids for r, ids in sorted(by_rank.items())},
+                         **({"skipped": self.skipped[s]} if s in self.skipped else {})}
                 for s, (w, by_rank) in sorted(self.ledger.items())}
         self.storage.write_bytes(join(self.run_dir, "ledger.json"), json.dumps(body).encode())
 
@@ -755,6 +784,10 @@ class Controller:
                                      persist_s=p["persist_s"], attempts=p["attempts"], loss=p["metrics"].get("loss"))
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
+        for step, why in sorted({(s, w) for a in answers.values() for s, w in a.get("skipped", [])}):
+            if self.skipped.get(step) != why:
+                self.skipped[step] = why
+                self.events.emit("step_skipped", step=step, reason=why)
         for step in sorted({s for a in answers.values() for s in a.get("deferred", [])}):
             self.events.emit("checkpoint_deferred", step=step,
                              reason="the previous persist is still running (storage slow or down); training goes "

@@ -43,6 +43,7 @@ class RunWatch:
     failing_since: float | None = None  # first failure signal; then we settle who is lost
     planned: "Swapping | Growing | Dropping | None" = None  # a planned stop in progress
     storage_wait_logged: bool = False
+    rollback: dict = field(default_factory=dict)  # rank -> run() result asking for a rollback (bad steps)
 
 
 @dataclass(frozen=True)

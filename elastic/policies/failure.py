@@ -41,7 +41,7 @@ class FromPeer:
 
 @dataclass(frozen=True)
 class FromStorage:
-    pass
+    max_step: int | None = None  # a rollback: the newest committed checkpoint at or before this step
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,17 @@ class Strategy(ABC):
         return self.mesh.size()
 
     @property
+    def grad_copies(self) -> int:
+        """How many ranks hold each gradient element after the reduction (replicas hold copies,
+        shards hold parts): a sum of squares over the world divided by this is the global one."""
+        return self.world_size
+
+    def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
+        """This rank's gradient tensors (the local shards of sharded ones)."""
+        return [g.to_local() if hasattr(g, "to_local") else g
+                for g in (p.grad for p in model.parameters()) if g is not None]
+
+    @property
     def loss_ranks(self) -> int:
         """How many ranks contribute a loss to the step's sum over the world."""
         return self.world_size

@@ -47,12 +47,18 @@ def select_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Mo
 class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     sharded = True
+    grad_copies = 1  # every rank holds its own part of each gradient
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
         model = super().prepare(model, sync_init)  # rank 0's init, broadcast before sharding
         fs = self.spec.fsdp
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fs.param_dtype),
                                   reduce_dtype=getattr(torch, fs.reduce_dtype))
+        if self.spec.precision != "fp32" and fs.param_dtype == fs.reduce_dtype == "float32" and _on_gpu(model):
+            # train.precision sets FSDP's compute and reduce dtypes unless train.fsdp sets them (GPU only:
+            # on CPU, autocast alone; gloo's reduce-scatter is float32 there).
+            dtype = torch.bfloat16 if self.spec.precision == "bf16" else torch.float16
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         kw = dict(mesh=self.mesh, mp_policy=mp)
         for block in select_blocks(model, fs.blocks):
             fully_shard(block, reshard_after_forward=fs.reshard_after_forward, **kw)
@@ -69,3 +75,7 @@ class FullyShardedDataParallel(Strategy):
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "
                            "shards (elastic.resharding) or load a checkpoint")
+
+
+def _on_gpu(model: nn.Module) -> bool:
+    return any(p.is_cuda for p in model.parameters())

@@ -122,6 +122,10 @@ class Pipeline(DataParallel):
         return self.layout.dp
 
     @property
+    def grad_copies(self) -> int:
+        return self.layout.dp  # a stage's replicas hold copies; stages hold different parameters
+
+    @property
     def first(self) -> bool:
         return self.stage == 0
 

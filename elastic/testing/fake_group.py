@@ -228,7 +228,7 @@ class FakeGroup:
         return {r: m.step for r, m in self.members.items()}
 
     # ---------------------------------------------------------------- run and poll
-    def run(self, num_steps: int, faults) -> dict[int, object]:
+    def run(self, num_steps: int, faults, skip_steps=()) -> dict[int, object]:
         self.calls.append(("run", num_steps))
         self._num_steps = num_steps
         self._last_advance = self.clock()
