@@ -6,6 +6,7 @@ need the whole job (batch plan vs. world size) live in `JobConfig`.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any, Callable, Literal
 
@@ -189,11 +190,31 @@ class PipelineSpec(_Strict):
         return self
 
 
+class DataSpec(_Strict):
+    """A built-in dataset (train.data), instead of a dataset function."""
+
+    format: Literal["parquet"] = Field(description="parquet: rows of Parquet files, by global index.")
+    uri: str = Field(description="fsspec URI of the files: one file, a folder, or a glob (s3://bucket/corpus/*.parquet).")
+    columns: list[str] | None = Field(None, description="Columns, in the order each sample's tuple has them; default all.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, key, secret for s3).")
+
+    def factory(self) -> Callable:
+        return functools.partial(_parquet_dataset, self.uri, self.columns, self.storage_options)
+
+
+def _parquet_dataset(uri: str, columns, storage_options):
+    from elastic.parquet import ParquetDataset  # pyarrow: imported only by jobs that read Parquet
+    return ParquetDataset(uri, columns, storage_options)
+
+
 class TrainSpec(_Strict):
     """What to train. Each callable is given as 'module:function' so workers can import it."""
 
     model: str = Field(description="module:function() -> torch.nn.Module")
-    dataset: str = Field(description="module:function() -> map-style dataset (len, getitem)")
+    dataset: str | None = Field(None, description="module:function() -> map-style dataset (len, getitem)")
+    data: DataSpec | None = Field(None, description="A built-in dataset ({format: parquet, uri, columns}) instead of "
+                                                    "train.dataset.")
     loss: str | None = Field(None, description="module:function(model, batch) -> scalar loss, mean over the batch "
                                               "(ddp, fsdp; a pipeline uses train.pipeline.loss)")
     optimizer: str | None = Field(None, description="module:function(params) -> optimizer; default AdamW(lr=1e-3)")
@@ -229,17 +250,25 @@ class TrainSpec(_Strict):
             raise ValueError("train.strategy=pipeline needs train.pipeline: {stages, microbatches, loss}")
         if self.strategy != "pipeline" and self.pipeline is not None:
             raise ValueError(f"train.pipeline is set but train.strategy={self.strategy}: set train.strategy: pipeline")
+        if (self.dataset is None) == (self.data is None):
+            raise ValueError("set exactly one of train.dataset (module:function) and train.data ({format: parquet, "
+                             "uri, columns})")
         if self.strategy != "pipeline" and self.loss is None:
             raise ValueError(f"train.loss is required with train.strategy={self.strategy}")
         if self.strategy == "pipeline" and self.micro_batch_size is not None:
             raise ValueError("train.micro_batch_size is not used by a pipeline: set train.pipeline.microbatches")
         return self
 
+    @property
+    def dataset_ref(self) -> str:
+        """How the job names its data, for messages."""
+        return self.dataset or f"train.data ({self.data.format} at {self.data.uri})"
+
     def resolve(self) -> dict[str, Callable | None]:
         """Import every callable; raises ValueError naming the field that fails."""
         return {
             "model": _import_ref(self.model, "train.model"),
-            "dataset": _import_ref(self.dataset, "train.dataset"),
+            "dataset": _import_ref(self.dataset, "train.dataset") if self.dataset else self.data.factory(),
             "loss": _import_ref(self.loss, "train.loss") if self.loss else None,
             "stage_loss": _import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
             "scheduler": _import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,

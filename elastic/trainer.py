@@ -60,7 +60,7 @@ class Trainer:
             fns = job.train.resolve()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        num_samples = _dataset_length(fns["dataset"], job.train.dataset)
+        num_samples = _dataset_length(fns["dataset"], job.train.dataset_ref)
         if num_samples < 1:
             raise ConfigError("train.dataset: the dataset is empty")
         if job.train.strategy == "fsdp":
@@ -176,7 +176,7 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int) -> None:
     checks = {  # manifest key: (the job's value, how to name it, what to keep the same)
         "global_batch_size": (tr.global_batch_size, f"train.global_batch_size={tr.global_batch_size}", "value"),
         "seed": (job.run.seed, f"run.seed={job.run.seed}", "value"),
-        "num_samples": (num_samples, f"train.dataset {tr.dataset} has {num_samples} samples", "dataset"),
+        "num_samples": (num_samples, f"{tr.dataset_ref} has {num_samples} samples", "dataset"),
     }
     for key, (value, what, same) in checks.items():
         if key in recorded and recorded[key] != value:

@@ -467,6 +467,7 @@ class Worker:
         replica = lay.replica_of(self.rank)
         idx = self.order.rank_indices(self.step, tr.global_batch_size, lay.dp, replica)
         self.optimizer.zero_grad(set_to_none=True)
+        self._prefetch_next()
         stop_flag = 1.0 if self.stop_requested else 0.0
         busy_flag = 1.0 if self.ckpt is not None and self.ckpt.in_flight() else 0.0
         loss_fn = self.fns["stage_loss"] if tr.strategy == "pipeline" else self.fns["loss"]
@@ -563,8 +564,21 @@ class Worker:
             self._skipped.append((step, why))
 
     def _load(self, ids: list[int]):
-        """The collated batch of global sample ids, on this rank's device."""
-        return _to(default_collate([self.dataset[j] for j in ids]), self.device)
+        """The collated batch of global sample ids, on this rank's device. A dataset that reads a
+        batch at once (`__getitems__`, as torch's DataLoader uses) does."""
+        many = getattr(self.dataset, "__getitems__", None)
+        samples = many(ids) if many is not None else [self.dataset[j] for j in ids]
+        return _to(default_collate(samples), self.device)
+
+    def _prefetch_next(self) -> None:
+        """A dataset that can read ahead (`prefetch(ids)`, e.g. ParquetDataset) starts on the next
+        step's samples now, while this step computes. Same ids, same order: only earlier."""
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is None or not self.strategy.needs_data:
+            return
+        lay, tr = self.layout, self.job.train
+        nxt = self.order.rank_indices(self.step + 1, tr.global_batch_size, lay.dp, lay.replica_of(self.rank))
+        prefetch(nxt)
 
     def _fire(self, fault: dict) -> None:
         # Tell the controller first (it records the fault time and never hands this fault out

@@ -6,6 +6,7 @@ Run one Ray-heavy test job at a time on a machine.
 """
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -325,3 +326,51 @@ def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_p
     assert committed and committed[0].step == NUM_STEPS
     for c in committed:
         validate(storage, c.uri)  # raises if any file is missing or short
+
+
+FEATURES = {"scheduler": "elastic.testing.faulty:warmup_cosine", "clip_grad_norm": 0.5, "precision": "bf16"}
+
+
+def test_schedule_bf16_and_clipping_stay_bit_identical_through_a_node_kill(cluster, tmp_path, tmp_path_factory):  # noqa: F811
+    """A warmup + cosine schedule, bf16 autocast and global-norm clipping: the spare gets the
+    survivors' state from memory and replays the schedule to the step; bit-identical."""
+    ref = Trainer(job(tmp_path_factory.mktemp("features"), train=FEATURES)).fit(progress=False)
+    assert len(set(ref.digests.values())) == 1
+    result = Trainer(job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
+                         train=FEATURES)).fit(progress=False)
+    assert_recovered_bit_identical(result, ref.digests[0], "kill_node")
+
+
+def test_bad_steps_roll_back_to_the_last_checkpoint_and_skip_their_batches(cluster, tmp_path):  # noqa: F811
+    j = job(tmp_path, train={"dataset": "elastic.testing.faulty:poisoned_dataset",
+                             "loss": "elastic.testing.faulty:rollback_drill_loss",
+                             "bad_step": "rollback", "bad_step_limit": 2})
+    j["run"]["sample_ledger"] = True
+    result = Trainer(j).fit(progress=False)
+    (rb,) = result.events_of("rolled_back")
+    assert rb["bad_steps"] == [13, 14] and rb["to_step"] == 10 and (rb["skip_from"], rb["skip_to"]) == (11, 14)
+    skipped = {e["step"]: e["reason"] for e in result.events_of("step_skipped")}
+    assert sorted(skipped) == [11, 12, 13, 14] and all("rolled back" in r for r in skipped.values())
+    assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
+    ledger = json.loads((tmp_path / "runs" / j["run"]["name"] / "ledger.json").read_text())
+    assert [s for s, e in ledger.items() if "skipped" in e] == ["11", "12", "13", "14"]
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, NUM_SAMPLES, seed=7)
+
+
+@pytest.mark.s3
+def test_parquet_on_s3_stays_exact_once_through_a_node_kill(cluster, tmp_path, s3_server):  # noqa: F811
+    from examples.parquet_corpus import write_shards
+    data_uri = f"{s3_server.uri}/corpus-{uuid.uuid4().hex[:6]}"
+    write_shards(data_uri, 4, storage_options=s3_server.storage_options, row_group_size=512)
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
+            train={"model": "examples.charlm:build_model", "loss": "examples.charlm:loss_fn", "dataset": None,
+                   "data": {"format": "parquet", "uri": data_uri, "columns": ["x", "y"],
+                            "storage_options": s3_server.storage_options}})
+    j["run"]["sample_ledger"] = True
+    result = Trainer(j).fit(progress=False)
+    assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
+    assert result.events_of("restored")[-1]["source"] == "peer rank 0"
+    from elastic.parquet import ParquetDataset
+    n = len(ParquetDataset(data_uri, ["x", "y"], s3_server.storage_options))
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, n, seed=7,
+                      lost_rank_upto=(1, FAULT_STEP))
