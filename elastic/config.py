@@ -242,6 +242,10 @@ class TrainSpec(_Strict):
                              "raise: stop with an error naming the step; skip: no update on any rank (the samples are "
                              "marked skipped); rollback: skip, and after bad_step_limit in a row return to the newest "
                              "committed checkpoint and skip every batch from there to the last bad one.")
+    prefetch: bool = Field(
+        False, description="Collate the next step's batches on a background thread while this step computes (same "
+                           "samples, same order). Leave off if the dataset draws from torch's global RNG: a draw on "
+                           "another thread would make runs irreproducible.")
     bad_step_limit: int = Field(3, ge=1, description="Bad steps in a row that end a skip (error) or trigger a rollback.")
 
     @model_validator(mode="after")

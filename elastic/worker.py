@@ -74,8 +74,9 @@ def is_collective_failure(e: BaseException) -> bool:
 
 class Worker:
     def __init__(self, job_json: str, checkpoints_root: str, controller=None):
-        torch.set_num_threads(1)  # one CPU slot per rank; more threads only fight each other
         self.job = JobConfig.model_validate_json(job_json)
+        # As many compute threads as CPUs reserved for this rank: more would only fight the others.
+        torch.set_num_threads(max(1, int(self.job.scaling.cpus_per_worker)))
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
         self.device = torch.device("cuda", 0) if self.job.scaling.use_gpu else torch.device("cpu")
         self.fns = self.job.train.resolve()
@@ -110,6 +111,9 @@ class Worker:
         self.skip_steps: set[int] = set()  # steps (1-based) to train without an update (after a rollback)
         self._bad_in_a_row: list[int] = []  # consecutive bad steps so far
         self._skipped: list[tuple[int, str]] = []  # (step, why) since the last poll
+        self._pool = None  # train.prefetch: the thread that collates the next step's batches
+        self._ahead: dict = {}  # this step's prefetched batches: micro-batch sample ids -> future
+        self._upcoming: dict = {}  # the next step's
 
     # ---------------------------------------------------------------- identity
     def info(self) -> dict:
@@ -467,7 +471,7 @@ class Worker:
         replica = lay.replica_of(self.rank)
         idx = self.order.rank_indices(self.step, tr.global_batch_size, lay.dp, replica)
         self.optimizer.zero_grad(set_to_none=True)
-        self._prefetch_next()
+        self._prefetch_next(micro)
         stop_flag = 1.0 if self.stop_requested else 0.0
         busy_flag = 1.0 if self.ckpt is not None and self.ckpt.in_flight() else 0.0
         loss_fn = self.fns["stage_loss"] if tr.strategy == "pipeline" else self.fns["loss"]
@@ -482,6 +486,8 @@ class Worker:
             if is_collective_failure(e):
                 raise CollectiveError(f"{type(e).__name__}: {e}") from e
             raise
+        finally:
+            self._ahead, self._upcoming = self._upcoming, {}  # what was not used is not kept
         if scale is not None:
             local_loss = local_loss / scale
         if self.slow_factor > 1.0:
@@ -564,21 +570,34 @@ class Worker:
             self._skipped.append((step, why))
 
     def _load(self, ids: list[int]):
-        """The collated batch of global sample ids, on this rank's device. A dataset that reads a
-        batch at once (`__getitems__`, as torch's DataLoader uses) does."""
-        many = getattr(self.dataset, "__getitems__", None)
-        samples = many(ids) if many is not None else [self.dataset[j] for j in ids]
-        return _to(default_collate(samples), self.device)
+        """The collated batch of global sample ids, on this rank's device: prefetched if it was
+        (train.prefetch), else read now. A dataset that reads a batch at once (`__getitems__`, as
+        torch's DataLoader uses) does."""
+        ahead = self._ahead.pop(tuple(ids), None)
+        batch = ahead.result() if ahead is not None else self._collate(ids)
+        return _to(batch, self.device)
 
-    def _prefetch_next(self) -> None:
-        """A dataset that can read ahead (`prefetch(ids)`, e.g. ParquetDataset) starts on the next
-        step's samples now, while this step computes. Same ids, same order: only earlier."""
-        prefetch = getattr(self.dataset, "prefetch", None)
-        if prefetch is None or not self.strategy.needs_data:
+    def _collate(self, ids: list[int]):
+        many = getattr(self.dataset, "__getitems__", None)
+        return default_collate(many(ids) if many is not None else [self.dataset[j] for j in ids])
+
+    def _prefetch_next(self, micro: int) -> None:
+        """Start on the next step's samples while this step computes: same ids, same order, only
+        earlier. train.prefetch collates them on a background thread (in this step's micro-batch
+        chunks); a dataset that can read ahead itself (`prefetch(ids)`, e.g. ParquetDataset)
+        is told which rows come next."""
+        if not self.strategy.needs_data:
             return
         lay, tr = self.layout, self.job.train
         nxt = self.order.rank_indices(self.step + 1, tr.global_batch_size, lay.dp, lay.replica_of(self.rank))
-        prefetch(nxt)
+        if tr.prefetch:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-prefetch")
+            self._upcoming = {tuple(c): self._pool.submit(self._collate, c)
+                              for c in ([nxt[i:i + micro] for i in range(0, len(nxt), micro)] if micro else [nxt])}
+        elif hasattr(self.dataset, "prefetch"):
+            self.dataset.prefetch(nxt)
 
     def _fire(self, fault: dict) -> None:
         # Tell the controller first (it records the fault time and never hands this fault out

@@ -120,3 +120,11 @@ def test_feature_settings_are_checked(tmp_path):
 
 def plateau(optimizer):
     return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+
+def test_prefetch_and_gradient_accumulation_change_nothing_but_timing(tmp_path):
+    """train.prefetch collates the next step's micro-batches on a thread: the same samples in the
+    same order, so the same bits; with micro-batches, only the last one's backward all-reduces."""
+    plain = run_ranks(mlp_job(tmp_path / "a", micro_batch_size=4))
+    ahead = run_ranks(mlp_job(tmp_path / "b", micro_batch_size=4, prefetch=True))
+    assert [o[2] for o in ahead] == [o[2] for o in plain] and plain[0][2] == plain[1][2]

@@ -99,6 +99,7 @@ def stage_of_unit(chunks: list[list[str]], pp: int) -> dict[str, int]:
 # ---------------------------------------------------------------- the strategy
 class Pipeline(DataParallel):
     name = "pipeline"
+    overlap = False  # the schedule runs many backwards per step: one flat all-reduce after them
 
     def __init__(self, mesh, spec, layout: Layout, rank: int):
         super().__init__(mesh, spec)
@@ -200,7 +201,7 @@ class Pipeline(DataParallel):
 
     def reduce_gradients(self, model: nn.Module) -> None:
         if self.layout.dp > 1:
-            super().reduce_gradients(model)
+            self._reduce_flat(model)
 
     # ---------------------------------------------------------------- state by name
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
