@@ -196,14 +196,26 @@ def load_shards(state: dict, folder: str, storage_options: dict, process_group) 
     dcp.load(state, storage_reader=FsspecReader(folder, **storage_options), process_group=process_group)
 
 
-def snapshot(state: Any) -> Any:
-    """A private CPU copy of a (nested) state dict, so training can go on while it persists."""
+def snapshot(state: Any, reuse: Any = None) -> Any:
+    """A private CPU copy of a (nested) state dict, so training can go on while it persists.
+    `reuse`: the previous snapshot (its persist finished): plain tensors of the same shape and
+    dtype are copied into in place, so staging does not allocate (and fault in) fresh memory
+    at every checkpoint; GPU state is staged in pinned memory."""
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        src = state.detach()
+        if type(src) is torch.Tensor:  # a DTensor (FSDP) is copied whole
+            if (type(reuse) is torch.Tensor and reuse.shape == src.shape and reuse.dtype == src.dtype
+                    and reuse.device.type == "cpu"):
+                return reuse.copy_(src)
+            if src.is_cuda:
+                return torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+        return src.to("cpu", copy=True)
     if isinstance(state, dict):
-        return {k: snapshot(v) for k, v in state.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot(v, old.get(k)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(snapshot(v) for v in state)
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else [None] * len(state)
+        return type(state)(snapshot(v, o) for v, o in zip(state, old))
     return state
 
 
@@ -264,6 +276,7 @@ class AsyncCheckpointer:
         self.results: "queue.Queue[PersistResult]" = queue.Queue()
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
+        self._staged = None  # the last snapshot: its buffers are reused once its persist is done
 
     def abort(self) -> None:
         """The group is being torn down: an in-flight persist stops retrying and is never committed."""
@@ -286,7 +299,7 @@ class AsyncCheckpointer:
         """Snapshot now, persist in the background. Returns the seconds the caller was blocked."""
         t0 = time.monotonic()
         self.wait()
-        snap = snapshot(state)
+        snap = self._staged = snapshot(state, self._staged)
         self._thread = threading.Thread(
             target=self._persist, args=(step, cursor, snap, dict(metrics)), name=f"persist-{step}", daemon=True)
         self._thread.start()

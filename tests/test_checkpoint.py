@@ -406,3 +406,17 @@ def test_on_s3_a_redone_step_and_a_lost_attempts_leftovers(s3_server, one_rank_g
     ck.wait()
     (res,) = ck.drain()
     assert res.committed and not res.reused, res.error
+
+
+def test_snapshot_reuses_the_previous_buffers_and_copies_values():
+    import torch
+    from elastic.checkpoint import snapshot
+    state = {"model": {"w": torch.ones(3, 2)}, "optim": {"state": {"w": {"step": torch.tensor(1.0)}}, "lr": 0.1}}
+    first = snapshot(state)
+    state["model"]["w"].mul_(5)
+    second = snapshot(state, first)
+    assert second["model"]["w"] is first["model"]["w"]  # the same memory, new values
+    assert torch.equal(second["model"]["w"], torch.full((3, 2), 5.0)) and second["optim"]["lr"] == 0.1
+    assert second["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()  # still a private copy
+    state["model"]["w"] = torch.ones(4)  # a changed shape gets a fresh buffer
+    assert snapshot(state, second)["model"]["w"].shape == (4,)
