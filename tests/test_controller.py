@@ -130,3 +130,43 @@ def test_replacements_that_never_come_end_the_run_naming_the_checkpoint():
     drive(c)
     assert not isinstance(c.state, Finished)
     assert "scaling.min_workers=3" in c.state.error and "last committed checkpoint: none" in c.state.error
+
+
+def make_pipeline(stages=3, replicas=1, num_steps=200, scaling=None):
+    clock = FakeClock()
+    job = JobConfig.model_validate({
+        "run": {"name": "ctl", "num_steps": num_steps},
+        "scaling": {"num_workers": stages * replicas, **(scaling or {})},
+        "failure": {"max_failures": 3, "hang_floor_s": 5},
+        "checkpoint": {"storage_uri": f"memory://ctl-{uuid.uuid4().hex[:8]}"},
+        "train": {"model": "m:f", "dataset": "m:f", "global_batch_size": 48, "strategy": "pipeline",
+                  "pipeline": {"stages": stages, "microbatches": 4, "loss": "m:f"}},
+    })
+    group = FakeGroup(clock)
+    return Controller(job.model_dump_json(), group=group, clock=clock, wall=clock), group, clock
+
+
+def test_a_pipeline_stage_lost_beside_a_replica_copies_that_replica_per_stage():
+    c, g, clock = make_pipeline(stages=2, replicas=2)
+    drive(c, lambda c: c.step >= 10)
+    g.freeze(1)  # stage 1 of replica 0; rank 3 holds stage 1 too
+    drive(c)
+    assert isinstance(c.state, Finished)
+    assert ("form", (2, 2)) in g.calls  # the group re-formed with 2 stages
+    assert calls(g, "restore_from_peer")[-1] == (0, (0, 3))  # stage 0 from rank 0, stage 1 from rank 3
+
+
+def test_a_pipeline_without_capacity_drops_a_replica_then_stages_and_grows_back():
+    c, g, clock = make_pipeline(stages=2, replicas=2, num_steps=400,
+                                scaling={"min_workers": 2, "shrink_after_s": 1, "grow_check_s": 1})
+    drive(c, lambda c: c.step >= 10)
+    g.fail_promote = 1
+    g.freeze(2)  # stage 0 of replica 1
+    drive(c, lambda c: c.layout.world_size == 2)
+    assert (c.layout.pp, c.layout.dp) == (2, 1)  # a whole replica dropped, both stages kept
+    (resized,) = kinds(c, "resized")
+    assert resized["new_layout"] == "2 stage(s) x 1 replica(s)" and resized["path"] == "memory"
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 400
+    assert [(r["old_world_size"], r["new_world_size"]) for r in kinds(c, "resized")] == [(4, 2), (2, 4)]
+    assert (c.layout.pp, c.layout.dp) == (2, 2)

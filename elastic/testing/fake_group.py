@@ -181,7 +181,7 @@ class FakeGroup:
 
     # ---------------------------------------------------------------- group
     def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> None:
-        self.calls.append(("form", generation) if pp == 1 else ("form", generation, pp))
+        self.calls.append(("form", generation) if pp == 1 else ("form", (generation, pp)))
         dying, self.die_on_form = self.die_on_form, []
         for r in dying:
             self.members[r].dead = True
@@ -204,12 +204,12 @@ class FakeGroup:
 
     def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple = ()) -> dict[int, dict]:
         self.calls.append(("restore_from_peer", src_rank) if not stage_sources else
-                          ("restore_from_peer", src_rank, tuple(stage_sources)))
+                          ("restore_from_peer", (src_rank, tuple(stage_sources))))
         return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
 
     def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1) -> dict[int, dict]:
         self.calls.append(("restore_from_shards", old_world) if old_pp == 1 else
-                          ("restore_from_shards", old_world, old_pp))
+                          ("restore_from_shards", (old_world, old_pp)))
         step = max(m.step for m in self.members.values())
         return self._restored(step, f"re-sharded in memory from {old_world} ranks")
 
