@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="where a run stands, from its event log: state, step, incidents, checkpoint")
     st.add_argument("run", help="the run folder as a path or URI (s3://...), or its events.jsonl")
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
-    bench = sub.add_parser("bench", help="benchmarks: recovery, straggler")
+    bench = sub.add_parser("bench", help="benchmarks: recovery, straggler, resize, churn, controller, pipeline, overhead")
     from elastic.bench.cli import add_bench_args
     add_bench_args(bench)
     args = parser.parse_args(argv)

@@ -624,11 +624,17 @@ class Worker:
             os._exit(0)
 
     def _teardown_after_failure(self, generation: int) -> None:
-        # Destroying our group closes our sockets, so peers still blocked on us fail fast
-        # instead of waiting for the collective timeout: the error cascades through the group.
+        # Closing our sockets makes peers still blocked on us fail fast instead of waiting for the
+        # collective timeout: the error cascades through the group. Destroying the default group
+        # is not enough: sub-groups (a pipeline's pp and dp groups, the checkpoint group) stay
+        # open while the mesh and the schedule hold them, and a peer that talks to us only there
+        # (a pipeline neighbour) would wait until the settle bound. So shut every pair socket
+        # this generation opened, then destroy.
         if self.ckpt is not None:
             self.ckpt.abort()
         if generation == self.generation:
+            if self._abort is not None:
+                self._abort.abort()
             _destroy_group()
 
     # ---------------------------------------------------------------- telemetry

@@ -20,7 +20,9 @@ elastic's), which restarts the whole group from its last registered checkpoint:
 * 3 stages x 1 replica, the node of rank 1 (the middle stage) killed: no replica holds it, so
   elastic returns every stage to its newest committed checkpoint.
 
-The fault lands after FAULT_STEPS[rep % 3] steps: several offsets from the last checkpoint.
+The fault lands after FAULT_STEPS[rep % 3] steps: several offsets from the last checkpoint, all
+after the second one, so that a checkpoint reported moments before the fault is not the only
+one a system could resume from (Ray Train registers a report only at its controller's next poll).
 The model's size reaches every Ray worker through the job's runtime env (`env_vars`), and the
 plain processes through theirs.
 """
@@ -41,12 +43,12 @@ from elastic.bench.plain_pipeline import STEP_LOG_ENV, step_rate
 
 SEED, GLOBAL_BATCH, MICROBATCHES = 0, 48, 6  # 6 micro-batches suit 2 and 3 stages under every schedule
 THROUGHPUT_LAYOUTS = [(2, 1), (2, 2)]  # (stages, replicas)
-THROUGHPUT_STEPS, WARMUP_STEPS = 50, 10
+THROUGHPUT_STEPS, WARMUP_STEPS = 60, 10
 RECOVERY_SCENARIOS = [  # (name, stages, replicas, fault)
     ("2x2 kill_process", 2, 2, "kill_process"),
     ("3x1 kill_node", 3, 1, "kill_node"),
 ]
-RECOVERY_STEPS, CKPT_EVERY, FAULT_STEPS, FAULT_RANK = 26, 10, (12, 15, 18), 1
+RECOVERY_STEPS, CKPT_EVERY, FAULT_STEPS, FAULT_RANK = 34, 10, (22, 25, 28), 1
 NUM_NODES = 4  # one-CPU worker nodes: the largest layout (4 ranks), or 3 ranks and a node to replace one
 SYSTEMS = ["elastic", "torch-pipelining", "ray-train"]
 THROUGHPUT_METRICS = ["steps_per_s", "step_s", "median_step_s"]
@@ -61,7 +63,8 @@ def gpt_env(size: str) -> dict[str, str]:
     except ValueError:
         raise ValueError(f"--gpt: expected LAYERS,DIM,CONTEXT (three integers), got {size!r}") from None
     if min(layers, dim, context) < 1 or dim % 4:
-        raise ValueError(f"--gpt: layers, dim and context must be >= 1 and dim a multiple of 4 (the heads), got {size!r}")
+        raise ValueError(f"--gpt: layers, dim and context must be >= 1 and dim a multiple of 4 (the heads), "
+                         f"got {size!r}")
     return {"GPT_LAYERS": str(layers), "GPT_DIM": str(dim), "GPT_CONTEXT": str(context)}
 
 
@@ -271,7 +274,7 @@ def run_ray_train_recovery(stages: int, replicas: int, fault: str, at_step: int,
     events = _read_events(timeline_dir)
     done = [e for e in events if e["event"] == "train_fn_done"]
     return {**_summarise(events, fault_step=at_step),
-            "final_step": (result.metrics or {}).get("step", done[-1]["step"] if done else None),
+            "final_step": done[-1]["step"] if done else (result.metrics or {}).get("step"),
             "total_s": total_s, "timeline": os.path.join(timeline_dir, EVENTS_FILE)}
 
 
@@ -314,7 +317,8 @@ def summarise(records: list[dict]) -> tuple[dict, str]:
         notes = []
         for scenario in dict.fromkeys(r["scenario"] for r in rec):
             mine, peer = med.get(f"elastic {scenario}", {}), med.get(f"ray-train {scenario}", {})
-            entry = {f"{s}_{m}": v.get(m) for s, v in (("elastic", mine), ("ray_train", peer)) for m in RECOVERY_METRICS}
+            entry = {f"{s}_{m}": v.get(m) for s, v in (("elastic", mine), ("ray_train", peer))
+                     for m in RECOVERY_METRICS}
             if mine.get("recover_s") and peer.get("recover_s"):
                 entry["recover_s_ratio"] = mine["recover_s"] / peer["recover_s"]
                 notes.append(f"recover_s ratio {scenario} (elastic / ray-train, medians of the same run): "
@@ -369,7 +373,8 @@ def main(args) -> int:
     step_log = os.path.join(work, "steps.jsonl")
     import examples
     repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))
-    pythonpath = os.pathsep.join(dict.fromkeys([repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    paths = [repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    pythonpath = os.pathsep.join(dict.fromkeys(paths))
     env = {**env, STEP_LOG_ENV: step_log, "PYTHONPATH": pythonpath}
     # The driver builds the model and dataset too (elastic checks the cut there; the split is planned here).
     os.environ.update(env)
@@ -396,6 +401,7 @@ def main(args) -> int:
                 got = {}
                 for system in order:
                     cluster.ensure_worker_nodes(NUM_NODES)
+                    t0 = time.time()
                     if system == "elastic":
                         figs = run_elastic_throughput(stages, replicas, schedule, step_log, storage_uri,
                                                       storage_options)
@@ -403,7 +409,7 @@ def main(args) -> int:
                         figs = run_plain_throughput(stages, replicas, schedule, step_log, env)
                     got[system] = {**common, "part": "throughput", "system": system, "layout": layout,
                                    "stages": stages, "replicas": replicas, "rep": rep, "num_steps": THROUGHPUT_STEPS,
-                                   "warmup_steps": WARMUP_STEPS, **figs}
+                                   "warmup_steps": WARMUP_STEPS, **figs, "total_s": time.time() - t0}
                 if "elastic" in got and "torch-pipelining" in got:
                     got["elastic"]["pipeline_ratio"] = (got["elastic"]["steps_per_s"]
                                                         / got["torch-pipelining"]["steps_per_s"])
@@ -427,12 +433,13 @@ def main(args) -> int:
                     records.append(r)
                     emit(r)
     summary, table = summarise(records)
+    faults = ", ".join(str(fault_step(r)) for r in range(min(args.reps, len(FAULT_STEPS))))
     notes = (f"examples/gpt.py at GPT_LAYERS,GPT_DIM,GPT_CONTEXT={args.gpt} ({params:,} parameters), schedule "
              f"{schedule}, global batch {GLOBAL_BATCH} in {MICROBATCHES} micro-batches per replica; local "
-             f"ray.cluster_utils.Cluster of {NUM_NODES} one-CPU nodes; throughput over steps {WARMUP_STEPS + 1}.."
-             f"{THROUGHPUT_STEPS} (timed by an optimizer post-step hook on global rank 0); stage loss: checkpoint every "
-             f"{CKPT_EVERY} steps, fault after step {', '.join(str(fault_step(r)) for r in range(min(args.reps, 3)))} "
-             f"(by repetition) of {RECOVERY_STEPS}")
+             f"ray.cluster_utils.Cluster of {NUM_NODES} one-CPU nodes; steps/s timed from the end of step "
+             f"{WARMUP_STEPS + 1} to the end of step {THROUGHPUT_STEPS} by an optimizer post-step hook on global "
+             f"rank 0; stage loss: checkpoint every {CKPT_EVERY} steps, fault after step {faults} (by repetition) "
+             f"of {RECOVERY_STEPS}")
     emit({"bench": "pipeline", "summary": True, **summary})
     print(table)
     print(f"- {notes}")

@@ -154,11 +154,11 @@ def run_step(rank: PipelineRank, dataset, order, step: int, global_batch: int) -
     else:
         rank.schedule.step()
     rank.optimizer.step()
-    return torch.stack(losses).mean() if losses else None
+    return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m elastic.bench.plain_pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--split", required=True, help="comma-separated children of the root where stages 2, 3, ... begin")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from torch.distributed.device_mesh import init_device_mesh
 

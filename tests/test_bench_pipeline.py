@@ -1,0 +1,120 @@
+"""`elastic bench pipeline`: its pure parts and its command line (no cluster, no timing).
+
+The benchmark's figures are its own business; these check that the systems it compares are
+set up alike (same cut, same batch plan, a job elastic accepts, a command the plain peer
+parses) and that its arithmetic and argument checks hold.
+"""
+from __future__ import annotations
+
+import pytest
+
+from elastic.bench import pipeline as bench
+from elastic.bench import plain_pipeline as plain
+from elastic.cli import main as cli_main
+from elastic.config import parse_job
+from elastic.strategies.pipeline import plan_chunks, units_of
+
+
+def test_gpt_size_becomes_the_environment_examples_gpt_reads():
+    assert bench.gpt_env("6,128,64") == {"GPT_LAYERS": "6", "GPT_DIM": "128", "GPT_CONTEXT": "64"}
+    for bad in ("6,128", "a,b,c", "0,64,64", "4,66,64"):
+        with pytest.raises(ValueError, match="--gpt"):
+            bench.gpt_env(bad)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_peers_cut_the_model_where_elastic_does(stages, schedule):
+    from examples.gpt import build_model
+    model = build_model()
+    names = [n for n, _ in model.named_children()]
+    split = bench.split_points(stages, schedule)
+    num_chunks = stages * bench.chunks_per_rank(schedule)
+    assert len(split) == num_chunks - 1
+    assert plain.chunks_from_split(names, split) == plan_chunks(units_of(model), num_chunks)
+
+
+def test_chunks_from_split_rejects_names_out_of_order():
+    with pytest.raises(ValueError, match="in order"):
+        plain.chunks_from_split(["0", "1", "2"], ["2", "1"])
+    with pytest.raises(ValueError, match="in order"):
+        plain.chunks_from_split(["0", "1", "2"], ["0"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_every_elastic_job_of_the_benchmark_is_valid(schedule, tmp_path):
+    uri = "file://" + str(tmp_path)
+    for stages, replicas in bench.THROUGHPUT_LAYOUTS:
+        job = parse_job(bench.elastic_job(stages, replicas, schedule=schedule, num_steps=bench.THROUGHPUT_STEPS,
+                                          every_steps=bench.THROUGHPUT_STEPS, storage_uri=uri, storage_options={}))
+        assert job.scaling.num_workers == stages * replicas and job.train.pipeline.schedule == schedule
+    for _, stages, replicas, fault in bench.RECOVERY_SCENARIOS:
+        for rep in range(3):
+            at = bench.fault_step(rep)
+            job = parse_job(bench.elastic_job(
+                stages, replicas, schedule=schedule, num_steps=bench.RECOVERY_STEPS, every_steps=bench.CKPT_EVERY,
+                storage_uri=uri, storage_options={},
+                chaos=[{"action": fault, "rank": bench.FAULT_RANK, "at_step": at}]))
+            assert job.chaos[0].at_step == at < job.run.num_steps
+    # Faults land at several offsets from the last checkpoint, all before the next one.
+    offsets = {bench.fault_step(r) % bench.CKPT_EVERY for r in range(3)}
+    assert len(offsets) == 3 and 0 not in offsets
+    assert len({bench.fault_step(r) // bench.CKPT_EVERY for r in range(3)}) == 1  # all after the same checkpoint
+
+
+def test_plain_command_runs_the_same_plan_under_torchrun():
+    cmd = bench.plain_command(2, 2, schedule="interleaved_1f1b", split=["2", "3", "4"], num_steps=7)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    i = cmd.index("elastic.bench.plain_pipeline")
+    args = plain.parse_args(cmd[i + 1:])
+    assert (args.stages, args.split, args.schedule, args.stages_per_rank) == (2, "2,3,4", "interleaved_1f1b", 2)
+    assert (args.microbatches, args.global_batch, args.steps, args.seed) == (
+        bench.MICROBATCHES, bench.GLOBAL_BATCH, 7, bench.SEED)
+
+
+def test_step_rate_leaves_out_warm_up_and_times_the_rest():
+    times = [0.0, 5.0, 5.5] + [6.0 + 0.1 * i for i in range(11)]  # a slow start, then 10 intervals of 0.1 s
+    fig = plain.step_rate(times, warmup_steps=3)
+    assert fig["timed_steps"] == 10
+    assert fig["steps_per_s"] == pytest.approx(10.0) and fig["median_step_s"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="fewer than 3"):
+        plain.step_rate(times[:4], warmup_steps=3)
+
+
+def test_a_step_log_with_missing_steps_is_an_error():
+    lines = [{"t": float(i), "threads": 1} for i in range(bench.THROUGHPUT_STEPS)]
+    assert bench.throughput_figures(lines, bench.THROUGHPUT_STEPS)["steps_per_s"] == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="missed steps"):
+        bench.throughput_figures(lines[1:], bench.THROUGHPUT_STEPS)
+
+
+def test_the_step_clock_writes_only_on_global_rank_zero(tmp_path, monkeypatch):
+    import torch
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(plain.STEP_LOG_ENV, str(log))
+    opt = plain.timed_optimizer([torch.nn.Parameter(torch.zeros(2))])
+    opt.step()  # no process group: not rank 0 of anything, nothing written
+    assert not log.exists()
+
+
+def test_summary_divides_medians_of_the_same_run():
+    recs = [{"part": "throughput", "system": s, "layout": "2x1", "steps_per_s": v, "step_s": 1 / v,
+             "median_step_s": 1 / v, **({"pipeline_ratio": v / 10} if s == "elastic" else {})}
+            for s, v in [("elastic", 9.0), ("torch-pipelining", 10.0), ("elastic", 9.6), ("torch-pipelining", 12.0),
+                         ("elastic", 9.5), ("torch-pipelining", 10.0)]]
+    recs += [{"part": "recovery", "system": s, "scenario": "3x1 kill_node", "recover_s": v, "lost_steps": n,
+              "detect_s": 1.0} for s, v, n in [("elastic", 4.0, 2), ("ray-train", 20.0, 12)]]
+    summary, table = bench.summarise(recs)
+    assert summary["throughput"]["2x1"]["pipeline_ratio"] == pytest.approx(9.5 / 10.0)
+    assert summary["recovery"]["3x1 kill_node"]["recover_s_ratio"] == pytest.approx(0.2)
+    assert summary["recovery"]["3x1 kill_node"]["ray_train_lost_steps"] == 12
+    assert "pipeline throughput" in table and "pipeline stage loss" in table
+
+
+def test_cli_refuses_unknown_systems_and_sizes_before_starting_anything(capsys):
+    assert cli_main(["bench", "pipeline", "--systems", "elastic,torchrun"]) == 2
+    assert "unknown ['torchrun']" in capsys.readouterr().err
+    assert cli_main(["bench", "pipeline", "--gpt", "4,64"]) == 2
+    assert "--gpt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "pipeline", "--schedule", "zero_bubble"])
