@@ -1,0 +1,219 @@
+"""The KubeRay manifests in k8s/, checked without a Kubernetes cluster: every field of the RayJob
+against the RayJob CRD's schema (vendored from the KubeRay repository in k8s/schemas/, with its
+source), the rules KubeRay's validation adds on top for autoscaler v2, and the worker group sized
+for the job config it runs, which is itself parsed by elastic's own config loader."""
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from elastic.config import parse_job
+
+K8S = Path(__file__).resolve().parent.parent / "k8s"
+SCHEMA_FILE = K8S / "schemas" / "rayjob.ray.io-v1.schema.yaml"
+MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if "schemas" not in p.parts)
+JOB_CONFIGMAPS = [K8S / "job-configmap.yaml", K8S / "chaos" / "job-configmap-drill.yaml"]
+
+INT_RANGE = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
+TYPES = {  # JSON types; bool is not an integer here, as in Kubernetes
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+}
+
+
+class Schema:
+    """A small validator for the subset of OpenAPI v3 that CRD schemas use: type, format (integer
+    ranges), enum, pattern, properties, additionalProperties, required, items, anyOf and the
+    x-kubernetes-int-or-string / x-kubernetes-preserve-unknown-fields extensions. An object with
+    `properties` and no `additionalProperties` is closed: an unknown field is an error, as in
+    `kubectl apply` (server-side field validation is strict by default), not silently pruned."""
+
+    def __init__(self, path: Path = SCHEMA_FILE):
+        doc = yaml.safe_load(path.read_text())
+        self.definitions = doc["definitions"]
+        self.root = doc["openAPIV3Schema"]
+        self.source = doc["source"]
+
+    def errors(self, value, schema: dict | None = None, path: str = "") -> list[str]:
+        schema = self.root if schema is None else schema
+        if "$ref" in schema:
+            schema = self.definitions[schema["$ref"].removeprefix("#/definitions/")]
+        here = path or "<root>"
+        if schema.get("x-elastic-not-vendored"):
+            return [f"{here}: this field is in the CRD but its schema was not vendored; copy it into "
+                    f"{SCHEMA_FILE.relative_to(K8S.parent)} from {self.source['repository']} "
+                    f"{self.source['path']} @ {self.source['commit']}"]
+        if schema.get("x-kubernetes-int-or-string"):
+            if not (TYPES["integer"](value) or TYPES["string"](value)):
+                return [f"{here}: expected an integer or a string, got {value!r}"]
+        elif "type" in schema and not TYPES[schema["type"]](value):
+            return [f"{here}: expected {schema['type']}, got {type(value).__name__} {value!r}"]
+        out = []
+        if "enum" in schema and value not in schema["enum"]:
+            out.append(f"{here}: {value!r} is not one of {schema['enum']}")
+        if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+            out.append(f"{here}: {value!r} does not match {schema['pattern']}")
+        if TYPES["integer"](value) and schema.get("format") in INT_RANGE:
+            lo, hi = INT_RANGE[schema["format"]]
+            if not lo <= value <= hi:
+                out.append(f"{here}: {value} is out of {schema['format']} range")
+        if "minimum" in schema and TYPES["number"](value) and value < schema["minimum"]:
+            out.append(f"{here}: {value} < minimum {schema['minimum']}")
+        if isinstance(value, dict):
+            props = schema.get("properties", {})
+            for key in schema.get("required", []):
+                if key not in value:
+                    out.append(f"{here}: required field {key!r} is missing")
+            for key, sub in value.items():
+                where = f"{path}.{key}" if path else key
+                if key in props:
+                    out += self.errors(sub, props[key], where)
+                elif isinstance(schema.get("additionalProperties"), dict):
+                    out += self.errors(sub, schema["additionalProperties"], where)
+                elif props and not schema.get("additionalProperties") \
+                        and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                    close = difflib.get_close_matches(key, props, n=1)
+                    out.append(f"{where}: unknown field" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if isinstance(value, list) and "items" in schema:
+            for i, item in enumerate(value):
+                out += self.errors(item, schema["items"], f"{path}[{i}]")
+        return out
+
+
+def documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def rayjob() -> dict:
+    (job,) = [d for d in documents(K8S / "rayjob.yaml") if d["kind"] == "RayJob"]
+    return job
+
+
+def worker_group(job: dict) -> dict:
+    (group,) = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    return group
+
+
+def ray_containers(job: dict) -> dict[str, dict]:
+    """The Ray container of the head and of the worker group (KubeRay's is the first one)."""
+    rc = job["spec"]["rayClusterSpec"]
+    return {"head": rc["headGroupSpec"]["template"]["spec"]["containers"][0],
+            "workers": worker_group(job)["template"]["spec"]["containers"][0]}
+
+
+@pytest.fixture(scope="module")
+def schema() -> Schema:
+    return Schema()
+
+
+def test_every_manifest_is_a_known_kind():
+    known = {("ray.io/v1", "RayJob"), ("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("batch/v1", "Job"),
+             ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding")}
+    assert MANIFESTS, "no manifests found under k8s/"
+    for path in MANIFESTS:
+        for doc in documents(path):
+            kind = (doc.get("apiVersion"), doc.get("kind"))
+            assert kind in known, f"{path}: {kind}"
+            assert doc.get("metadata", {}).get("name"), f"{path}: {doc['kind']} without metadata.name"
+
+
+def test_the_rayjob_matches_the_crd_schema_field_by_field(schema):
+    assert schema.errors(rayjob()) == []
+
+
+def test_the_validator_rejects_what_the_api_server_would(schema):
+    """Not a vacuous check: misspelt, mistyped, missing and out-of-enum fields are all caught."""
+    def broken(edit) -> list[str]:
+        job = copy.deepcopy(rayjob())
+        edit(job["spec"])
+        return schema.errors(job)
+
+    def misspelt(spec):
+        worker_group({"spec": spec}).update(minReplica=worker_group({"spec": spec}).pop("minReplicas"))
+    assert any("minReplica: unknown field" in e for e in broken(misspelt))
+    assert any("missing" in e and "minReplicas" in e for e in broken(misspelt))
+    assert any("expected integer" in e for e in broken(lambda s: s.update(backoffLimit="1")))
+    assert any("not one of" in e
+               for e in broken(lambda s: s["rayClusterSpec"]["autoscalerOptions"].update(version="v3")))
+    assert any("unknown field" in e for e in broken(lambda s: s["rayClusterSpec"].update(enableAutoscaling=True)))
+    assert any("does not match" in e for e in broken(
+        lambda s: ray_containers({"spec": s})["workers"]["resources"]["limits"].update(memory="4 GiB")))
+    assert any("not vendored" in e for e in broken(
+        lambda s: worker_group({"spec": s})["template"]["spec"].update(affinity={})))
+    assert any("expected boolean" in e for e in broken(lambda s: s.update(shutdownAfterJobFinishes="true")))
+
+
+def test_the_worker_group_autoscales_with_autoscaler_v2():
+    spec = rayjob()["spec"]
+    rc = spec["rayClusterSpec"]
+    group = worker_group(rayjob())
+    assert rc["enableInTreeAutoscaling"] is True
+    assert group["minReplicas"] < group["maxReplicas"]
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    # Autoscaler v2 is chosen one way only: KubeRay (ray-operator/pkg/utils/validation.go) rejects
+    # autoscalerOptions.version together with the head container's RAY_enable_autoscaler_v2 env var.
+    head_env = {e["name"] for e in ray_containers(rayjob())["head"].get("env", [])}
+    assert rc["autoscalerOptions"]["version"] == "v2" and "RAY_enable_autoscaler_v2" not in head_env
+    # ...and requires restartPolicy Never (or unset) on the head and every worker group with v2.
+    for template in (rc["headGroupSpec"]["template"], group["template"]):
+        assert template["spec"].get("restartPolicy", "Never") == "Never"
+
+
+def test_a_lost_head_pod_is_retried_on_a_fresh_cluster_that_resumes():
+    """backoffLimit >= 1: KubeRay submits the job again on a new RayCluster. It resumes only if its
+    checkpoints are somewhere that outlives the cluster (object storage) under the same run.name,
+    which the job config mounted from a ConfigMap keeps across retries."""
+    spec = rayjob()["spec"]
+    assert spec["backoffLimit"] >= 1
+    assert spec["shutdownAfterJobFinishes"] is True  # KubeRay refuses ttlSecondsAfterFinished without it
+    assert spec["entrypoint"] == "elastic train /home/ray/job/job.yaml"
+    volumes = {v["name"]: v for v in spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]}
+    (mount,) = ray_containers(rayjob())["head"]["volumeMounts"]
+    assert mount["mountPath"] == "/home/ray/job" and volumes[mount["name"]]["configMap"]["name"] == "elastic-job"
+    for path in JOB_CONFIGMAPS:
+        (cm,) = documents(path)
+        assert cm["metadata"]["name"] == "elastic-job"
+        job = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+        assert job.checkpoint.storage_uri.startswith("s3://"), path
+
+
+@pytest.mark.parametrize("path", JOB_CONFIGMAPS, ids=lambda p: p.name)
+def test_the_worker_group_fits_the_job(path):
+    """One rank per worker pod, plus the spares: the group starts at num_workers, the autoscaler
+    keeps it between min_workers and max_workers (each + num_spares), and the head takes no rank."""
+    (cm,) = documents(path)
+    sc = parse_job(yaml.safe_load(cm["data"]["job.yaml"])).scaling
+    job = rayjob()
+    group = worker_group(job)
+    assert float(group["rayStartParams"]["num-cpus"]) == sc.cpus_per_worker
+    assert job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert group["replicas"] == sc.num_workers + sc.num_spares
+    assert group["minReplicas"] == sc.min_size + sc.num_spares
+    assert group["maxReplicas"] == sc.max_size + sc.num_spares
+    assert sc.min_size < sc.max_size
+
+
+def test_images_run_the_ray_version_the_package_pins():
+    job = rayjob()
+    version = job["spec"]["rayClusterSpec"]["rayVersion"]
+    assert version == ray.__version__
+    for name, container in ray_containers(job).items():
+        assert container["image"].startswith(f"rayproject/ray:{version}-"), (name, container["image"])
+
+
+def test_the_pod_deleting_drill_pod_is_a_valid_pod_template(schema):
+    """Its batch/v1 Job wraps the same core/v1 PodTemplateSpec that the CRD embeds."""
+    (job,) = [d for d in documents(K8S / "chaos" / "kill-worker-pod.yaml") if d["kind"] == "Job"]
+    assert set(job["spec"]) <= {"backoffLimit", "ttlSecondsAfterFinished", "template"}
+    assert schema.errors(job["spec"]["template"], {"$ref": "#/definitions/podTemplateSpec"}, "spec.template") == []
+    assert job["metadata"]["name"] == "elastic-chaos-kill-worker"
