@@ -70,7 +70,7 @@ def _setup(rank, world, port, tag, strategy="fsdp"):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    strat = STRATEGIES[strategy](mesh, SimpleNamespace(fsdp=FsdpSpec()))
+    strat = STRATEGIES[strategy](mesh, SimpleNamespace(fsdp=FsdpSpec(), precision="fp32"))
     model = strat.prepare(_model(), sync_init=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return strat, model, opt

@@ -111,7 +111,7 @@ class DataParallel(Strategy):
         self._sync = on
 
     def reduce_gradients(self, model: nn.Module) -> None:
-        if not self.overlap:
+        if not self.overlap or self._hooked is not model:  # backward ran outside train_step: no buckets
             return self._reduce_flat(model)
         while self._next < len(self._buckets):  # buckets with a parameter that got no gradient
             self._launch(self._next)
