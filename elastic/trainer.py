@@ -176,7 +176,8 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int) -> None:
     checks = {  # manifest key: (the job's value, how to name it, what to keep the same)
         "global_batch_size": (tr.global_batch_size, f"train.global_batch_size={tr.global_batch_size}", "value"),
         "seed": (job.run.seed, f"run.seed={job.run.seed}", "value"),
-        "num_samples": (num_samples, f"{tr.dataset_ref} has {num_samples} samples", "dataset"),
+        "num_samples": (num_samples, f"{'train.dataset ' + tr.dataset if tr.dataset else tr.dataset_ref} has "
+                                     f"{num_samples} samples", "dataset"),
     }
     for key, (value, what, same) in checks.items():
         if key in recorded and recorded[key] != value:

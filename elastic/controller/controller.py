@@ -28,6 +28,7 @@ from collections import deque
 
 import ray
 
+from elastic import metrics as run_metrics
 from elastic.checkpoint import abandon_after, checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
 from elastic.fencing import write_fence
@@ -60,7 +61,10 @@ class Controller:
         self.storage = Storage(ck.storage_uri, ck.storage_options)
         self.run_dir = join(self.storage.uri, self.job.run.name)
         self.root = checkpoints_root(self.storage.uri, self.job.run.name)
-        self.events = EventLog(self.storage, self.run_dir)
+        # Prometheus metrics (elastic.metrics) are derived from every event as it is emitted, plus
+        # the progress of each poll and each straggler window, which are not events.
+        self.metrics = run_metrics.for_run(self.job.run.name, clock=self.now)
+        self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event)
         self.group = group or WorkerGroup(self.job, job_json, self.root, ray.get_runtime_context().current_actor,
                                           runtime_env)
         self.state: State = Starting()
@@ -470,6 +474,7 @@ class Controller:
             for r in ranks:  # a window is folded in once: drop its steps
                 self.compute_log[r] = {st: v for st, v in self.compute_log[r].items() if st > w_end}
             ratios = observe(self.stragglers, window, sc)
+            self.metrics.on_window(ratios)
             slow = {r: round(x, 2) for r, x in ratios.items() if x > sc.threshold}
             if slow:
                 self.events.emit("slow_window", step=w_end, ratios={r: round(x, 2) for r, x in ratios.items()},
@@ -823,6 +828,7 @@ class Controller:
                 self._resized(answers)
         self.step = max(self.step, new_step)
         self.max_step_seen = max(self.max_step_seen, max(steps))
+        self.metrics.on_progress(self.step, self.loss, answers)
 
     def _resized(self, answers: dict[int, dict]) -> None:
         """The first step at the new world size completed: how long the resize took."""

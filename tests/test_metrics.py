@@ -1,0 +1,395 @@
+"""Prometheus metrics (elastic/metrics.py): the event -> metric mapping, the controller feeding
+it, the Grafana dashboard's expressions, and a real run on a local multi-node Ray cluster whose
+values are read back from the Ray metrics agents' Prometheus endpoints."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import re
+import socket
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from elastic import metrics as m
+from elastic.controller.states import Finished
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "elastic.json"
+
+
+def feed(events, run="r", backend=None):
+    rm, be = m.RunMetrics(run), backend or m.MemoryBackend()
+    for ev in events:
+        be.apply(rm.event(ev))
+    return rm, be
+
+
+def started(n=3, num_steps=40):
+    return [
+        {"kind": "run_started", "run": "r", "num_workers": n, "num_steps": num_steps},
+        {"kind": "workers_started", "ranks": list(range(n)), "nodes": {}},
+        {"kind": "state", "old": "Starting", "new": "Forming"},
+        {"kind": "group_formed", "world_size": n, "form_s": 0.1, "generation": 1},
+        {"kind": "state", "old": "Forming", "new": "Restoring"},
+        {"kind": "restored", "step": 0, "source": "init", "uri": None, "restore_s": 0.1, "world_size": n},
+        {"kind": "state", "old": "Restoring", "new": "Running"},
+    ]
+
+
+# ---------------------------------------------------------------------- the catalogue
+def test_the_catalogue_is_prefixed_labelled_by_run_and_valid_for_prometheus():
+    assert len(m.METRICS) >= 20
+    for name, metric in m.METRICS.items():
+        assert name.startswith("elastic_") and re.fullmatch(r"[a-z_]+", name), name
+        assert metric.tags[0] == "run" and metric.kind in ("gauge", "counter", "histogram")
+        assert not name.endswith("_total")  # Ray's exporter adds it to counters
+        assert (metric.kind == "histogram") == bool(metric.boundaries)
+        assert list(metric.boundaries) == sorted(metric.boundaries) and all(b > 0 for b in metric.boundaries)
+    assert m.METRICS["elastic_recoveries"].prometheus_names == ("ray_elastic_recoveries_total",)
+    assert m.METRICS["elastic_step"].prometheus_names == ("ray_elastic_step",)
+    assert "ray_elastic_recover_seconds_bucket" in m.METRICS["elastic_recover_seconds"].prometheus_names
+    assert set(m.PER_RANK) == {n for n, x in m.METRICS.items() if "rank" in x.tags}
+
+
+# ---------------------------------------------------------------------- events -> metrics
+def test_a_recovery_is_counted_by_the_cause_of_its_failure_with_its_detect_and_recover_times():
+    events = started() + [
+        {"kind": "fault_injected", "action": "kill_process", "rank": 1, "step": 15},
+        {"kind": "state", "old": "Running", "new": "Recovering"},
+        {"kind": "failure_detected", "lost": [{"rank": 1, "cause": "process_died", "detail": "x"}], "step": 15,
+         "detect_s": 0.4},
+        {"kind": "decision", "decision": "Restart", "ranks": [1], "reason": "..."},
+        {"kind": "workers_replaced", "ranks": [1], "start_s": 0.1, "how": "warm spare", "nodes": {}},
+        {"kind": "state", "old": "Recovering", "new": "Forming"},
+        {"kind": "group_formed", "world_size": 3, "form_s": 0.1, "generation": 2},
+        {"kind": "state", "old": "Forming", "new": "Restoring"},
+        {"kind": "restored", "step": 10, "source": "storage", "uri": "u", "restore_s": 0.2, "world_size": 3},
+        {"kind": "state", "old": "Restoring", "new": "Running"},
+        {"kind": "recovered", "recover_s": 2.5, "detect_s": 0.4, "resumed_step": 10, "fault_step": 15,
+         "lost_steps": 5, "world_size": 3},
+    ]
+    _, be = feed(events)
+    assert be.get("elastic_recoveries", cause="process_died") == 1
+    assert be.get("elastic_failures", cause="process_died") == 1
+    assert be.get("elastic_decisions", decision="Restart") == 1
+    assert be.get("elastic_detect_seconds", cause="process_died") == [0.4]
+    assert be.get("elastic_recover_seconds", cause="process_died") == [2.5]
+    assert be.get("elastic_last_detect_seconds") == 0.4 and be.get("elastic_last_recover_seconds") == 2.5
+    assert be.get("elastic_lost_steps") == 5
+    assert be.get("elastic_world_size") == 3 and be.get("elastic_num_steps") == 40
+    assert be.get("elastic_step") == 10  # back to the restored step
+    states = {dict(t)["state"]: v for (name, t), v in be.values.items() if name == "elastic_controller_state"}
+    assert set(states) == {"Starting", "Forming", "Restoring", "Running", "Recovering", "Swapping", "Growing",
+                           "Dropping", "Finished", "Errored"}
+    assert [s for s, v in states.items() if v == 1] == ["Running"]
+    assert all(dict(t)["run"] == "r" for _, t in be.values)
+
+
+def test_a_failure_during_a_recovery_belongs_to_the_first_one_and_unknown_fault_times_are_not_detect_times():
+    lost = lambda r, c: {"kind": "failure_detected", "lost": [{"rank": r, "cause": c}], "step": 5, "detect_s": None}
+    _, be = feed(started() + [lost(1, "node_died"), lost(2, "unresponsive"),
+                              {"kind": "recovered", "recover_s": 4.0, "detect_s": 0.0, "resumed_step": 5,
+                               "fault_step": 5, "lost_steps": 0, "world_size": 3}])
+    assert be.get("elastic_failures", cause="node_died") == 1 and be.get("elastic_failures", cause="unresponsive") == 1
+    assert be.get("elastic_recoveries", cause="node_died") == 1
+    assert be.get("elastic_recoveries", cause="unresponsive") is None
+    assert be.get("elastic_detect_seconds", cause="node_died") is None  # no fault time known
+    assert be.get("elastic_lost_steps") is None  # nothing redone: nothing counted
+
+
+def test_a_user_error_is_a_failure_by_its_own_cause():
+    _, be = feed(started() + [
+        {"kind": "user_error", "rank": 0, "step": 3, "error": "ValueError: x"},
+        {"kind": "failure_detected", "lost": [], "step": 3, "detect_s": None},
+        {"kind": "decision", "decision": "Raise", "ranks": [], "reason": "user code error"},
+        {"kind": "state", "old": "Recovering", "new": "Errored"},
+        {"kind": "run_failed", "step": 3, "loss": None, "error": "...", "checkpoint": None},
+    ])
+    assert be.get("elastic_failures", cause="user_error") == 1
+    assert be.get("elastic_decisions", decision="Raise") == 1
+    assert be.get("elastic_controller_state", state="Errored") == 1
+    assert be.get("elastic_recoveries", cause="user_error") is None
+
+
+def test_checkpoints_by_outcome_and_persist_times():
+    _, be = feed(started() + [
+        {"kind": "checkpoint_committed", "step": 10, "uri": "u", "persist_s": 0.3, "attempts": 1, "loss": 2.0},
+        {"kind": "checkpoint_deferred", "step": 20, "reason": "..."},
+        {"kind": "checkpoint_failed", "rank": 0, "step": 30, "error": "..."},
+        {"kind": "checkpoint_committed", "step": 40, "uri": "u", "persist_s": 0.5, "attempts": 2, "loss": 1.0},
+        {"kind": "checkpoint_committed", "step": 40, "uri": "u", "persist_s": 0.0, "attempts": 0, "loss": 1.0},
+        {"kind": "step_skipped", "step": 41, "reason": "non-finite loss"},
+        {"kind": "rolled_back", "to_step": 40, "bad_steps": [41]},
+    ])
+    assert be.get("elastic_checkpoints", outcome="committed") == 3
+    assert be.get("elastic_checkpoints", outcome="deferred") == 1
+    assert be.get("elastic_checkpoints", outcome="failed") == 1
+    assert be.get("elastic_checkpoint_persist_seconds") == [0.3, 0.5]  # a redone step's folder was not written
+    assert be.get("elastic_checkpoint_step") == 40 and be.get("elastic_last_persist_seconds") == 0.5
+    assert be.get("elastic_skipped_steps") == 1 and be.get("elastic_rollbacks") == 1
+
+
+def test_progress_gives_step_loss_rates_and_per_rank_times_and_redone_steps_count_again():
+    rm, be = feed(started(n=2))
+    answers = {r: {"step": 12, "step_s": 0.2 + r * 0.05, "compute_s": 0.1, "ckpt_stall_s": 0.01 * r} for r in (0, 1)}
+    be.apply(rm.progress(12, 2.5, answers))
+    assert be.get("elastic_step") == 12 and be.get("elastic_loss") == 2.5 and be.get("elastic_steps") == 12
+    assert be.get("elastic_step_seconds", rank=1) == 0.25 and be.get("elastic_compute_seconds", rank=0) == 0.1
+    assert be.get("elastic_checkpoint_stall_seconds", rank=1) == 0.01
+    assert be.get("elastic_steps_per_second") == pytest.approx(4.0)  # the slowest rank sets the pace
+    be.apply(rm.progress(12, 2.5, answers))  # the same step polled again counts nothing
+    assert be.get("elastic_steps") == 12
+    be.apply(rm.event({"kind": "restored", "step": 10, "source": "storage", "uri": "u", "restore_s": 0.1,
+                       "world_size": 2}))
+    be.apply(rm.progress(20, 2.0, {}))
+    be.apply(rm.event({"kind": "run_finished", "step": 30, "loss": 1.5, "error": None, "checkpoint": "u"}))
+    assert be.get("elastic_steps") == 12 + 20  # steps 11 and 12 trained twice
+    assert be.get("elastic_step") == 30 and be.get("elastic_loss") == 1.5
+    be.apply(rm.progress(30, float("nan"), {}))
+    assert be.get("elastic_loss") == 1.5  # a non-finite loss is not a value to plot
+
+
+def test_a_shrink_ends_the_series_of_the_ranks_that_are_gone():
+    rm, be = feed(started(n=3))
+    be.apply(rm.progress(5, 1.0, {r: {"step": 5, "step_s": 0.1, "compute_s": 0.05} for r in range(3)}))
+    be.apply(rm.window({0: 1.0, 1: 1.0, 2: 2.0}))
+    be.apply(rm.event({"kind": "resized", "old_world_size": 3, "new_world_size": 2, "path": "memory", "reason": "x",
+                       "decide_s": 0.1}))
+    assert be.get("elastic_world_size") == 2
+    # NaN: Ray's exporter leaves such a series out of the scrape (a gap in Grafana).
+    assert math.isnan(be.get("elastic_step_seconds", rank=2)) and math.isnan(be.get("elastic_straggler_ratio", rank=2))
+    assert be.get("elastic_step_seconds", rank=1) == 0.1
+
+
+def test_straggler_ratios_come_from_every_window_and_from_slow_window_events():
+    rm, be = feed(started(n=3))
+    be.apply(rm.event({"kind": "slow_window", "step": 10, "ratios": {"0": 1.0, "1": 2.4, "2": 0.9},
+                       "consecutive": {"1": 1}}))
+    assert be.get("elastic_straggler_ratio", rank=1) == 2.4
+    be.apply(rm.window({0: 1.0, 1: 1.05, 2: 0.95}))  # a healthy window: not an event, still a value
+    assert be.get("elastic_straggler_ratio", rank=1) == 1.05
+
+
+def test_an_unknown_event_kind_maps_to_nothing():
+    assert m.RunMetrics("r").event({"kind": "something_new", "x": 1}) == []
+
+
+class _Broken:
+    def apply(self, updates):
+        list(updates)
+        raise RuntimeError("metrics agent gone")
+
+
+def test_a_failing_backend_never_breaks_the_caller_and_is_logged_once(caplog):
+    hook = m.MetricsHook("r", _Broken(), clock=lambda: 0.0)
+    with caplog.at_level(logging.WARNING, logger="elastic.metrics"):
+        for ev in started():
+            hook.on_event(ev)
+        hook.on_progress(3, 1.0, {0: {"step": 3, "step_s": 0.1}})
+        hook.on_window({0: 1.0})
+        hook.on_event({"kind": "failure_detected", "lost": "not a list of dicts", "step": 1})  # a bad event too
+    assert len([r for r in caplog.records if "metrics not updated" in r.message]) == 1
+
+
+def test_progress_is_exported_at_most_once_a_second():
+    t = [0.0]
+    be = m.MemoryBackend()
+    hook = m.MetricsHook("r", be, clock=lambda: t[0])
+    hook.on_progress(1, 1.0, {})
+    t[0] = 0.5
+    hook.on_progress(2, 1.0, {})
+    assert be.get("elastic_step") == 1
+    t[0] = 1.0
+    hook.on_progress(3, 1.0, {})
+    assert be.get("elastic_step") == 3
+
+
+def test_without_ray_there_is_no_backend_and_nothing_to_do(monkeypatch):
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    hook = m.for_run("r")
+    assert hook.backend is None
+    hook.on_event({"kind": "run_started", "num_steps": 3})  # no-op
+
+
+# ---------------------------------------------------------------------- the controller feeds it
+def test_the_controller_derives_metrics_from_its_events_and_polls(monkeypatch):
+    from test_controller import drive, make
+
+    backend = m.MemoryBackend()
+    monkeypatch.setattr(m, "_default_backend", lambda: backend)
+    c, g, _ = make(num_steps=40)
+    drive(c, lambda c: c.step >= 10)
+    g.freeze(1)
+    drive(c)
+    assert isinstance(c.state, Finished)
+    assert backend.get("elastic_step", run="ctl") == 40  # (run_started, with num_steps, comes from run())
+    assert backend.get("elastic_world_size") == 3
+    assert backend.get("elastic_controller_state", state="Finished") == 1
+    assert backend.get("elastic_controller_state", state="Running") == 0
+    (fd,) = [e for e in c.events.events if e["kind"] == "failure_detected"]
+    cause = fd["lost"][0]["cause"]
+    assert backend.get("elastic_recoveries", cause=cause) == 1 and backend.get("elastic_failures", cause=cause) == 1
+    (rec,) = [e for e in c.events.events if e["kind"] == "recovered"]
+    assert backend.get("elastic_recover_seconds", cause=cause) == [pytest.approx(rec["recover_s"])]
+    assert backend.get("elastic_steps") == 40 + rec["lost_steps"]
+    assert backend.get("elastic_step_seconds", rank=0) == g.step_s and backend.get("elastic_loss") == 1.0
+
+
+# ---------------------------------------------------------------------- the Grafana dashboard
+def _exprs(node):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("expr", "definition") and isinstance(v, str):
+                yield v
+            elif k == "query" and isinstance(v, str) and "(" in v:
+                yield v
+            else:
+                yield from _exprs(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _exprs(v)
+
+
+def test_the_grafana_dashboard_loads_and_queries_only_metrics_we_define():
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = list(_exprs(dash))
+    assert exprs
+    defined = {n for metric in m.METRICS.values() for n in metric.prometheus_names}
+    used = {name for e in exprs for name in re.findall(r"\bray_elastic_\w+", e)}
+    assert used <= defined, f"the dashboard queries metrics we do not define: {sorted(used - defined)}"
+    # Every metric has a panel.
+    assert {n for n, metric in m.METRICS.items() if not set(metric.prometheus_names) & used} == set()
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    assert all(p["title"] and p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in panels)
+    assert all('run=~"$run"' in t["expr"] for p in panels for t in p["targets"])
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "run"}
+
+
+# ---------------------------------------------------------------------- a real run, read back from Prometheus
+NUM_STEPS, FAULT_STEP, NUM_WORKERS = 30, 15, 2
+REPORT_INTERVAL_MS = 1000  # Ray's default is 10 s; the export cadence never goes below 1 s
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def metrics_cluster():
+    """Head (no CPUs, its metrics agent on a fixed free port) + 3 one-CPU worker nodes, every
+    process reporting its metrics to its node's agent once a second."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from elastic.bench.local_cluster import LocalCluster
+
+    port = _free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "metrics_export_port": port,
+        "_system_config": {"metrics_report_interval_ms": REPORT_INTERVAL_MS}})
+    handle = LocalCluster(cluster, cpus_per_node=1)
+    try:
+        for _ in range(NUM_WORKERS + 1):
+            cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, logging_level=logging.WARNING)
+        handle._wait_registered(120)
+        yield handle, port
+    finally:
+        handle.shutdown()
+
+
+def _targets() -> list[str]:
+    """Every live node's metrics agent: what Ray's service discovery file lists for Prometheus."""
+    import ray
+
+    return [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]]
+
+
+def _scrape(targets: list[str], run: str) -> dict[tuple[str, tuple], float]:
+    """Our run's `ray_elastic_*` samples from every target: (name, our labels) -> value (summed
+    over Ray's own labels, e.g. WorkerId, as a `sum by` in PromQL would)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ours = {"run", "rank", "cause", "state", "decision", "outcome", "le"}
+    out: dict[tuple[str, tuple], float] = {}
+    for target in targets:
+        try:
+            body = urllib.request.urlopen(f"http://{target}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue  # an agent starting or gone: the next scrape tries again
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                if s.name.startswith("ray_elastic_") and s.labels.get("run") == run:
+                    key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k in ours and k != "run")))
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(300)
+def test_a_real_run_s_metrics_are_read_from_the_prometheus_endpoint(metrics_cluster, tmp_path):
+    from elastic import Trainer
+
+    cluster, head_port = metrics_cluster
+    run = f"metrics-{uuid.uuid4().hex[:8]}"
+    job = {
+        "run": {"name": run, "num_steps": NUM_STEPS, "seed": 7},
+        "scaling": {"num_workers": NUM_WORKERS},
+        "failure": {"max_failures": 2, "hang_floor_s": 5},
+        "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": 10},
+        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
+                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 48},
+        "chaos": [{"action": "kill_process", "rank": 1, "at_step": FAULT_STEP}],
+    }
+    result = Trainer(job).fit(progress=False)
+    assert result.metrics["step"] == NUM_STEPS
+    targets = _targets()
+    assert any(t.endswith(f":{head_port}") for t in targets)  # the head's agent, where the controller runs
+    (fd,) = result.events_of("failure_detected")
+    cause = "+".join(sorted({x["cause"] for x in fd["lost"]}))
+    (rec,) = result.events_of("recovered")
+    committed = result.events_of("checkpoint_committed")
+    want = {
+        ("ray_elastic_step", ()): NUM_STEPS,
+        ("ray_elastic_num_steps", ()): NUM_STEPS,
+        ("ray_elastic_world_size", ()): NUM_WORKERS,
+        ("ray_elastic_controller_state", (("state", "Finished"),)): 1,
+        ("ray_elastic_controller_state", (("state", "Recovering"),)): 0,
+        ("ray_elastic_failures_total", (("cause", cause),)): 1,
+        ("ray_elastic_recoveries_total", (("cause", cause),)): 1,
+        ("ray_elastic_decisions_total", (("decision", "Restart"),)): 1,
+        ("ray_elastic_recover_seconds_count", (("cause", cause),)): 1,
+        ("ray_elastic_steps_total", ()): NUM_STEPS + rec["lost_steps"],
+        ("ray_elastic_checkpoint_step", ()): max(e["step"] for e in committed),
+        ("ray_elastic_checkpoints_total", (("outcome", "committed"),)): len(committed),
+    }
+    # Export is asynchronous (each process reports every REPORT_INTERVAL_MS): poll, never time.
+    deadline = time.monotonic() + 60
+    while True:
+        got = _scrape(targets, run)
+        missing = {k: (v, got.get(k)) for k, v in want.items() if got.get(k) != pytest.approx(v)}
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not missing, f"(wanted, scraped): {missing}"
+    # Exact times in the gauges; a histogram's sum is rebuilt by Ray from bucket midpoints.
+    assert got[("ray_elastic_last_recover_seconds", ())] == pytest.approx(rec["recover_s"])
+    assert got[("ray_elastic_recover_seconds_sum", (("cause", cause),))] > 0
+    if fd["detect_s"] is not None:  # an injected fault: its time is known
+        assert got[("ray_elastic_detect_seconds_count", (("cause", cause),))] == 1
+        assert got[("ray_elastic_last_detect_seconds", ())] == pytest.approx(fd["detect_s"])
+    assert got[("ray_elastic_loss", ())] == pytest.approx(result.metrics["loss"])
+    assert got[("ray_elastic_steps_per_second", ())] > 0
+    assert all(got.get(("ray_elastic_step_seconds", (("rank", str(r)),)), 0) > 0 for r in range(NUM_WORKERS))
+    assert all(got.get(("ray_elastic_compute_seconds", (("rank", str(r)),)), 0) > 0 for r in range(NUM_WORKERS))
+    persisted = [e["persist_s"] for e in committed if e["attempts"]]
+    assert got[("ray_elastic_checkpoint_persist_seconds_count", ())] == len(persisted)
+    assert got[("ray_elastic_last_persist_seconds", ())] == pytest.approx(persisted[-1])
