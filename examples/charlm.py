@@ -27,16 +27,20 @@ def corpus() -> torch.Tensor:
 
 
 class NextCharDataset(torch.utils.data.Dataset):
-    def __init__(self, stride: int = 7):
+    """Windows of `context` characters, every `stride`; the target is the next character, or
+    (`shifted`) the whole window shifted by one, as a GPT-style model predicts every position."""
+
+    def __init__(self, stride: int = 7, context: int = CONTEXT, shifted: bool = False):
         self.data = corpus()
-        self.starts = torch.arange(0, len(self.data) - CONTEXT - 1, stride)
+        self.context, self.shifted = context, shifted
+        self.starts = torch.arange(0, len(self.data) - context - 1, stride)
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int):
-        s = int(self.starts[i])
-        return self.data[s:s + CONTEXT], self.data[s + CONTEXT]
+        s, n = int(self.starts[i]), self.context
+        return self.data[s:s + n], (self.data[s + 1:s + n + 1] if self.shifted else self.data[s + n])
 
 
 def build_dataset() -> NextCharDataset:

@@ -19,7 +19,7 @@ import os
 import torch
 from torch import nn
 
-from examples.charlm import VOCAB, corpus
+from examples.charlm import VOCAB, NextCharDataset
 
 N_LAYER = int(os.environ.get("GPT_LAYERS", "4"))
 DIM = int(os.environ.get("GPT_DIM", "64"))
@@ -68,21 +68,8 @@ def build_model() -> nn.Sequential:
     return nn.Sequential(Embed(), *[Block() for _ in range(N_LAYER)], Head())
 
 
-class CharWindows(torch.utils.data.Dataset):
-    def __init__(self, stride: int = 11):
-        self.data = corpus()
-        self.starts = torch.arange(0, len(self.data) - CONTEXT - 1, stride)
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, i: int):
-        s = int(self.starts[i])
-        return self.data[s:s + CONTEXT], self.data[s + 1:s + CONTEXT + 1]
-
-
-def build_dataset() -> CharWindows:
-    return CharWindows()
+def build_dataset() -> NextCharDataset:
+    return NextCharDataset(stride=11, context=CONTEXT, shifted=True)
 
 
 def stage_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
