@@ -41,10 +41,20 @@ train:
 """ % (NUM_STEPS, EVERY_STEPS)
 
 
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port never handed out before in this process: ports picked one at a time are free
+    when picked, but the kernel may pick a just-closed one again (two Ray components were once
+    given the same port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
 
 
 class RayCluster:
