@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def add_bench_args(p) -> None:
-    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline"],
+    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline", "overhead"],
                    help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
     p.add_argument("--out", default=None, help="also write results.jsonl, results.md and a plot here")
@@ -25,9 +25,14 @@ def add_bench_args(p) -> None:
                    help="pipeline: the schedule every system runs")
     p.add_argument("--gpt", default="4,64,64",
                    help="pipeline: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (the model every system trains)")
+    p.add_argument("--hidden", default="1024,3072,10000",
+                   help="overhead: hidden widths of the MLP, one model size each (1.3 M, 10.3 M, 102.7 M parameters)")
 
 
 def run_bench(args) -> int:
+    if args.name == "overhead":
+        from elastic.bench.overhead import main as overhead_main
+        return overhead_main(args)
     if args.name == "pipeline":
         from elastic.bench.pipeline import main as pipeline_main
         return pipeline_main(args)

@@ -1,0 +1,454 @@
+"""`elastic bench overhead`: what the framework costs in steady state. Steps/s of elastic's DDP
+divided by plain torch DDP (`elastic.bench.plain_ddp`: torchrun processes and
+`DistributedDataParallel`, no framework) and by Ray Train (`TorchTrainer` + `prepare_model`,
+as Ray's docs write it), at several model sizes, in one run on one local cluster.
+
+Every system trains the same MLP (`build_mlp`: the common workload's shape, 256 -> hidden ->
+hidden -> 10, so the hidden width sets the size: 1024 is 1.3 M parameters, 3072 is 10.3 M,
+10000 is 102.7 M), on the same data path (the common workload's map-style dataset,
+`default_collate` of the indices elastic's global sample order gives each rank), with 2 ranks
+(elastic and Ray Train on the two one-CPU worker nodes of a local cluster; torchrun's two
+processes beside it), the same global batch, AdamW, and one compute thread per rank.
+
+Checkpoints every CKPT_EVERY steps, each system through its own usual path: elastic's
+(an in-memory snapshot, then DCP to local disk in the background), the DDP tutorial's
+(rank 0 `torch.save`s model and optimizer to local disk), Ray Train's (rank 0 `torch.save`s
+into a folder and reports it with `ray.train.report`, every rank reports). One run per system
+gives both figures:
+
+* checkpoints off: the steps after the warm-up and up to the first checkpoint (nothing has been
+  checkpointed or is in flight yet), the median time per step;
+* checkpoints every CKPT_EVERY steps: whole checkpoint periods from the first checkpoint on,
+  the mean time per step (a median would skip the checkpoint steps).
+
+Steps are timed the same way in every system: an optimizer post-step hook on global rank 0
+(`timed_optimizer`) appends each step's end time to a file. Systems run interleaved within
+each repetition (their order rotates); the ratios are of medians of the same run.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+from elastic.bench.output import emit, medians, parse_systems
+
+NUM_WORKERS, GLOBAL_BATCH, SEED, CKPT_EVERY = 2, 96, 0, 50
+DEFAULT_HIDDEN = "1024,3072,10000"
+SYSTEMS = ["elastic", "torch-ddp", "ray-train"]
+PEER = "torch-ddp"
+TARGET = 0.97  # issue 9: at least this fraction of torch DDP's steps/s at every size
+LARGE_PARAMS = 50_000_000  # from here on: a shorter warm-up and one repetition
+HIDDEN_ENV = "ELASTIC_BENCH_HIDDEN"  # the MLP's width, for elastic's `train.model` (a no-argument factory)
+STEP_LOG_ENV = "ELASTIC_BENCH_STEP_LOG"  # file that global rank 0 appends one line per optimizer step to
+MODES = ("off", f"every {CKPT_EVERY}")
+
+
+# ---------------------------------------------------------------- the workload (every system)
+def build_mlp(hidden: int):
+    from torch import nn
+
+    from elastic.bench import workload
+    return nn.Sequential(
+        nn.Linear(workload.IN_FEATURES, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, workload.NUM_CLASSES),
+    )
+
+
+def num_params(hidden: int) -> int:
+    from elastic.bench import workload
+    i, c = workload.IN_FEATURES, workload.NUM_CLASSES
+    return i * hidden + hidden + hidden * hidden + hidden + hidden * c + c
+
+
+def build_model():
+    """elastic's `train.model`: the MLP at the width the job's environment names."""
+    return build_mlp(int(os.environ[HIDDEN_ENV]))
+
+
+class _StepClock:
+    """An optimizer post-step hook: global rank 0 appends the wall-clock end of every optimizer
+    step to a file (one O_APPEND write, a few microseconds). The same hook in every system."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        import torch
+        import torch.distributed as dist
+        if not (dist.is_initialized() and dist.get_rank() == 0):
+            return
+        line = f'{{"t": {time.time():.6f}, "pid": {os.getpid()}, "threads": {torch.get_num_threads()}}}\n'
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
+def timed_optimizer(params):
+    """The common workload's AdamW, with the step clock when ELASTIC_BENCH_STEP_LOG is set.
+    elastic's job names it as `train.optimizer`; the peers call it directly."""
+    from elastic.bench import workload
+    optimizer = workload.build_optimizer(params)
+    path = os.environ.get(STEP_LOG_ENV)
+    if path:
+        optimizer.register_step_post_hook(_StepClock(path))
+    return optimizer
+
+
+# ---------------------------------------------------------------- plan and figures (pure)
+def parse_hidden(arg: str) -> list[int]:
+    """`--hidden 1024,3072,10000`: the MLP widths, one model size each."""
+    try:
+        widths = [int(v) for v in arg.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--hidden: expected comma-separated integers, got {arg!r}") from None
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--hidden: expected widths >= 1, got {arg!r}")
+    return widths
+
+
+def plan(hidden: int, reps: int) -> dict:
+    """Steps, warm-up steps and repetitions for one size: two checkpoint periods (the first
+    without a checkpoint, the second from the first checkpoint on). From LARGE_PARAMS on a step
+    takes seconds here, so a shorter warm-up and one repetition keep the run short."""
+    large = num_params(hidden) >= LARGE_PARAMS
+    return {"num_steps": 2 * CKPT_EVERY, "warmup_steps": 5 if large else 10, "reps": 1 if large else reps}
+
+
+def step_figures(times: list[float], warmup_steps: int, ckpt_every: int) -> dict[str, dict]:
+    """The two figures from one run's step-end times (t[s-1] ends step s; the checkpoint of step
+    s is taken after t[s-1], so it lies in the interval that ends at step s + 1).
+
+    off: the steps after the warm-up, warmup+1 .. ckpt_every (no checkpoint yet): median.
+    on: from the end of step ckpt_every to the end of the last whole period: mean, so every
+    interval with a checkpoint (and whatever it leaves running) counts."""
+    ts = sorted(times)
+    n = len(ts)
+    if not 1 <= warmup_steps < ckpt_every - 2 or n < 2 * ckpt_every:
+        raise ValueError(f"{n} step times with {warmup_steps} warm-up steps: need 1 <= warm-up < "
+                         f"{ckpt_every - 2} and at least {2 * ckpt_every} steps (one whole checkpoint period)")
+    off = [b - a for a, b in zip(ts[warmup_steps - 1:ckpt_every - 1], ts[warmup_steps:ckpt_every])]
+    last = (n // ckpt_every) * ckpt_every  # the end of the last whole period
+    on = [b - a for a, b in zip(ts[ckpt_every - 1:last - 1], ts[ckpt_every:last])]
+    return {
+        "off": {"step_s": statistics.median(off), "mean_step_s": statistics.mean(off),
+                   "median_step_s": statistics.median(off), "timed_steps": len(off), "num_checkpoints": 0},
+        f"every {ckpt_every}": {"step_s": statistics.mean(on), "mean_step_s": statistics.mean(on),
+                   "median_step_s": statistics.median(on), "max_step_s": max(on), "timed_steps": len(on),
+                   "num_checkpoints": len(on) // ckpt_every},
+    }
+
+
+def read_step_log(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_figures(lines: list[dict], num_steps: int, warmup_steps: int) -> dict[str, dict]:
+    if len(lines) != num_steps:
+        raise RuntimeError(f"the step log has {len(lines)} lines for {num_steps} steps: the step clock missed steps "
+                           f"or another run wrote to it")
+    figs = step_figures([x["t"] for x in lines], warmup_steps, CKPT_EVERY)
+    for f in figs.values():
+        f["steps_per_s"] = 1.0 / f["step_s"]
+        f["threads"] = lines[-1]["threads"]
+    return figs
+
+
+def rotated(systems: list[str], rep: int) -> list[str]:
+    """The systems' order in repetition `rep`: rotated, so that none always runs first."""
+    k = rep % len(systems)
+    return systems[k:] + systems[:k]
+
+
+def elastic_job(hidden: int, num_steps: int, storage_uri: str) -> dict:
+    return {
+        "run": {"name": f"bench-overhead-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
+        "scaling": {"num_workers": NUM_WORKERS},
+        "checkpoint": {"storage_uri": storage_uri, "every_steps": CKPT_EVERY},
+        "train": {"model": "elastic.bench.overhead:build_model", "dataset": "elastic.bench.workload:build_dataset",
+                  "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.overhead:timed_optimizer",
+                  "global_batch_size": GLOBAL_BATCH},
+    }
+
+
+def plain_command(hidden: int, num_steps: int, ckpt_dir: str) -> list[str]:
+    """torchrun launching the plain DDP peer, as torch's docs launch one."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NUM_WORKERS}",
+            "-m", "elastic.bench.plain_ddp", "--hidden", str(hidden), "--steps", str(num_steps),
+            "--global-batch", str(GLOBAL_BATCH), "--seed", str(SEED), "--ckpt-every", str(CKPT_EVERY),
+            "--ckpt-dir", ckpt_dir]
+
+
+# ---------------------------------------------------------------- the systems
+def run_elastic(hidden: int, num_steps: int, work: str) -> None:
+    from elastic import Trainer
+    runs = os.path.join(work, "elastic")
+    result = Trainer(elastic_job(hidden, num_steps, "file://" + runs)).fit(progress=False)
+    shutil.rmtree(runs, ignore_errors=True)
+    if result.events_of("recovered") or result.metrics["step"] != num_steps:
+        raise RuntimeError(f"elastic's run was not fault-free: {result.summary()}")
+
+
+def ray_worker_niceness() -> int:
+    """The scheduling priority Ray gives its worker processes (raylet's `worker_niceness`, 15
+    by default), read from a worker on a worker node."""
+    import ray
+    return ray.get(ray.remote(num_cpus=1)(lambda: os.getpriority(os.PRIO_PROCESS, 0)).remote())
+
+
+def run_plain(hidden: int, num_steps: int, work: str, step_log: str, niceness: int) -> None:
+    ckpt_dir = os.path.join(work, "torch-ddp")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    # At the priority of Ray's workers (elastic's and Ray Train's ranks): on a machine shared
+    # with other work, a rank at the default priority would take CPU from it that theirs cannot.
+    increment = max(0, niceness - os.getpriority(os.PRIO_PROCESS, 0))
+    cmd = ["nice", "-n", str(increment), *plain_command(hidden, num_steps, ckpt_dir)]
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, STEP_LOG_ENV: step_log}, capture_output=True, text=True,
+                              timeout=1800)
+    finally:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    if proc.returncode:
+        raise RuntimeError(f"plain DDP failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+
+
+CHECKPOINT_FILE = "state.pt"
+
+
+def _ray_train_loop(config: dict) -> None:
+    """The per-worker training function, as Ray Train's docs write one: `prepare_model` for DDP,
+    and every `ckpt_every` steps rank 0 saves the model and optimizer into a folder it reports
+    with `ray.train.report(checkpoint=...)` while the other ranks report metrics only."""
+    import ray.train
+    import torch
+    from ray.train.torch import prepare_model
+    from torch.utils.data import default_collate
+
+    from elastic.bench import workload
+    from elastic.data import GlobalOrder
+
+    os.environ[STEP_LOG_ENV] = config["step_log"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(config["seed"])
+    model = prepare_model(build_mlp(config["hidden"]))  # DDP over gloo, rank 0's weights broadcast
+    optimizer = timed_optimizer(model.parameters())
+    dataset = workload.build_dataset()
+    order = GlobalOrder(len(dataset), config["seed"])
+    num_steps, every, global_batch = config["num_steps"], config["ckpt_every"], config["global_batch"]
+    for step in range(num_steps):
+        idx = order.rank_indices(step, global_batch, world, rank)
+        batch = default_collate([dataset[j] for j in idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss = workload.loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        done = step + 1
+        metrics = {"step": done}
+        if done % every == 0:
+            metrics["loss"] = float(loss.detach())
+            if rank == 0:
+                with tempfile.TemporaryDirectory() as tmp:
+                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                "step": done}, os.path.join(tmp, CHECKPOINT_FILE))
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            else:
+                ray.train.report(metrics)
+        elif done == num_steps:
+            ray.train.report(metrics)
+
+
+def run_ray_train(hidden: int, num_steps: int, work: str, step_log: str) -> None:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    storage = os.path.join(work, "ray-train")
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"hidden": hidden, "num_steps": num_steps, "ckpt_every": CKPT_EVERY,
+                           "global_batch": GLOBAL_BATCH, "seed": SEED, "step_log": step_log},
+        scaling_config=ray.train.ScalingConfig(num_workers=NUM_WORKERS, use_gpu=False,
+                                               resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(storage_path=storage, name=f"bench-overhead-{uuid.uuid4().hex[:8]}"),
+    )
+    try:
+        trainer.fit()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the run
+def _connect_with_env(cluster, env: dict[str, str]) -> None:
+    """Reconnect the driver with a job-level runtime env: every actor of the job (elastic's
+    workers, Ray Train's controller and workers) starts with these variables."""
+    import logging
+
+    import ray
+    ray.shutdown()
+    # Ray Train's workers log every report; the benchmark prints its own progress.
+    ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING,
+             log_to_driver=False)
+
+
+def add_ratios(records: list[dict]) -> None:
+    """Each record's steps/s over the peer's in the same (size, mode, repetition)."""
+    peer = {(r["params"], r["checkpoints"], r["rep"]): r for r in records if r["system"] == PEER}
+    for r in records:
+        p = peer.get((r["params"], r["checkpoints"], r["rep"]))
+        if p is not None and r["system"] != PEER:
+            r["overhead_ratio"] = r["steps_per_s"] / p["steps_per_s"]
+
+
+def summarise(records: list[dict]) -> tuple[list[dict], str]:
+    """Per (size, mode): every system's median steps/s and step_s, and elastic's and Ray Train's
+    ratio to torch DDP (of the medians), plus the markdown table."""
+    rows, lines = [], []
+    lines += ["| parameters | checkpoints | system | reps | median step_s | median steps/s | steps/s ÷ torch DDP |",
+              "|---|---|---|---|---|---|---|"]
+    for params in dict.fromkeys(r["params"] for r in records):
+        for mode in MODES:
+            mine = [r for r in records if r["params"] == params and r["checkpoints"] == mode]
+            med = medians(mine, ["step_s", "steps_per_s", "median_step_s", "overhead_ratio"])
+            base = med.get(PEER, {}).get("steps_per_s")
+            for system in [s for s in SYSTEMS if s in med]:
+                m = med[system]
+                ratio = m["steps_per_s"] / base if base and m["steps_per_s"] else None
+                rows.append({"params": params, "checkpoints": mode, "system": system, "reps": m["n"],
+                             "step_s": m["step_s"], "steps_per_s": m["steps_per_s"],
+                             "overhead_ratio": ratio, "median_of_rep_ratios": m["overhead_ratio"]})
+                cell = "1" if system == PEER else ("-" if ratio is None else f"{ratio:.3f}")
+                lines.append(f"| {params / 1e6:.1f} M | {mode} | {system} | {m['n']} | {m['step_s']:.4f} | "
+                             f"{m['steps_per_s']:.2f} | {cell} |")
+    return rows, "\n".join(lines) + "\n"
+
+
+def plot(path: str, records: list[dict]) -> None:
+    """steps/s ÷ torch DDP per size, one panel per checkpoint mode: bars are the ratio of the
+    medians, dots the per-repetition ratios; the dashed line is the target."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(r["params"] for r in records))
+    ours = [s for s in SYSTEMS if s != PEER and any(r["system"] == s for r in records)]
+    colours = {"elastic": "#8fb3d9", "ray-train": "#d9b38f"}
+    fig, axes = plt.subplots(1, len(MODES), figsize=(10, 3.8), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], MODES):
+        for j, system in enumerate(ours):
+            for i, params in enumerate(sizes):
+                sel = [r for r in records if r["params"] == params and r["checkpoints"] == mode]
+                mine = [r["steps_per_s"] for r in sel if r["system"] == system]
+                peer = [r["steps_per_s"] for r in sel if r["system"] == PEER]
+                if not mine or not peer:
+                    continue
+                x = i + (j - (len(ours) - 1) / 2) * 0.35
+                ax.bar(x, statistics.median(mine) / statistics.median(peer), width=0.33, color=colours.get(system),
+                       label=system if i == 0 else None)
+                reps = [r["overhead_ratio"] for r in sel if r["system"] == system and r.get("overhead_ratio")]
+                ax.scatter([x] * len(reps), reps, color="#1f4e79", zorder=3, s=12)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(TARGET, color="#b22222", lw=0.8, ls="--", label=f"target {TARGET}")
+        ax.set_xticks(range(len(sizes)), [f"{p / 1e6:.1f} M" for p in sizes])
+        ax.set_xlabel("parameters")
+        ax.set_title(f"checkpoints {mode}", fontsize=9)
+    axes[0][0].set_ylabel("steps/s ÷ torch DDP")
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.suptitle("elastic bench overhead (bar: ratio of medians, dots: per repetition)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from elastic.bench.local_cluster import local_cluster
+
+    systems = parse_systems("overhead", args.systems, list(SYSTEMS))
+    if systems is None:
+        return 2
+    try:
+        widths = parse_hidden(args.hidden)
+    except ValueError as e:
+        print(f"elastic bench overhead: {e}", file=sys.stderr)
+        return 2
+    work = tempfile.mkdtemp(prefix="elastic-bench-overhead-")
+    step_log = os.path.join(work, "steps.jsonl")
+    records: list[dict] = []
+    niceness = None
+    t_start = time.time()
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS, cpus_per_node=1))
+        for hidden in widths:
+            p = plan(hidden, args.reps)
+            params = num_params(hidden)
+            _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
+            if niceness is None:
+                niceness = ray_worker_niceness()
+            for rep in range(p["reps"]):
+                for system in rotated(systems, rep):
+                    cluster.ensure_worker_nodes(NUM_WORKERS)
+                    open(step_log, "w").close()
+                    t0 = time.time()
+                    if system == "elastic":
+                        run_elastic(hidden, p["num_steps"], work)
+                    elif system == "torch-ddp":
+                        run_plain(hidden, p["num_steps"], work, step_log, niceness)
+                    else:
+                        run_ray_train(hidden, p["num_steps"], work, step_log)
+                    lines = read_step_log(step_log)
+                    if args.out:  # the raw step times, for a closer look
+                        os.makedirs(os.path.join(args.out, "steps"), exist_ok=True)
+                        shutil.copy(step_log, os.path.join(args.out, "steps", f"{system}-{hidden}-{rep}.jsonl"))
+                    figs = run_figures(lines, p["num_steps"], p["warmup_steps"])
+                    for mode, f in figs.items():
+                        rec = {"bench": "overhead", "system": system, "params": params, "hidden": hidden,
+                               "checkpoints": mode, "rep": rep, **f, "num_steps": p["num_steps"],
+                               "warmup_steps": p["warmup_steps"], "num_workers": NUM_WORKERS,
+                               "global_batch": GLOBAL_BATCH, "niceness": niceness, "total_s": time.time() - t0}
+                        records.append(rec)
+                    print(f"[overhead] {params / 1e6:.1f} M rep {rep} {system}: "
+                          + ", ".join(f"{m} {f['step_s']:.4f} s/step" for m, f in figs.items()),
+                          file=sys.stderr, flush=True)
+    add_ratios(records)
+    for r in records:
+        emit(r)
+    rows, table = summarise(records)
+    summary = {"bench": "overhead", "summary": True, "rows": rows, "target": TARGET,
+               "wall_s": time.time() - t_start}
+    emit(summary)
+    notes = (f"MLP 256 -> hidden -> hidden -> 10 (hidden {', '.join(map(str, widths))}), AdamW, global batch "
+             f"{GLOBAL_BATCH}, {NUM_WORKERS} ranks on gloo with one compute thread each (elastic and Ray Train on "
+             f"the {NUM_WORKERS} one-CPU worker nodes of a local ray.cluster_utils.Cluster, torch DDP as torchrun "
+             f"processes beside it); data: the common workload's dataset, default_collate of elastic's global "
+             f"order; every system checkpoints every {CKPT_EVERY} steps its own way. 'off' = median time of the "
+             f"steps after the warm-up up to the first checkpoint; 'every {CKPT_EVERY}' = mean time per step over "
+             f"whole checkpoint periods from the first checkpoint on. Timed by an optimizer post-step hook on "
+             f"global rank 0; systems interleaved (rotated) per repetition; ratios of medians of this run.")
+    title = "### overhead (steady state, same run)\n\n"
+    print(title + table + f"\n- {notes}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.jsonl"), "a") as f:
+            for r in records:
+                f.write(json.dumps(r, default=str) + "\n")
+        with open(os.path.join(args.out, "results.md"), "a") as f:
+            f.write(title + table + f"\n- {notes}\n\n")
+        with open(os.path.join(args.out, "overhead.json"), "w") as f:
+            json.dump({"command": " ".join(["elastic", *sys.argv[1:]]) if sys.argv else None, "notes": notes,
+                       **summary}, f, indent=2)
+        plot(os.path.join(args.out, "overhead.png"), records)
+        print(f"wrote {args.out}/results.jsonl, results.md, overhead.json, overhead.png")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
