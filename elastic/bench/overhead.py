@@ -383,6 +383,8 @@ def main(args) -> int:
     except ValueError as e:
         print(f"elastic bench overhead: {e}", file=sys.stderr)
         return 2
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="elastic-bench-overhead-")
     step_log = os.path.join(work, "steps.jsonl")
     records: list[dict] = []
@@ -397,6 +399,7 @@ def main(args) -> int:
             if niceness is None:
                 niceness = ray_worker_niceness()
             for rep in range(p["reps"]):
+                group: list[dict] = []  # this size and repetition: every system, both modes
                 for system in rotated(systems, rep):
                     cluster.ensure_worker_nodes(NUM_WORKERS)
                     open(step_log, "w").close()
@@ -417,13 +420,19 @@ def main(args) -> int:
                                "checkpoints": mode, "rep": rep, **f, "num_steps": p["num_steps"],
                                "warmup_steps": p["warmup_steps"], "num_workers": NUM_WORKERS,
                                "global_batch": GLOBAL_BATCH, "niceness": niceness, "total_s": time.time() - t0}
-                        records.append(rec)
+                        group.append(rec)
                     print(f"[overhead] {params / 1e6:.1f} M rep {rep} {system}: "
                           + ", ".join(f"{m} {f['step_s']:.4f} s/step" for m, f in figs.items()),
                           file=sys.stderr, flush=True)
-    add_ratios(records)
-    for r in records:
-        emit(r)
+                # Out as soon as the group is complete, so a run cut short keeps what it measured.
+                add_ratios(group)
+                for r in group:
+                    emit(r)
+                if args.out:
+                    with open(os.path.join(args.out, "results.jsonl"), "a") as f:
+                        for r in group:
+                            f.write(json.dumps(r, default=str) + "\n")
+                records += group
     rows, table = summarise(records)
     summary = {"bench": "overhead", "summary": True, "rows": rows, "target": TARGET,
                "wall_s": time.time() - t_start}
@@ -439,15 +448,12 @@ def main(args) -> int:
     title = "### overhead (steady state, same run)\n\n"
     print(title + table + f"\n- {notes}")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.jsonl"), "a") as f:
-            for r in records:
-                f.write(json.dumps(r, default=str) + "\n")
         with open(os.path.join(args.out, "results.md"), "a") as f:
             f.write(title + table + f"\n- {notes}\n\n")
+        command = (f"elastic bench overhead --reps {args.reps} --hidden {args.hidden}"
+                   + (f" --systems {args.systems}" if args.systems else "") + f" --out {args.out}")
         with open(os.path.join(args.out, "overhead.json"), "w") as f:
-            json.dump({"command": " ".join(["elastic", *sys.argv[1:]]) if sys.argv else None, "notes": notes,
-                       **summary}, f, indent=2)
+            json.dump({"command": command, "notes": notes, **summary}, f, indent=2)
         plot(os.path.join(args.out, "overhead.png"), records)
         print(f"wrote {args.out}/results.jsonl, results.md, overhead.json, overhead.png")
     shutil.rmtree(work, ignore_errors=True)
