@@ -39,6 +39,7 @@ import time
 import uuid
 
 from elastic.bench.output import emit, medians, parse_systems
+from elastic.bench.plain_pipeline import _StepClock  # the same step clock in every benchmark
 
 NUM_WORKERS, GLOBAL_BATCH, SEED, CKPT_EVERY = 2, 96, 0, 50
 DEFAULT_HIDDEN = "1024,3072,10000"
@@ -72,26 +73,6 @@ def num_params(hidden: int) -> int:
 def build_model():
     """elastic's `train.model`: the MLP at the width the job's environment names."""
     return build_mlp(int(os.environ[HIDDEN_ENV]))
-
-
-class _StepClock:
-    """An optimizer post-step hook: global rank 0 appends the wall-clock end of every optimizer
-    step to a file (one O_APPEND write, a few microseconds). The same hook in every system."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        import torch
-        import torch.distributed as dist
-        if not (dist.is_initialized() and dist.get_rank() == 0):
-            return
-        line = f'{{"t": {time.time():.6f}, "pid": {os.getpid()}, "threads": {torch.get_num_threads()}}}\n'
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
 
 
 def timed_optimizer(params):
