@@ -9,6 +9,7 @@ Only one Ray cluster may run on a machine at a time; run these tests under
 """
 from __future__ import annotations
 
+import socket
 from typing import Iterator
 
 import pytest
@@ -66,3 +67,19 @@ def assert_exact_once(ledger_path, num_steps: int, global_batch: int, num_sample
     full_epochs = num_steps * global_batch // num_samples
     for e in range(full_epochs):
         assert sum(1 for (ep, _) in seen if ep == e) == num_samples
+
+
+_given: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port never handed out before in this process: ports picked one at a time are free
+    when picked, but the kernel may pick a just-closed one again (two Ray components were once
+    given the same port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port

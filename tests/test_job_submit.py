@@ -12,6 +12,8 @@ import urllib.request
 
 import pytest
 
+from ray_fixtures import free_port
+
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
 BIN = os.path.dirname(sys.executable)
@@ -28,20 +30,6 @@ train:
 """
 
 
-_given: set[int] = set()
-
-
-def free_port() -> int:
-    """A free port never handed out before in this process: ports picked one at a time are free
-    when picked, but the kernel may pick a just-closed one again (two Ray components were once
-    given the same port)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _given:
-            _given.add(port)
-            return port
 
 
 @pytest.fixture
