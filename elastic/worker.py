@@ -204,10 +204,12 @@ class Worker:
             self._build()
         return {**self.info(), "calib_s": self.calibrate()}
 
-    def calibrate(self, reps: int = 3) -> float:
-        """Median compute time of one rank's share of a step (forward + backward) on this process:
-        how fast a spare would be, measured before it is trusted with a rank. None for a pipeline
-        (a stage's compute needs its peers)."""
+    def calibrate(self, reps: int = 5) -> float:
+        """Best compute time of one rank's share of a step (forward + backward) on this process,
+        after one untimed warm-up: how fast a spare can be, measured before it is trusted with a
+        rank. The best of several, not the median: other processes on the machine (a group
+        restoring, training beside it) only ever add time, and a spare that is slow itself is
+        slow in every repetition. None for a pipeline (a stage's compute needs its peers)."""
         tr = self.job.train
         if tr.strategy == "pipeline":
             return None
@@ -215,14 +217,14 @@ class Worker:
         micro, _ = batch_plan(tr.global_batch_size, self.job.scaling.num_workers, tr.micro_batch_size)
         idx = list(range(min(per_rank, len(self.dataset))))
         times = []
-        for _ in range(reps):
+        for _ in range(reps + 1):
             t0 = time.perf_counter()
             for i in range(0, len(idx), micro):
                 batch = _to(default_collate([self.dataset[j] for j in idx[i:i + micro]]), self.device)
                 self.fns["loss"](self.model, batch).backward()
             times.append((time.perf_counter() - t0) * self.slow_factor)
         self.model.zero_grad(set_to_none=True)
-        return sorted(times)[len(times) // 2]
+        return min(times[1:])  # the first allocates gradients and warms caches: not timed
 
     def request_stop(self, generation: int) -> int:
         """Ask run() to stop at a step boundary. The request rides on the next step's all-reduce,

@@ -247,9 +247,10 @@ def test_straggler_is_swapped_for_a_spare_and_the_run_stays_exact(cluster, basel
     assert all(d == baseline for d in result.digests.values())
     (swap,) = [d for d in result.events_of("decision") if d["decision"] == "Swap"]
     assert swap["ranks"] == [1] and "2 consecutive windows" in swap["reason"]
-    # A single noisy window may flag another rank once (hysteresis ignores it); rank 1 is flagged
-    # in consecutive windows only after its slowdown began.
-    flagged_1 = [w["step"] for w in result.events_of("slow_window") if "1" in w["consecutive"]]
+    # One noisy window may find any rank slow, rank 1 too, before its slowdown began (on a loaded
+    # 2-core machine it does); hysteresis ignores it. Rank 1 is flagged (2 slow windows in a row)
+    # only at a window that holds its slow steps (those after step 5).
+    flagged_1 = [w["step"] for w in result.events_of("slow_window") if w["consecutive"].get("1", 0) >= 2]
     assert flagged_1 and all(step > 5 for step in flagged_1)
     (swapped,) = result.events_of("swapped")
     assert swapped["rank"] == 1 and swapped["how"] == "warm spare"

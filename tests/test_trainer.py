@@ -189,7 +189,8 @@ def test_a_dead_controller_ends_the_run_with_training_failed_naming_the_last_che
          "checkpoint": {"storage_uri": f"file://{tmp_path}/runs", "every_steps": 3},
          "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                    "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 16}}
-    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
+    # address="local": a Ray of this test's own, even where another (a user's `ray start`) runs.
+    ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
     try:
         with pytest.raises(TrainingFailed) as e:
             Trainer(j).fit(progress=False)
