@@ -238,9 +238,12 @@ def test_node_kill_with_checkpoints_on_s3(cluster, baseline, tmp_path, s3_server
 
 
 def test_straggler_is_swapped_for_a_spare_and_the_run_stays_exact(cluster, baseline, tmp_path):  # noqa: F811
-    """Rank 1 computes 3x slower from step 5: flagged after two slow windows of 5 steps,
-    swapped for the warm spare at a step boundary, nothing redone, bit-identical."""
-    j = job(tmp_path, [{"action": "slow", "rank": 1, "at_step": 5, "factor": 3.0}],
+    """Rank 1 computes 5x slower from step 5: flagged after two slow windows of 5 steps,
+    swapped for the warm spare at a step boundary, nothing redone, bit-identical.
+    5x, not 3x: here three ranks and a spare share 2 cores, and a 3x slowdown measured from
+    1.6x to 3.4x the others' median in a window (runs of this test), sometimes under the 1.5x
+    threshold, which reset the count; the test is about the swap, not the detection margin."""
+    j = job(tmp_path, [{"action": "slow", "rank": 1, "at_step": 5, "factor": 5.0}],
             scaling={"num_spares": 1, "wait_for_spares": True},
             stragglers={"enabled": True, "window_steps": 5, "consecutive_windows": 2, "cooldown_s": 5})
     result = Trainer(j).fit(progress=False)
