@@ -229,6 +229,7 @@ class PersistResult:
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     reused: bool = False  # the step's folder was committed already (a redone step): nothing written
+    stall_s: float = 0.0  # how long save() held the training thread (waiting for the previous persist, snapshot)
 
 
 # What rank 0 finds in a step's folder before saving into it, shared with every rank so that all
@@ -300,18 +301,19 @@ class AsyncCheckpointer:
         t0 = time.monotonic()
         self.wait()
         snap = self._staged = snapshot(state, self._staged)
-        self._thread = threading.Thread(
-            target=self._persist, args=(step, cursor, snap, dict(metrics)), name=f"persist-{step}", daemon=True)
+        stall_s = time.monotonic() - t0
+        self._thread = threading.Thread(target=self._persist, args=(step, cursor, snap, dict(metrics), stall_s),
+                                        name=f"persist-{step}", daemon=True)
         self._thread.start()
-        return time.monotonic() - t0
+        return stall_s
 
-    def _persist(self, step: int, cursor: int, snap: dict, metrics: dict) -> None:
+    def _persist(self, step: int, cursor: int, snap: dict, metrics: dict, stall_s: float = 0.0) -> None:
         folder = step_dir(self.root, step)
         t0 = time.monotonic()
 
         def report(committed=False, attempts=0, error=None, reused=False, metrics_=None) -> None:
             self.results.put(PersistResult(step, folder, committed, time.monotonic() - t0, attempts, error,
-                                           metrics_ or {}, reused))
+                                           metrics_ or {}, reused, stall_s))
 
         # 1. Agree on the folder. Every rank must take the same path below, or one would enter
         # the collective save alone and wait there for peers that never come.

@@ -105,6 +105,11 @@ def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, referenc
     done_sizes = [(d["old_world_size"], d["new_world_size"]) for d in done]
     assert done_sizes == [(3, 2), (2, 3)]
     assert "re-sharded in memory from 2 ranks" in done[1]["source"]
+    # Lost steps, measured: the shrink restores the last committed checkpoint (the steps after it
+    # are done again); the planned grow re-shards in memory at the step training stopped at.
+    assert done[0]["reached_step"] >= FAULT_STEP
+    assert done[0]["lost_steps"] == done[0]["reached_step"] - done[0]["resumed_step"] <= EVERY
+    assert done[1]["lost_steps"] == 0 and done[1]["resumed_step"] == done[1]["reached_step"] > FAULT_STEP
     assert result.metrics["step"] == NUM_STEPS
 
     # The whole state, gathered from the final sharded checkpoint of each run.

@@ -242,14 +242,15 @@ class Controller:
     def _restored(self, out: dict[int, dict]) -> State:
         r0 = out[0]
         assert all(o["step"] == r0["step"] for o in out.values()), f"ranks restored different steps: {out}"
+        reached = self.max_step_seen  # the furthest any rank had trained before this restore
         self.step = self.max_step_seen = r0["step"]
         self.offers = {}
         restore_s = max(o["restore_s"] for o in out.values())
         self.events.emit("restored", step=r0["step"], source=r0["source"], uri=r0["uri"], restore_s=restore_s,
                          world_size=len(out))
         if self.resizing is not None:
-            self.resizing["restore_s"] = restore_s
-            self.resizing["source"] = r0["source"]
+            self.resizing.update(restore_s=restore_s, source=r0["source"], resumed_step=r0["step"])
+            self.resizing.setdefault("reached_step", reached)
         if self.awaiting_first_step is not None:
             self.awaiting_first_step["resumed_step"] = r0["step"]
         self.compute_log = {}
@@ -285,6 +286,7 @@ class Controller:
                 w.done[rank] = out
             elif out["status"] == "stopped":
                 w.stopped.add(rank)
+                self.max_step_seen = max(self.max_step_seen, out["step"])  # where a planned stop left training
             elif out["status"] == "rollback":
                 w.rollback[rank] = out
             elif out["status"] == "user_error":
@@ -786,7 +788,8 @@ class Controller:
                 if p["committed"]:
                     self.last_committed = p["uri"]
                     self.events.emit("checkpoint_committed", step=p["step"], uri=p["uri"],
-                                     persist_s=p["persist_s"], attempts=p["attempts"], loss=p["metrics"].get("loss"))
+                                     persist_s=p["persist_s"], stall_s=p.get("stall_s"), attempts=p["attempts"],
+                                     loss=p["metrics"].get("loss"))
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
         for step, why in sorted({(s, w) for a in answers.values() for s, w in a.get("skipped", [])}):
@@ -838,7 +841,9 @@ class Controller:
         self.events.emit("resize_completed", old_world_size=rz["old_world_size"],
                          new_world_size=len(self.group.members), path=rz.get("path"), source=rz.get("source"),
                          resize_s=first_step_t - rz["decided_t"], restore_s=rz.get("restore_s"),
-                         first_step_t=first_step_t,
+                         first_step_t=first_step_t, reached_step=rz.get("reached_step"),
+                         resumed_step=rz.get("resumed_step"),
+                         lost_steps=max(0, rz.get("reached_step", 0) - rz.get("resumed_step", 0)),
                          reason=rz["reason"])
 
     def _recovered(self, answers: dict[int, dict]) -> None:
