@@ -7,6 +7,12 @@ the GCS or the driver with it) plus `num_worker_nodes` nodes of
 node behind Ray's back; `ensure_worker_nodes` tops the cluster up again and
 shutdown copes with the corpses.
 
+With `head_cpus > 0` (for a peer whose own actors must sit on the driver's
+node and need a CPU there, e.g. torchft's lighthouse under Ray Train) the head
+gets that many CPUs and every worker node also carries the custom resource
+`WORKER_NODE_RESOURCE` (one unit per CPU): training workers that request it
+still never land on the head. The default (`head_cpus=0`) is unchanged.
+
 Ray's health-check settings (GCS pings each raylet every 3 s and declares it
 dead after 5 missed pings) are left at Ray's defaults on purpose: the recovery
 benchmarks must measure what a user's cluster does, and node-death detection
@@ -36,6 +42,8 @@ if not logger.handlers:
 # Node start on a loaded 2-core machine takes a few seconds; GCS registration
 # of many nodes at once can take longer.
 NODE_REGISTER_TIMEOUT_S = 120.0
+# Custom resource on worker nodes when the head has CPUs: request it to stay off the head.
+WORKER_NODE_RESOURCE = "elastic_worker_node"
 
 
 def _raylet_alive(node: "ray._private.node.Node") -> bool:
@@ -60,17 +68,30 @@ def _stopped(pid: int) -> bool:
 class LocalCluster:
     """Handle on a running local cluster; build it with `local_cluster()`."""
 
-    def __init__(self, cluster: Cluster, cpus_per_node: int):
+    def __init__(self, cluster: Cluster, cpus_per_node: int, head_cpus: int = 0):
         self.cluster = cluster
         self.cpus_per_node = cpus_per_node
+        self.head_cpus = head_cpus
+
+    @property
+    def worker_node_resource(self) -> str | None:
+        """The custom resource only worker nodes carry (None when the head has no CPUs: then
+        asking for a CPU is enough to stay off it)."""
+        return WORKER_NODE_RESOURCE if self.head_cpus > 0 else None
+
+    def _add_worker_node(self) -> "ray._private.node.Node":
+        extra = {"resources": {WORKER_NODE_RESOURCE: self.cpus_per_node}} if self.head_cpus > 0 else {}
+        return self.cluster.add_node(num_cpus=self.cpus_per_node, **extra)
 
     @property
     def address(self) -> str:
         return self.cluster.address
 
     def alive_worker_nodes(self) -> list[dict]:
-        """Nodes the GCS considers alive that have CPUs (i.e. not the head), as `ray.nodes()` entries."""
-        return [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+        """Nodes the GCS considers alive that have CPUs, the head excluded, as `ray.nodes()` entries."""
+        head_id = self.cluster.head_node.node_id if self.cluster.head_node is not None else None
+        return [n for n in ray.nodes()
+                if n["Alive"] and n["Resources"].get("CPU", 0) > 0 and n["NodeID"] != head_id]
 
     def ensure_worker_nodes(self, num_nodes: int, timeout_s: float = NODE_REGISTER_TIMEOUT_S) -> None:
         """Top the cluster up to `num_nodes` running worker nodes after faults.
@@ -87,7 +108,7 @@ class LocalCluster:
                 self._drop_node(node)
         running = [n for n in self.cluster.worker_nodes if _raylet_alive(n)]
         for _ in range(num_nodes - len(running)):
-            self.cluster.add_node(num_cpus=self.cpus_per_node)
+            self._add_worker_node()
             logger.info("added a worker node (%d running)", len(self.cluster.worker_nodes))
         self._wait_registered(timeout_s)
 
@@ -166,7 +187,7 @@ class LocalCluster:
     def add_worker_node(self, timeout_s: float = NODE_REGISTER_TIMEOUT_S) -> "ray._private.node.Node":
         """Add one worker node (a replacement machine) and wait until the GCS shows its CPUs.
         Unlike `ensure_worker_nodes` it leaves lost nodes alone: a frozen one stays frozen."""
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node)
+        node = self._add_worker_node()
         deadline = time.monotonic() + timeout_s
         while node.node_id not in {n["NodeID"] for n in self.alive_worker_nodes()}:
             if time.monotonic() > deadline:
@@ -198,20 +219,23 @@ class LocalCluster:
 
 
 @contextlib.contextmanager
-def local_cluster(num_worker_nodes: int = 4, cpus_per_node: int = 1) -> Iterator[LocalCluster]:
-    """Start a head (0 CPUs) and `num_worker_nodes` worker nodes, connect the driver, stop all on exit."""
+def local_cluster(num_worker_nodes: int = 4, cpus_per_node: int = 1, head_cpus: int = 0) -> Iterator[LocalCluster]:
+    """Start a head (`head_cpus` CPUs, 0 by default) and `num_worker_nodes` worker nodes, connect the
+    driver, stop all on exit. With `head_cpus > 0` worker nodes also carry `WORKER_NODE_RESOURCE`."""
     if num_worker_nodes < 1:
         raise ValueError(f"num_worker_nodes must be >= 1, got {num_worker_nodes}")
     if cpus_per_node < 1:
         raise ValueError(f"cpus_per_node must be >= 1, got {cpus_per_node}")
+    if head_cpus < 0:
+        raise ValueError(f"head_cpus must be >= 0, got {head_cpus}")
     t0 = time.monotonic()
     # The driver attaches to the head, and Ray Train's controller follows the
     # driver's node: both survive any worker-node kill.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    handle = LocalCluster(cluster, cpus_per_node)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus})
+    handle = LocalCluster(cluster, cpus_per_node, head_cpus)
     try:
         for _ in range(num_worker_nodes):
-            cluster.add_node(num_cpus=cpus_per_node)
+            handle._add_worker_node()
         ray.init(address=cluster.address, logging_level=logging.WARNING)
         handle._wait_registered(NODE_REGISTER_TIMEOUT_S)
         logger.info("%d worker nodes up in %.1f s at %s", num_worker_nodes, time.monotonic() - t0, cluster.address)

@@ -222,6 +222,34 @@ def _summarise(events: list[dict], *, fault_step: int) -> dict:
     }
 
 
+def check_recovery_args(num_workers: int, num_steps: int, fault_step: int, ckpt_every: int, global_batch_size: int,
+                        who: str) -> None:
+    """What every recovery peer needs of its arguments, and a connected Ray cluster."""
+    if num_workers < 2:
+        raise ValueError(f"num_workers must be >= 2 (the fault targets rank 1), got {num_workers}")
+    if not 0 < fault_step < num_steps:
+        raise ValueError(f"fault_step must be in (0, num_steps={num_steps}), got {fault_step}")
+    if ckpt_every < 1:
+        raise ValueError(f"ckpt_every must be >= 1, got {ckpt_every}")
+    if global_batch_size % num_workers:
+        raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by num_workers ({num_workers})")
+    if not ray.is_initialized():
+        raise RuntimeError(f"{who} needs a connected Ray cluster (see elastic.bench.local_cluster)")
+
+
+def _storage(storage_dir: str, s3) -> dict:
+    """RunConfig's storage arguments: local disk, or the S3 endpoint of `s3` (path = bucket/prefix)."""
+    if s3 is None:
+        return {"storage_path": storage_dir}
+    import pyarrow.fs
+
+    from elastic.testing.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY
+    scheme, endpoint = s3.endpoint_url.split("://", 1)
+    fs = pyarrow.fs.S3FileSystem(access_key=ACCESS_KEY, secret_key=SECRET_KEY, endpoint_override=endpoint,
+                                 scheme=scheme, region=REGION)
+    return {"storage_path": f"{s3.bucket}/ray-train", "storage_filesystem": fs}
+
+
 def run_ray_train_recovery(
     *,
     storage_dir: str,
@@ -233,6 +261,7 @@ def run_ray_train_recovery(
     seed: int = 0,
     max_failures: int = 3,
     fault: str = "kill_node",
+    s3=None,
 ) -> dict:
     """Train the common workload with Ray Train, fault rank 1's node after `fault_step` steps (kill it,
     or freeze it: `elastic.chaos` actions), measure the recovery.
@@ -240,17 +269,12 @@ def run_ray_train_recovery(
     Needs `ray.init` done (on a cluster with a spare node). Returns one
     benchmark record (see shared/BENCHMARKS.md), plus `restart_s` and the
     checkpoint steps reported vs registered by Ray Train before the fault.
+
+    `s3` (an `elastic.testing.seaweedfs.S3Server`): Ray Train's checkpoints go to that S3
+    endpoint, through the pyarrow S3 filesystem its docs name for `RunConfig.storage_filesystem`;
+    otherwise to `storage_dir` on local disk. The timeline stays on local disk either way.
     """
-    if num_workers < 2:
-        raise ValueError(f"num_workers must be >= 2 (the fault targets rank 1), got {num_workers}")
-    if not 0 < fault_step < num_steps:
-        raise ValueError(f"fault_step must be in (0, num_steps={num_steps}), got {fault_step}")
-    if ckpt_every < 1:
-        raise ValueError(f"ckpt_every must be >= 1, got {ckpt_every}")
-    if global_batch_size % num_workers:
-        raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by num_workers ({num_workers})")
-    if not ray.is_initialized():
-        raise RuntimeError("run_ray_train_recovery needs a connected Ray cluster (see elastic.bench.local_cluster)")
+    check_recovery_args(num_workers, num_steps, fault_step, ckpt_every, global_batch_size, "run_ray_train_recovery")
 
     storage_dir = os.path.abspath(storage_dir)
     name = f"ray-train-recovery-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -266,7 +290,7 @@ def run_ray_train_recovery(
         },
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(
-            storage_path=storage_dir,
+            **_storage(storage_dir, s3),
             name=name,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             callbacks=[_TimelineCallback(timeline_dir)],
@@ -284,6 +308,7 @@ def run_ray_train_recovery(
     return {
         "bench": "recovery",
         "system": "ray-train",
+        "storage": "s3" if s3 is not None else "file",
         "fault": fault,
         **_summarise(events, fault_step=fault_step),
         "final_step": final_step,
