@@ -182,13 +182,48 @@ def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
 
 def save_shards(state: dict, folder: str, storage_options: dict, process_group):
     """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
-    A save into an existing folder overwrites files of the same name and leaves the others."""
-    # fsync only means something on local disk; on s3fs files DCP would fall back to a
-    # machine-wide os.sync() per file. Never pass checkpoint_id= as well: DCP would rebuild the
-    # filesystem from it without the storage options (credentials, endpoint).
-    local = folder.startswith("file://")
-    return dcp.save(state, storage_writer=FsspecWriter(folder, sync_files=local, **storage_options),
-                    process_group=process_group)
+    A save into an existing folder overwrites files of the same name and leaves the others.
+
+    Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
+    this rank's files to a private staging folder on local disk, which is then uploaded with the
+    filesystem's own `put`. DCP serializing straight into s3fs file buffers copies every tensor
+    through Python bytes objects while holding the GIL (up to 0.3 s at a time for a 400 MB
+    tensor), which stalled training and the controller's polls for seconds at 100 M parameters
+    (a false "unresponsive" verdict); a local file and `put` hold it for tens of ms at most.
+    Every rank learns whether every upload succeeded (an all-reduce), so all of them raise or
+    none does and the caller's retries stay in lockstep."""
+    if folder.startswith("file://"):
+        # Never pass checkpoint_id= as well: DCP would rebuild the filesystem from it without
+        # the storage options.
+        return dcp.save(state, storage_writer=FsspecWriter(folder, sync_files=True, **storage_options),
+                        process_group=process_group)
+    import shutil
+    import tempfile
+
+    import fsspec
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    stage = tempfile.mkdtemp(prefix="elastic-stage-")
+    try:
+        # No fsync: the staged copy is only read back by the upload, never after a crash.
+        metadata = dcp.save(state, storage_writer=FileSystemWriter(stage, sync_files=False),
+                            process_group=process_group)
+        error = None
+        try:
+            fs, path = fsspec.core.url_to_fs(folder, **storage_options)
+            fs.put(stage.rstrip("/") + "/", path.rstrip("/") + "/", recursive=True)
+        except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
+            error = e
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():  # else a single process, as DCP allows
+            dist.all_reduce(failed, group=process_group)
+        if error is not None:
+            raise error
+        if int(failed[0]):
+            raise StorageError(f"another rank's upload of its shards to {folder} failed; retrying together")
+        return metadata
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def load_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:

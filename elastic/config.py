@@ -64,6 +64,11 @@ class FailureConfig(_Strict):
         1.0, gt=0, description="A rank that answers no poll for this long while the group makes no progress is "
                                "lost (a stopped machine, a partition, a stopped process); its peers' blocked "
                                "collectives are then aborted and they keep their state.")
+    silence_factor: float = Field(
+        2.0, gt=0, description="...and only once the group has made no progress for silence_factor x the median "
+                               "step time, when that is longer than ping_timeout_s: a rank busy in a long step "
+                               "(a large model, a checkpoint's first snapshot) may answer a poll late without "
+                               "being lost.")
     rendezvous_timeout_s: float = Field(
         60.0, gt=0, description="Process-group formation timeout (the rendezvous store and connecting the ranks).")
     collective_timeout_s: float = Field(

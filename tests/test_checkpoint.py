@@ -420,3 +420,29 @@ def test_snapshot_reuses_the_previous_buffers_and_copies_values():
     assert second["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()  # still a private copy
     state["model"]["w"] = torch.ones(4)  # a changed shape gets a fresh buffer
     assert snapshot(state, second)["model"]["w"].shape == (4,)
+
+
+def test_remote_shards_are_staged_on_local_disk_then_uploaded_and_the_stage_removed(one_rank_group, tmp_path,
+                                                                                     monkeypatch):
+    import tempfile
+
+    import fsspec
+
+    from elastic.checkpoint import _written_files, save_shards
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the stage goes
+    folder = f"memory://stage-{uuid.uuid4().hex}/run/checkpoints/step_000000001"
+    metadata = save_shards(model_state(0), folder, {}, one_rank_group)
+    fs, path = fsspec.core.url_to_fs(folder)
+    assert {p.rsplit("/", 1)[1] for p in fs.find(path)} == _written_files(metadata)
+    assert not list(tmp_path.glob("elastic-stage-*"))
+    restored = model_state(1)
+    load_shards(restored, folder, {}, one_rank_group)
+    assert torch.equal(restored["model"]["weight"], model_state(0)["model"]["weight"])
+
+    # A failed upload raises (the persist's retries take it from there) and leaves no stage behind.
+    def refuse(*a, **kw):
+        raise OSError("upload refused")
+    monkeypatch.setattr(type(fs), "put", refuse)
+    with pytest.raises(OSError, match="upload refused"):
+        save_shards(model_state(0), folder + "x", {}, one_rank_group)
+    assert not list(tmp_path.glob("elastic-stage-*"))

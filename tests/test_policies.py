@@ -1,8 +1,8 @@
 """The failure policy and hang detection, with a fake clock: decisions and their reasons."""
 from elastic.config import FailureConfig
 from elastic.policies.failure import (
-    FailureObservation, FromPeer, FromStorage, LostRank, Raise, Restart, choose_restore, decide_failure, detect_hang,
-    hang_bound_s)
+    FailureObservation, FromPeer, FromStorage, LostRank, Raise, Restart, choose_restore, decide_failure, decide_silence,
+    detect_hang, hang_bound_s, silence_bound_s)
 
 CFG = FailureConfig(max_failures=2, hang_factor=10, hang_floor_s=5)
 
@@ -70,3 +70,22 @@ def test_sharded_state_restores_from_storage_after_a_loss():
     # An FSDP survivor holds only its own shards: the lost rank's are gone with it.
     source, reason = choose_restore({0: 25, 2: 25}, CFG, sharded=True)
     assert source == FromStorage() and "sharded" in reason
+
+
+def test_silence_needs_the_group_idle_past_ping_timeout_or_two_median_steps_whichever_is_longer():
+    cfg = FailureConfig(ping_timeout_s=1.0, silence_factor=2.0)
+    assert silence_bound_s([], cfg) == 1.0  # no step yet: the ping timeout alone
+    assert silence_bound_s([0.02, 0.03, 0.02], cfg) == 1.0  # small model: 2 steps are far below 1 s
+    assert silence_bound_s([2.4, 2.6, 2.5], cfg) == 5.0  # a 100 M-parameter step here: 2.5 s
+
+
+def test_a_late_answer_inside_a_long_step_is_not_silence_but_a_stopped_group_is():
+    cfg = FailureConfig(ping_timeout_s=1.0, silence_factor=2.0)
+    steps = [2.5] * 10
+    # Seen with 100 M parameters and S3: rank 1 answered a poll late at the first checkpoint (its
+    # writes into s3fs buffers hold the GIL), 3.9 s after the last step: not a stopped machine.
+    assert decide_silence({1: "unresponsive"}, 3.9, cfg, steps) is None
+    ranks, why = decide_silence({1: "unresponsive"}, 5.5, cfg, steps)
+    assert ranks == (1,) and "5.5s" in why and "silence_factor=2" in why
+    assert decide_silence({1: "unresponsive"}, 1.2, cfg, [0.02] * 10)[0] == (1,)  # small steps: as fast as before
+    assert decide_silence({1: "dead"}, 9.0, cfg, steps) is None  # Ray's own verdicts are handled elsewhere

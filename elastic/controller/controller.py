@@ -303,7 +303,7 @@ class Controller:
             if why != "unresponsive" and r not in w.lost:  # Ray says it is dead: no need to wait
                 w.lost[r] = LostRank(r, cause_of(why), why)
         if w.failing_since is None:
-            decision = decide_silence(silent, self.now() - self.last_progress_at, cfg)
+            decision = decide_silence(silent, self.now() - self.last_progress_at, cfg, list(self.step_times))
             if decision is not None:
                 # Silence while the others wait: a stopped or cut-off machine. Its peers are blocked on
                 # it and will never see an error of their own; the recovery aborts their collectives.

@@ -106,17 +106,30 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
     return FromPeer(src, step), f"state from the memory of rank {src} (step {step}), no storage read"
 
 
-def decide_silence(silent: dict[int, str], idle_s: float, cfg: FailureConfig) -> tuple[tuple[int, ...], str] | None:
+def silence_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
+    """How long the group must make no progress before an unanswered poll means a lost rank:
+    ping_timeout_s, or silence_factor x the median step when steps are longer. A step of a large
+    model is seconds of no progress by itself, and a rank in it may answer late (a poll needs the
+    GIL, which a checkpoint's writes into s3fs buffers hold for a few hundred ms at a time)."""
+    if not step_times_s:
+        return cfg.ping_timeout_s
+    return max(cfg.ping_timeout_s, cfg.silence_factor * statistics.median(step_times_s))
+
+
+def decide_silence(silent: dict[int, str], idle_s: float, cfg: FailureConfig,
+                   step_times_s: list[float] = ()) -> tuple[tuple[int, ...], str] | None:
     """A machine that stops (power, kernel panic, partition) closes no socket: its peers wait on it
     and never see an error. The sign is silence: ranks whose poll has been unanswered for
-    ping_timeout_s ("unresponsive") while the group completed no step for as long. Returns
-    (those ranks, reason), or None. A rank slow to answer while others still make progress is not
-    lost: it is not holding anyone up."""
+    ping_timeout_s ("unresponsive") while the group completed no step for `silence_bound_s`.
+    Returns (those ranks, reason), or None. A rank slow to answer while others still make progress
+    is not lost: it is not holding anyone up."""
     quiet = tuple(sorted(r for r, why in silent.items() if why == "unresponsive"))
-    if not quiet or idle_s <= cfg.ping_timeout_s:
+    bound = silence_bound_s(list(step_times_s), cfg)
+    if not quiet or idle_s <= bound:
         return None
     return quiet, (f"answered no poll for {cfg.ping_timeout_s:g}s (failure.ping_timeout_s) while the group made "
-                   f"no progress for {idle_s:.1f}s")
+                   f"no progress for {idle_s:.1f}s (> {bound:.1f}s: the longer of ping_timeout_s and "
+                   f"failure.silence_factor={cfg.silence_factor:g} x the median step)")
 
 
 def hang_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
