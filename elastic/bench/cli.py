@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def add_bench_args(p) -> None:
-    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline", "overhead"],
+    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline", "overhead", "checkpoint"],
                    help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
     p.add_argument("--out", default=None, help="also write results.jsonl, results.md and a plot here")
@@ -14,6 +14,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--fault", default="kill_node",
                    help="recovery: kill_node (sockets close), freeze_node (silence, as a power loss), or both "
                         "comma-separated (interleaved in one run)")
+    p.add_argument("--params", default=None,
+                   help="recovery: model sizes in parameters, comma-separated (900K, 9M, 90M: about 10 MB, 100 MB, "
+                        "1 GB of model + AdamW state); default: the common workload's 1.3 M")
     p.add_argument("--mtbf-s", type=float, default=30.0, help="churn: mean time between faults, seconds")
     p.add_argument("--duration-s", type=float, default=600.0, help="churn: length of the fault schedule, seconds")
     p.add_argument("--replace-after-s", type=float, default=10.0,
@@ -25,11 +28,15 @@ def add_bench_args(p) -> None:
                    help="pipeline: the schedule every system runs")
     p.add_argument("--gpt", default="4,64,64",
                    help="pipeline: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (the model every system trains)")
-    p.add_argument("--hidden", default="1024,3072,10000",
-                   help="overhead: hidden widths of the MLP, one model size each (1.3 M, 10.3 M, 102.7 M parameters)")
+    p.add_argument("--hidden", default=None,
+                   help="overhead, checkpoint: hidden widths of the MLP, one model size each (1024: 1.3 M parameters, "
+                        "3072: 10.3 M, 10000: 102.7 M; default 1024,3072,10000 for overhead, 3072,10000 for checkpoint)")
 
 
 def run_bench(args) -> int:
+    if args.name == "checkpoint":
+        from elastic.bench.checkpoint import main as checkpoint_main
+        return checkpoint_main(args)
     if args.name == "overhead":
         from elastic.bench.overhead import main as overhead_main
         return overhead_main(args)

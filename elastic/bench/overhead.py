@@ -40,6 +40,7 @@ import uuid
 
 from elastic.bench.output import emit, medians, parse_systems
 from elastic.bench.plain_pipeline import _StepClock  # the same step clock in every benchmark
+from elastic.bench.workload import HIDDEN_ENV  # the MLP's width, for elastic's `train.model`
 
 NUM_WORKERS, GLOBAL_BATCH, SEED, CKPT_EVERY = 2, 96, 0, 50
 DEFAULT_HIDDEN = "1024,3072,10000"
@@ -47,7 +48,6 @@ SYSTEMS = ["elastic", "torch-ddp", "ray-train"]
 PEER = "torch-ddp"
 TARGET = 0.97  # issue 9: at least this fraction of torch DDP's steps/s at every size
 LARGE_PARAMS = 50_000_000  # from here on: a shorter warm-up and one repetition
-HIDDEN_ENV = "ELASTIC_BENCH_HIDDEN"  # the MLP's width, for elastic's `train.model` (a no-argument factory)
 STEP_LOG_ENV = "ELASTIC_BENCH_STEP_LOG"  # file that global rank 0 appends one line per optimizer step to
 MODES = ("off", f"every {CKPT_EVERY}")
 
@@ -360,7 +360,7 @@ def main(args) -> int:
     if systems is None:
         return 2
     try:
-        widths = parse_hidden(args.hidden)
+        widths = parse_hidden(args.hidden or DEFAULT_HIDDEN)
     except ValueError as e:
         print(f"elastic bench overhead: {e}", file=sys.stderr)
         return 2
@@ -431,7 +431,7 @@ def main(args) -> int:
     if args.out:
         with open(os.path.join(args.out, "results.md"), "a") as f:
             f.write(title + table + f"\n- {notes}\n\n")
-        command = (f"elastic bench overhead --reps {args.reps} --hidden {args.hidden}"
+        command = (f"elastic bench overhead --reps {args.reps} --hidden {args.hidden or DEFAULT_HIDDEN}"
                    + (f" --systems {args.systems}" if args.systems else "") + f" --out {args.out}")
         with open(os.path.join(args.out, "overhead.json"), "w") as f:
             json.dump({"command": command, "notes": notes, **summary}, f, indent=2)

@@ -1,0 +1,54 @@
+"""`elastic bench checkpoint`: the figures it derives from a run (pure), and its command line.
+The benchmark itself runs a cluster and SeaweedFS: `elastic bench checkpoint`."""
+import argparse
+
+import pytest
+
+from elastic.bench import checkpoint as bench
+from elastic.bench.cli import add_bench_args
+
+
+def test_each_step_lasts_from_the_end_of_the_one_before():
+    # t[s-1] ends step s: step 2 lasts t[1] - t[0], and so on; step 1 has no start.
+    assert bench.step_intervals([10.0, 10.5, 11.5, 11.75]) == {2: 0.5, 3: 1.0, 4: 0.25}
+
+
+def test_a_checkpoint_costs_its_stall_in_the_next_step_and_its_persist_over_the_period():
+    # Steps of 1 s before the first save (step 2 is the warm-up); the save after step 4 makes
+    # step 5 last 3 s and, while it persists, step 6 1.5 s; every 3 steps.
+    ends = [0.0, 5.0, 6.0, 7.0, 10.0, 11.5, 12.5, 13.5]  # ends of steps 1..8
+    figs = bench.checkpoint_figures(bench.step_intervals(ends), saved_steps=[4], warmup_steps=2, every=3)
+    assert figs["step_s"] == 1.0  # steps 3 and 4: after the warm-up, before the first save
+    assert figs["extra_s"] == {4: 2.0}
+    assert figs["period_extra_s"] == {4: 2.5}  # steps 5, 6, 7: 2 + 0.5 + 0
+
+
+def test_a_period_cut_short_by_the_end_of_the_run_is_left_out():
+    ends = [0.0, 5.0, 6.0, 7.0, 10.0]
+    figs = bench.checkpoint_figures(bench.step_intervals(ends), saved_steps=[4], warmup_steps=2, every=3)
+    assert figs["extra_s"] == {4: 2.0} and figs["period_extra_s"] == {}
+
+
+def test_a_run_with_no_clean_step_is_refused_not_divided_by_zero():
+    with pytest.raises(ValueError, match="before the first checkpoint"):
+        bench.checkpoint_figures({2: 1.0, 3: 1.0}, saved_steps=[2], warmup_steps=2, every=1)
+
+
+def test_the_summary_is_per_size_and_divides_persist_by_raw_of_the_same_bytes():
+    recs = [{"params": 10, "bytes": 100e6, "step_s": 0.2, "stall_s": s, "extra_s": 0.01, "period_extra_s": 0.1,
+             "persist_s": p,
+             "persist_MBps": 100 / p} for s, p in ((0.05, 1.0), (0.07, 2.0), (0.06, 1.0))]
+    rows, table = bench.summarise(recs, {10: {"raw_MBps": 125.0}})
+    (row,) = rows
+    assert row["median_stall_s"] == 0.06 and row["max_stall_s"] == 0.07
+    assert row["stall_over_step"] == pytest.approx(0.3)
+    assert row["persist_MBps"] == 100.0 and row["persist_over_raw"] == pytest.approx(0.8)
+    assert "| 0.80 |" in table
+
+
+def test_the_cli_runs_it_with_its_own_default_sizes():
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    args = p.parse_args(["checkpoint"])
+    assert args.name == "checkpoint" and args.hidden is None
+    assert bench.parse_hidden(bench.DEFAULT_HIDDEN) == [3072, 10000]
