@@ -70,7 +70,7 @@ from ray.train.torch import TorchTrainer
 from elastic.bench import workload
 from elastic.bench.local_cluster import LocalCluster, _raylet_alive
 from elastic.bench.ray_train_peer import (
-    EVENTS_FILE, _log_event, _read_events, report_step, resume_workload, train_step)
+    EVENTS_FILE, _log_event, _read_events, _storage, report_step, resume_workload, train_step)
 
 GROW_MARKER = "grow.marker"
 
@@ -242,6 +242,7 @@ def run_ray_train_resize(
     resize_monitor_interval_s: float | None = None,
     max_failures: int = 3,
     checkpoints_to_keep: int = 2,
+    s3=None,
 ) -> dict:
     """Train the common workload with Ray Train elastic scaling; add a node at `grow_at_step`; measure the resize.
 
@@ -255,7 +256,9 @@ def run_ray_train_resize(
     `resize_monitor_interval_s` sets
     `ScalingConfig.elastic_resize_monitor_interval_s`; None keeps Ray's
     default (60 s). Old checkpoints are pruned to `checkpoints_to_keep`
-    (`CheckpointConfig.num_to_keep`) so long runs don't fill the disk.
+    (`CheckpointConfig.num_to_keep`) so long runs don't fill the disk. `s3` (an
+    `elastic.testing.seaweedfs.S3Server`): checkpoints go to that S3 endpoint (see
+    `elastic.bench.ray_train_peer._storage`), else to `storage_dir`.
 
     Returns one benchmark record (see shared/BENCHMARKS.md): `resize_s`
     (decision -> first step at the new size), `resize_from_node_s` (node
@@ -306,7 +309,7 @@ def run_ray_train_resize(
         },
         scaling_config=scaling_config,
         run_config=ray.train.RunConfig(
-            storage_path=storage_dir,
+            **_storage(storage_dir, s3),
             name=name,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=checkpoints_to_keep),

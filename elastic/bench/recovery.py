@@ -6,6 +6,14 @@ repetition.
 Figures (shared/BENCHMARKS.md): recover_s (fault -> first step completed by the recovered
 group), lost_steps (steps done before the fault that were done again), detect_s (fault ->
 the framework decided/noticed). On a user's own cluster the same code runs with --address.
+
+The fault lands at a different offset from the last checkpoint in each repetition (FAULT_STEPS,
+cycling), so that one system's report lag at one offset does not alone decide lost_steps.
+`--params 900K,9M,90M` repeats the whole comparison at each model size (about 10 MB, 100 MB and
+1 GB of model + AdamW state): every process of every system builds the same, wider MLP
+(`elastic.bench.workload`, through the job's runtime environment). `--storage s3` puts every
+system's checkpoints on a SeaweedFS S3 endpoint (Ray Train's through the pyarrow S3 filesystem
+its docs name), so the storage path pays for reading the state back over HTTP.
 """
 from __future__ import annotations
 
@@ -18,8 +26,43 @@ import uuid
 
 from elastic.bench.output import emit, medians, parse_systems, report_against_peer
 
-NUM_WORKERS, NUM_STEPS, FAULT_STEP, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 25, 10, 96
+NUM_WORKERS, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 10, 96
+# The fault lands at a different offset from the last checkpoint (step 20) in each repetition, so
+# that no peer's report lag at one offset alone decides lost_steps.
+FAULT_STEPS = (25, 22, 28)
 METRICS = ["recover_s", "lost_steps", "detect_s"]
+LARGE_PARAMS = 50_000_000
+STATE_BYTES_PER_PARAM = 12  # fp32 parameter + AdamW's two moments, as every system checkpoints them
+
+
+def fault_step(rep: int) -> int:
+    return FAULT_STEPS[rep % len(FAULT_STEPS)]
+
+
+def parse_params(arg: str | None) -> list[int | None]:
+    """`--params 0.9M,9M,90M`: model sizes (parameters; K, M, G suffixes). None: the common workload."""
+    if not arg:
+        return [None]
+    out = []
+    for v in (x.strip() for x in arg.split(",") if x.strip()):
+        mult = {"K": 1e3, "M": 1e6, "G": 1e9}.get(v[-1:].upper(), 1)
+        try:
+            n = float(v[:-1] if mult != 1 else v) * mult
+        except ValueError:
+            raise ValueError(f"--params: expected sizes like 900K, 9M or 90M, comma-separated, got {v!r}") from None
+        if n < 10_000:
+            raise ValueError(f"--params: {v} is too small for the MLP (at least 10K parameters)")
+        out.append(int(n))
+    if not out:
+        raise ValueError(f"--params: expected sizes like 900K, 9M or 90M, got {arg!r}")
+    return out
+
+
+def hidden_for(params: int) -> int:
+    """The MLP's hidden width whose parameter count is nearest `params` (h^2 + 268 h + 10)."""
+    from elastic.bench.overhead import num_params
+    h = max(1, round((-268 + (268 ** 2 + 4 * (params - 10)) ** 0.5) / 2))
+    return min((h - 1, h, h + 1), key=lambda w: abs(num_params(max(w, 1)) - params))
 
 
 # elastic's recovery paths, each a system of its own in the table.
@@ -29,9 +72,14 @@ ELASTIC_SYSTEMS = {
     "elastic-spare": ({"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True}, {}),  # warm spare
 }
 SYSTEMS = [*ELASTIC_SYSTEMS, "ray-train"]
+# Opt-in (`--systems ...,ray-train-torchft`): needs torchft (`pip install -c constraints.txt -e '.[bench]'`)
+# and a cluster of its own whose head has a CPU for torchft's lighthouse.
+TORCHFT = "ray-train-torchft"
+TORCHFT_TIMEOUT_S = 300.0  # a torchft run that has not finished by then is reported as hung, with its timeline
 
 
-def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str = "kill_node") -> dict:
+def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str = "kill_node",
+                at_step: int = FAULT_STEPS[0]) -> dict:
     scaling, failure = ELASTIC_SYSTEMS[system]
     return {
         "run": {"name": f"bench-recovery-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
@@ -41,14 +89,14 @@ def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.workload:build_optimizer",
                   "global_batch_size": GLOBAL_BATCH},
-        "chaos": [{"action": fault, "rank": 1, "at_step": FAULT_STEP}],
+        "chaos": [{"action": fault, "rank": 1, "at_step": at_step}],
     }
 
 
-def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str) -> dict:
+def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str, at_step: int) -> dict:
     from elastic import Trainer
     t0 = time.time()
-    result = Trainer(elastic_job(system, storage_uri, storage_options, fault)).fit(progress=False)
+    result = Trainer(elastic_job(system, storage_uri, storage_options, fault, at_step)).fit(progress=False)
     rec = result.events_of("recovered")
     r = rec[0] if rec else {}
     restored = result.events_of("restored")[-1]
@@ -60,52 +108,143 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
             "replicas_identical": len(set(result.digests.values())) == 1, "run_dir": result.run_dir}
 
 
-def run_ray_train(storage_dir: str, fault: str) -> dict:
+def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None) -> dict:
     from elastic.bench.ray_train_peer import run_ray_train_recovery
     return run_ray_train_recovery(storage_dir=storage_dir, num_workers=NUM_WORKERS, num_steps=NUM_STEPS,
-                                  fault_step=FAULT_STEP, ckpt_every=CKPT_EVERY, global_batch_size=GLOBAL_BATCH,
-                                  fault=fault)
+                                  fault_step=at_step, ckpt_every=CKPT_EVERY, global_batch_size=GLOBAL_BATCH,
+                                  fault=fault, s3=s3)
 
 
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
+    from elastic.bench.overhead import _connect_with_env, num_params
+    from elastic.bench.workload import HIDDEN_ENV
 
-    systems = parse_systems("recovery", args.systems, list(SYSTEMS))
+    systems = parse_systems("recovery", args.systems, list(SYSTEMS)) if not args.systems else \
+        parse_systems("recovery", args.systems, [*SYSTEMS, TORCHFT])
     if systems is None:
         return 2
+    if TORCHFT in systems:
+        try:
+            import torchft  # noqa: F401
+        except ImportError:
+            print(f"elastic bench recovery: --systems {TORCHFT} needs torchft: "
+                  f"pip install -c constraints.txt -e '.[bench]'", file=sys.stderr)
+            return 2
     faults = [f.strip() for f in args.fault.split(",") if f.strip()]
     if not faults or set(faults) - {"kill_node", "freeze_node"}:
         print(f"elastic bench recovery: --fault: expected kill_node, freeze_node or both (comma-separated), "
               f"got {args.fault!r}", file=sys.stderr)
         return 2
-    if args.storage == "s3" and "ray-train" in systems:
-        print("note: ray-train checkpoints to local disk; only elastic uses s3 in this run", file=sys.stderr)
+    try:
+        sizes = parse_params(args.params)
+    except ValueError as e:
+        print(f"elastic bench recovery: {e}", file=sys.stderr)
+        return 2
     records: list[dict] = []
     work = tempfile.mkdtemp(prefix="elastic-bench-")
     with contextlib.ExitStack() as stack:
-        storage_uri, storage_options = "file://" + os.path.join(work, "runs"), {}
+        storage_uri, storage_options, s3 = "file://" + os.path.join(work, "runs"), {}, None
         if args.storage == "s3":
             from elastic.testing.seaweedfs import seaweedfs_server
             s3 = stack.enter_context(seaweedfs_server())
             storage_uri, storage_options = f"{s3.uri}/bench", s3.storage_options
         cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1))
-        for rep in range(args.reps):
-            for fault in faults:
-                for system in systems:  # interleaved, so drift on a shared machine hits all alike
-                    cluster.ensure_worker_nodes(NUM_WORKERS + 1)
-                    if system == "ray-train":
-                        rec = {**run_ray_train(work, fault), "storage": "file"}
-                    else:
-                        rec = {**run_elastic(system, storage_uri, storage_options, fault), "storage": args.storage}
-                    rec["rep"] = rep
-                    records.append(rec)
-                    emit(rec)
-    for fault in faults:
-        mine = [r for r in records if r["fault"] == fault]
-        med = medians(mine, METRICS)
-        notes = [f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
-                 f"MLP 1.3M params, global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps, "
-                 f"rank 1's node {'killed' if fault == 'kill_node' else 'frozen (SIGSTOP)'} after step {FAULT_STEP}"]
-        report_against_peer("recovery", f"recovery ({fault})", mine, med, METRICS, list(ELASTIC_SYSTEMS),
-                            "ray-train", notes, args.out)
+        for size in sizes:
+            hidden = hidden_for(size) if size else None
+            params = num_params(hidden) if hidden else num_params(1024)
+            if hidden:  # every process of every system builds this width (elastic.bench.workload)
+                _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+            # From LARGE_PARAMS on a step takes seconds here and a checkpoint a gigabyte: one repetition.
+            for rep in range(1 if params >= LARGE_PARAMS else args.reps):
+                at_step = fault_step(rep)
+                for fault in faults:
+                    for system in [s for s in systems if s != TORCHFT]:  # interleaved: drift hits all alike
+                        cluster.ensure_worker_nodes(NUM_WORKERS + 1)
+                        if system == "ray-train":
+                            rec = run_ray_train(work, fault, at_step, s3)
+                        else:
+                            rec = {**run_elastic(system, storage_uri, storage_options, fault, at_step),
+                                   "storage": args.storage}
+                        rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
+                                   fault_offset=at_step % CKPT_EVERY)
+                        records.append(rec)
+                        emit(rec)
+    if TORCHFT in systems:  # after the shared cluster is gone: one cluster at a time
+        records += run_torchft_all(sizes, faults, args.reps, work)
+    for size in sizes:
+        params = num_params(hidden_for(size)) if size else num_params(1024)
+        for fault in faults:
+            mine = [r for r in records if r["fault"] == fault and r["params"] == params]
+            med = medians(mine, METRICS)
+            notes = [f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
+                     f"MLP {params / 1e6:.1f} M params ({params * STATE_BYTES_PER_PARAM / 1e6:.0f} MB of model + "
+                     f"AdamW state), global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps to "
+                     f"{'S3 (SeaweedFS)' if s3 else 'local disk'} for every system, rank 1's node "
+                     f"{'killed' if fault == 'kill_node' else 'frozen (SIGSTOP)'} after step "
+                     f"{', '.join(str(fault_step(r)) for r in range(min(args.reps, len(FAULT_STEPS))))} "
+                     f"(repetition r: step {', '.join(map(str, FAULT_STEPS))}, cycling)"]
+            report_against_peer("recovery", f"recovery ({fault}, {params / 1e6:.1f} M params)", mine, med, METRICS,
+                                list(ELASTIC_SYSTEMS), "ray-train", notes, args.out)
+    if args.out and len(sizes) > 1:
+        plot_by_size(os.path.join(args.out, "recovery-by-size.png"), records)
     return 0
+
+
+def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work: str) -> list[dict]:
+    """The torchft peer, each run on a fresh cluster whose head has a CPU for the lighthouse. A run
+    that fails or hangs is a record with recover_s None and the evidence, never a figure."""
+    from elastic.bench.local_cluster import local_cluster
+    from elastic.bench.overhead import _connect_with_env, num_params
+    from elastic.bench.torchft_peer import run_torchft_recovery
+    from elastic.bench.workload import HIDDEN_ENV
+
+    out = []
+    for size in sizes:
+        hidden = hidden_for(size) if size else None
+        params = num_params(hidden) if hidden else num_params(1024)
+        for rep in range(1 if params >= LARGE_PARAMS else reps):
+            at_step = fault_step(rep)
+            for fault in faults:
+                with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1, head_cpus=1) as cluster:
+                    if hidden:
+                        _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+                    try:
+                        rec = run_torchft_recovery(work, NUM_WORKERS, NUM_STEPS, at_step, CKPT_EVERY, GLOBAL_BATCH,
+                                                   fault, cluster, timeout_s=TORCHFT_TIMEOUT_S)
+                    except RuntimeError as e:
+                        rec = {"bench": "recovery", "system": TORCHFT, "fault": fault, "recover_s": None,
+                               "lost_steps": None, "detect_s": None, "error": str(e)[:3000]}
+                rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6, storage="file",
+                           fault_offset=at_step % CKPT_EVERY)
+                out.append(rec)
+                emit(rec)
+    return out
+
+
+def plot_by_size(path: str, records: list[dict]) -> None:
+    """recover_s against the state's size, one line per system (medians, dots: repetitions)."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for system in dict.fromkeys(r["system"] for r in records):
+        mine = [r for r in records if r["system"] == system and r.get("recover_s") is not None]
+        sizes = sorted({r["state_MB"] for r in mine})
+        if not sizes:
+            continue
+        meds = [statistics.median(r["recover_s"] for r in mine if r["state_MB"] == s) for s in sizes]
+        line, = ax.plot(sizes, meds, marker="o", label=system)
+        ax.scatter([r["state_MB"] for r in mine], [r["recover_s"] for r in mine], s=8, color=line.get_color(),
+                   alpha=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("model + optimizer state (MB)")
+    ax.set_ylabel("recover_s")
+    ax.set_title("recovery time against state size (line: median)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -15,12 +15,20 @@ third is added once the run has committed a checkpoint):
 Ray Train considers a resize once per `elastic_resize_monitor_interval_s`
 (default 60 s); the bench sets it to 5 s so runs stay short. That interval, and
 how late each system notices the node, is in `from_node_s` (node registered ->
-first step at the new size), not in resize_s.
+first step at the new size), not in resize_s. lost_steps is measured: the furthest step any rank
+reached before the restore minus the step the new group resumed from (elastic's
+`resize_completed` event; Ray Train's timeline).
+
+`--params 900K,9M,90M` repeats the comparison at each model size (about 10 MB, 100 MB and 1 GB of
+model + AdamW state) and `--storage s3` puts every system's checkpoints on a SeaweedFS S3 endpoint:
+only larger states, read back over HTTP, show what re-sharding in memory is worth.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -35,30 +43,44 @@ SYSTEMS = ["elastic-memory", "elastic-storage", "ray-train"]
 METRICS = ["resize_s", "restore_s", "lost_steps", "from_node_s"]
 
 
-def elastic_job(system: str, storage_uri: str) -> dict:
+def elastic_job(system: str, storage_uri: str, storage_options: dict | None = None) -> dict:
     return {
         "run": {"name": f"bench-resize-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
         "scaling": {"num_workers": MIN, "min_workers": MIN, "max_workers": MAX, "grow_check_s": 1.0},
         "failure": {"max_failures": 2, "peer_restore": system == "elastic-memory"},
-        "checkpoint": {"storage_uri": storage_uri, "every_steps": CKPT_EVERY},
+        "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options or {},
+                       "every_steps": CKPT_EVERY},
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.workload:build_optimizer",
                   "global_batch_size": GLOBAL_BATCH, "strategy": "fsdp"},
     }
 
 
-def _events(path: str) -> list[dict]:
-    if not os.path.exists(path):
+def _events(uri: str, storage_options: dict | None = None) -> list[dict]:
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    try:
+        text = fs.cat_file(path).decode()
+    except FileNotFoundError:
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return out
 
 
-def run_elastic(system: str, work: str, cluster) -> dict:
+def run_elastic(system: str, work: str, cluster, s3=None) -> dict:
     from elastic import Trainer
 
-    job = elastic_job(system, "file://" + os.path.join(work, "runs"))
-    events_path = os.path.join(work, "runs", job["run"]["name"], "events.jsonl")
+    if s3 is not None:
+        job = elastic_job(system, f"{s3.uri}/bench-resize", s3.storage_options)
+    else:
+        job = elastic_job(system, "file://" + os.path.join(work, "runs"))
+    # The run's event log lives under its storage URI: with S3 it is read through s3fs.
+    events_path = job["checkpoint"]["storage_uri"] + "/" + job["run"]["name"] + "/events.jsonl"
     out: dict = {}
 
     def fit() -> None:
@@ -70,8 +92,9 @@ def run_elastic(system: str, work: str, cluster) -> dict:
     fitter = threading.Thread(target=fit, daemon=True)
     t0 = time.time()
     fitter.start()
+    opts = job["checkpoint"]["storage_options"]
     while fitter.is_alive() and not any(e["kind"] == "checkpoint_committed" and e["step"] >= GROW_AFTER_STEP
-                                        for e in _events(events_path)):
+                                        for e in _events(events_path, opts)):
         fitter.join(0.2)
     node_t = None
     if fitter.is_alive():
@@ -88,45 +111,75 @@ def run_elastic(system: str, work: str, cluster) -> dict:
     if grow:
         g = grow[0]
         rec.update(resize_s=g["resize_s"], restore_s=g["restore_s"], path=g["path"], source=g["source"],
-                   lost_steps=0, from_node_s=(g["first_step_t"] - node_t) if node_t else None)
+                   lost_steps=g["lost_steps"], reached_step=g["reached_step"], resumed_step=g["resumed_step"],
+                   from_node_s=(g["first_step_t"] - node_t) if node_t else None)
     return rec
 
 
-def run_ray_train(work: str, cluster) -> dict:
+def run_ray_train(work: str, cluster, s3=None) -> dict:
     from elastic.bench.ray_train_elastic import run_ray_train_resize
     r = run_ray_train_resize(work, num_steps=RAY_TRAIN_STEPS, grow_at_step=GROW_AFTER_STEP, ckpt_every=CKPT_EVERY,
                              cluster=cluster, min_workers=MIN, max_workers=MAX, global_batch_size=GLOBAL_BATCH,
-                             resize_monitor_interval_s=RAY_TRAIN_MONITOR_S)
+                             resize_monitor_interval_s=RAY_TRAIN_MONITOR_S, s3=s3)
     # Ray Train's restart reloads its last checkpoint: the restore is the whole restart.
     return {**r, "restore_s": r.get("restart_s"), "from_node_s": r.get("resize_from_node_s")}
 
 
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
+    from elastic.bench.overhead import _connect_with_env, num_params
+    from elastic.bench.recovery import STATE_BYTES_PER_PARAM, hidden_for, parse_params
+    from elastic.bench.workload import HIDDEN_ENV
 
     systems = parse_systems("resize", args.systems, list(SYSTEMS))
     if systems is None:
         return 2
+    try:
+        sizes = parse_params(args.params)
+    except ValueError as e:
+        print(f"elastic bench resize: {e}", file=sys.stderr)
+        return 2
     records: list[dict] = []
     work = tempfile.mkdtemp(prefix="elastic-bench-resize-")
-    for rep in range(args.reps):
-        for system in systems:  # interleaved, so drift on a shared machine hits every system alike
-            # A fresh cluster each time: it must start with exactly MIN nodes, and Ray Train's resource
-            # coordinator (a detached actor) would otherwise remember the previous run's nodes.
-            with local_cluster(num_worker_nodes=MIN, cpus_per_node=1) as cluster:
-                rec = run_ray_train(work, cluster) if system == "ray-train" else run_elastic(system, work, cluster)
-            rec["rep"] = rep
-            records.append(rec)
-            emit(rec)
-    med = medians([r for r in records if r.get("resized")], METRICS)
-    notes = [f"{MIN} -> {MAX} workers when a one-CPU node joins a local ray.cluster_utils.Cluster; MLP 1.3M params, "
-             f"AdamW, global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps; elastic runs FSDP, Ray Train "
-             f"DDP (its resize is a restart from a checkpoint either way); Ray Train's resize monitor interval "
-             f"{RAY_TRAIN_MONITOR_S:g} s",
-             "resize_s: decision -> first step at the new size; from_node_s: node registered -> same"]
-    not_resized = [f"{r['system']} rep {r['rep']}" for r in records if not r.get("resized")]
-    if not_resized:
-        notes.append(f"finished before resizing (left out of the medians): {', '.join(not_resized)}")
-    report_against_peer("resize", "resize (2 -> 3 ranks, node joins)", records, med, METRICS,
-                        ["elastic-memory", "elastic-storage"], "ray-train", notes, args.out)
+    with contextlib.ExitStack() as stack:
+        s3 = None
+        if args.storage == "s3":
+            from elastic.testing.seaweedfs import seaweedfs_server
+            s3 = stack.enter_context(seaweedfs_server())
+        for size in sizes:
+            hidden = hidden_for(size) if size else None
+            params = num_params(hidden) if hidden else num_params(1024)
+            for rep in range(args.reps):
+                for system in systems:  # interleaved, so drift on a shared machine hits every system alike
+                    # A fresh cluster each time: it must start with exactly MIN nodes, and Ray Train's resource
+                    # coordinator (a detached actor) would otherwise remember the previous run's nodes.
+                    with local_cluster(num_worker_nodes=MIN, cpus_per_node=1) as cluster:
+                        if hidden:  # every process of every system builds this width (elastic.bench.workload)
+                            _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+                        rec = (run_ray_train(work, cluster, s3) if system == "ray-train"
+                               else run_elastic(system, work, cluster, s3))
+                    rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
+                               storage=args.storage)
+                    records.append(rec)
+                    emit(rec)
+    for size in sizes:
+        params = num_params(hidden_for(size)) if size else num_params(1024)
+        mine = [r for r in records if r["params"] == params]
+        med = medians([r for r in mine if r.get("resized")], METRICS)
+        notes = [f"{MIN} -> {MAX} workers when a one-CPU node joins a local ray.cluster_utils.Cluster; MLP "
+                 f"{params / 1e6:.1f} M params ({params * STATE_BYTES_PER_PARAM / 1e6:.0f} MB of model + AdamW state), "
+                 f"global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps to "
+                 f"{'S3 (SeaweedFS)' if s3 else 'local disk'}; elastic runs FSDP, Ray Train DDP (its resize is a "
+                 f"restart from a checkpoint either way); Ray Train's resize monitor interval {RAY_TRAIN_MONITOR_S:g} s",
+                 "resize_s: decision -> first step at the new size; from_node_s: node registered -> same (includes "
+                 "how long each system takes to notice the node); lost_steps: steps done again (measured)"]
+        not_resized = [f"{r['system']} rep {r['rep']}" for r in mine if not r.get("resized")]
+        if not_resized:
+            notes.append(f"finished before resizing (left out of the medians): {', '.join(not_resized)}")
+        from_node = {s: (med.get(s) or {}).get("from_node_s") for s in SYSTEMS}
+        if from_node.get("ray-train"):
+            notes += [f"from_node_s ratio {s} / ray-train (medians, same run): {v / from_node['ray-train']:.3f}"
+                      for s, v in from_node.items() if v and s != "ray-train"]
+        report_against_peer("resize", f"resize (2 -> 3 ranks, node joins, {params / 1e6:.1f} M params)", mine, med,
+                            METRICS, ["elastic-memory", "elastic-storage"], "ray-train", notes, args.out)
     return 0

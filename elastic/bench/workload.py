@@ -1,7 +1,12 @@
 """The common benchmark workload (shared/BENCHMARKS.md): an MLP of about 1.3 M
 parameters on a fixed synthetic classification task. Same for every system
-compared, so only the framework differs."""
+compared, so only the framework differs.
+
+A benchmark that compares model sizes sets ELASTIC_BENCH_HIDDEN in the job's runtime
+environment: every process of every system then builds the same, wider MLP."""
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -10,13 +15,19 @@ IN_FEATURES = 256
 HIDDEN = 1024
 NUM_CLASSES = 10
 NUM_SAMPLES = 8192
+HIDDEN_ENV = "ELASTIC_BENCH_HIDDEN"  # the MLP's hidden width, when a benchmark sets it
+
+
+def hidden_width() -> int:
+    return int(os.environ.get(HIDDEN_ENV) or HIDDEN)
 
 
 def build_model() -> nn.Module:
+    h = hidden_width()
     return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, NUM_CLASSES),
+        nn.Linear(IN_FEATURES, h), nn.ReLU(),
+        nn.Linear(h, h), nn.ReLU(),
+        nn.Linear(h, NUM_CLASSES),
     )
 
 

@@ -1,0 +1,29 @@
+"""`elastic bench recovery`'s plan (pure): model sizes, their MLP widths, fault offsets."""
+import pytest
+
+from elastic.bench import recovery as bench
+from elastic.bench.overhead import num_params
+
+
+def test_sizes_take_suffixes_and_map_to_the_nearest_mlp_width():
+    assert bench.parse_params("900K, 9M,0.09G") == [900_000, 9_000_000, 90_000_000]
+    assert bench.parse_params(None) == [None]  # the common workload
+    for n in (900_000, 9_000_000, 90_000_000):
+        h = bench.hidden_for(n)
+        assert abs(num_params(h) - n) <= min(abs(num_params(w) - n) for w in (h - 1, h + 1))
+    # About 10 MB, 100 MB and 1 GB of model + AdamW state.
+    assert [round(num_params(bench.hidden_for(n)) * bench.STATE_BYTES_PER_PARAM / 1e6)
+            for n in (900_000, 9_000_000, 90_000_000)] == [11, 108, 1080]
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "9X", "100"])
+def test_a_bad_size_is_refused_naming_the_flag(bad):
+    with pytest.raises(ValueError, match="--params"):
+        bench.parse_params(bad or ",")
+
+
+def test_the_fault_lands_at_a_different_offset_from_the_last_checkpoint_in_each_repetition():
+    steps = [bench.fault_step(r) for r in range(len(bench.FAULT_STEPS))]
+    assert len({s % bench.CKPT_EVERY for s in steps}) == len(steps)
+    assert all(bench.CKPT_EVERY < s < bench.NUM_STEPS for s in steps)
+    assert bench.fault_step(len(bench.FAULT_STEPS)) == steps[0]
