@@ -182,8 +182,8 @@ def main(args) -> int:
                      f"AdamW state), global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps to "
                      f"{'S3 (SeaweedFS)' if s3 else 'local disk'} for every system, rank 1's node "
                      f"{'killed' if fault == 'kill_node' else 'frozen (SIGSTOP)'} after step "
-                     f"{', '.join(str(fault_step(r)) for r in range(min(args.reps, len(FAULT_STEPS))))} "
-                     f"(repetition r: step {', '.join(map(str, FAULT_STEPS))}, cycling)"]
+                     f"{', '.join(str(s) for s in dict.fromkeys(r['fault_step'] for r in mine if r.get('fault_step')))}"
+                     f" (one per repetition, cycling through {', '.join(map(str, FAULT_STEPS))})"]
             report_against_peer("recovery", f"recovery ({fault}, {params / 1e6:.1f} M params)", mine, med, METRICS,
                                 list(ELASTIC_SYSTEMS), "ray-train", notes, args.out)
     if args.out and len(sizes) > 1:
