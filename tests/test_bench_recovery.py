@@ -27,3 +27,18 @@ def test_the_fault_lands_at_a_different_offset_from_the_last_checkpoint_in_each_
     assert len({s % bench.CKPT_EVERY for s in steps}) == len(steps)
     assert all(bench.CKPT_EVERY < s < bench.NUM_STEPS for s in steps)
     assert bench.fault_step(len(bench.FAULT_STEPS)) == steps[0]
+
+
+def test_the_resize_bench_reads_a_runs_events_from_an_object_store_as_they_are_written():
+    """On an object store the event log is numbered segments, not one events.jsonl: the resize
+    benchmark waits on a committed checkpoint there before it adds the node."""
+    import json
+    import uuid
+
+    from elastic.bench.resize import _events
+    from elastic.storage import Storage
+    run = f"memory://resize-{uuid.uuid4().hex[:6]}/run"
+    assert _events(run) == []  # nothing written yet
+    Storage(run).write_bytes(f"{run}/events/000001.jsonl",
+                             (json.dumps({"t": 1.0, "kind": "checkpoint_committed", "step": 20}) + "\n").encode())
+    assert [e["step"] for e in _events(run)] == [20]

@@ -56,20 +56,14 @@ def elastic_job(system: str, storage_uri: str, storage_options: dict | None = No
     }
 
 
-def _events(uri: str, storage_options: dict | None = None) -> list[dict]:
-    import fsspec
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+def _events(run_dir: str, storage_options: dict | None = None) -> list[dict]:
+    """The run's events so far, from local disk or an object store (numbered segments there)."""
+    from elastic.storage import Storage, StorageError
+    from elastic.telemetry import read_events
     try:
-        text = fs.cat_file(path).decode()
-    except FileNotFoundError:
+        return read_events(Storage(run_dir, storage_options or {}), run_dir)
+    except (StorageError, ValueError):  # not there yet, or a segment being written
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return out
 
 
 def run_elastic(system: str, work: str, cluster, s3=None) -> dict:
@@ -79,8 +73,8 @@ def run_elastic(system: str, work: str, cluster, s3=None) -> dict:
         job = elastic_job(system, f"{s3.uri}/bench-resize", s3.storage_options)
     else:
         job = elastic_job(system, "file://" + os.path.join(work, "runs"))
-    # The run's event log lives under its storage URI: with S3 it is read through s3fs.
-    events_path = job["checkpoint"]["storage_uri"] + "/" + job["run"]["name"] + "/events.jsonl"
+    # The run's event log lives under its storage URI (on S3 as numbered segments).
+    run_dir = job["checkpoint"]["storage_uri"] + "/" + job["run"]["name"]
     out: dict = {}
 
     def fit() -> None:
@@ -94,7 +88,7 @@ def run_elastic(system: str, work: str, cluster, s3=None) -> dict:
     fitter.start()
     opts = job["checkpoint"]["storage_options"]
     while fitter.is_alive() and not any(e["kind"] == "checkpoint_committed" and e["step"] >= GROW_AFTER_STEP
-                                        for e in _events(events_path, opts)):
+                                        for e in _events(run_dir, opts)):
         fitter.join(0.2)
     node_t = None
     if fitter.is_alive():
