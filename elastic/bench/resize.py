@@ -26,7 +26,6 @@ only larger states, read back over HTTP, show what re-sharding in memory is wort
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import tempfile
