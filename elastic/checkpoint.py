@@ -25,14 +25,18 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -197,12 +201,6 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group):
         # the storage options.
         return dcp.save(state, storage_writer=FsspecWriter(folder, sync_files=True, **storage_options),
                         process_group=process_group)
-    import shutil
-    import tempfile
-
-    import fsspec
-    from torch.distributed.checkpoint import FileSystemWriter
-
     stage = tempfile.mkdtemp(prefix="elastic-stage-")
     try:
         # No fsync: the staged copy is only read back by the upload, never after a crash.

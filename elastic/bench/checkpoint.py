@@ -59,7 +59,7 @@ def elastic_job(hidden: int, storage_uri: str, storage_options: dict, every: int
         "run": {"name": f"bench-checkpoint-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
         "scaling": {"num_workers": NUM_WORKERS},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": every},
-        "train": {"model": "elastic.bench.overhead:build_model", "dataset": "elastic.bench.workload:build_dataset",
+        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.overhead:timed_optimizer",
                   "global_batch_size": GLOBAL_BATCH},
     }

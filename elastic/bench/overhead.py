@@ -3,7 +3,7 @@ divided by plain torch DDP (`elastic.bench.plain_ddp`: torchrun processes and
 `DistributedDataParallel`, no framework) and by Ray Train (`TorchTrainer` + `prepare_model`,
 as Ray's docs write it), at several model sizes, in one run on one local cluster.
 
-Every system trains the same MLP (`build_mlp`: the common workload's shape, 256 -> hidden ->
+Every system trains the same MLP (`workload.build_mlp`: the common workload's shape, 256 -> hidden ->
 hidden -> 10, so the hidden width sets the size: 1024 is 1.3 M parameters, 3072 is 10.3 M,
 10000 is 102.7 M), on the same data path (the common workload's map-style dataset,
 `default_collate` of the indices elastic's global sample order gives each rank), with 2 ranks
@@ -40,7 +40,7 @@ import uuid
 
 from elastic.bench.output import emit, medians, parse_systems
 from elastic.bench.plain_pipeline import _StepClock  # the same step clock in every benchmark
-from elastic.bench.workload import HIDDEN_ENV  # the MLP's width, for elastic's `train.model`
+from elastic.bench.workload import HIDDEN_ENV, build_mlp, build_model  # noqa: F401 - one MLP for every system
 
 NUM_WORKERS, GLOBAL_BATCH, SEED, CKPT_EVERY = 2, 96, 0, 50
 DEFAULT_HIDDEN = "1024,3072,10000"
@@ -53,26 +53,10 @@ MODES = ("off", f"every {CKPT_EVERY}")
 
 
 # ---------------------------------------------------------------- the workload (every system)
-def build_mlp(hidden: int):
-    from torch import nn
-
-    from elastic.bench import workload
-    return nn.Sequential(
-        nn.Linear(workload.IN_FEATURES, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
-        nn.Linear(hidden, workload.NUM_CLASSES),
-    )
-
-
 def num_params(hidden: int) -> int:
     from elastic.bench import workload
     i, c = workload.IN_FEATURES, workload.NUM_CLASSES
     return i * hidden + hidden + hidden * hidden + hidden + hidden * c + c
-
-
-def build_model():
-    """elastic's `train.model`: the MLP at the width the job's environment names."""
-    return build_mlp(int(os.environ[HIDDEN_ENV]))
 
 
 def timed_optimizer(params):
@@ -159,7 +143,7 @@ def elastic_job(hidden: int, num_steps: int, storage_uri: str) -> dict:
         "run": {"name": f"bench-overhead-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
         "scaling": {"num_workers": NUM_WORKERS},
         "checkpoint": {"storage_uri": storage_uri, "every_steps": CKPT_EVERY},
-        "train": {"model": "elastic.bench.overhead:build_model", "dataset": "elastic.bench.workload:build_dataset",
+        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.overhead:timed_optimizer",
                   "global_batch_size": GLOBAL_BATCH},
     }

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from elastic.bench import workload
-    from elastic.bench.overhead import build_mlp, timed_optimizer
+    from elastic.bench.overhead import timed_optimizer
+    from elastic.bench.workload import build_mlp
     from elastic.data import GlobalOrder  # the sample order only: a pure function of (len, seed)
 
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous

@@ -65,6 +65,14 @@ def hidden_for(params: int) -> int:
     return min((h - 1, h, h + 1), key=lambda w: abs(num_params(max(w, 1)) - params))
 
 
+def model_size(size: int | None) -> tuple[int | None, int]:
+    """(hidden width to set, or None for the common workload's; its parameter count) of a --params size."""
+    from elastic.bench.overhead import num_params
+    from elastic.bench.workload import HIDDEN
+    hidden = hidden_for(size) if size else None
+    return hidden, num_params(hidden or HIDDEN)
+
+
 # elastic's recovery paths, each a system of its own in the table.
 ELASTIC_SYSTEMS = {
     "elastic-storage": ({"num_workers": NUM_WORKERS}, {"peer_restore": False}),  # reload from storage
@@ -117,11 +125,10 @@ def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None) -> dict:
 
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
-    from elastic.bench.overhead import _connect_with_env, num_params
+    from elastic.bench.overhead import _connect_with_env
     from elastic.bench.workload import HIDDEN_ENV
 
-    systems = parse_systems("recovery", args.systems, list(SYSTEMS)) if not args.systems else \
-        parse_systems("recovery", args.systems, [*SYSTEMS, TORCHFT])
+    systems = parse_systems("recovery", args.systems or ",".join(SYSTEMS), [*SYSTEMS, TORCHFT])
     if systems is None:
         return 2
     if TORCHFT in systems:
@@ -151,8 +158,7 @@ def main(args) -> int:
             storage_uri, storage_options = f"{s3.uri}/bench", s3.storage_options
         cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1))
         for size in sizes:
-            hidden = hidden_for(size) if size else None
-            params = num_params(hidden) if hidden else num_params(1024)
+            hidden, params = model_size(size)
             if hidden:  # every process of every system builds this width (elastic.bench.workload)
                 _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
             # From LARGE_PARAMS on a step takes seconds here and a checkpoint a gigabyte: one repetition.
@@ -173,7 +179,7 @@ def main(args) -> int:
     if TORCHFT in systems:  # after the shared cluster is gone: one cluster at a time
         records += run_torchft_all(sizes, faults, args.reps, work)
     for size in sizes:
-        params = num_params(hidden_for(size)) if size else num_params(1024)
+        _, params = model_size(size)
         for fault in faults:
             mine = [r for r in records if r["fault"] == fault and r["params"] == params]
             med = medians(mine, METRICS)
@@ -195,14 +201,13 @@ def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work:
     """The torchft peer, each run on a fresh cluster whose head has a CPU for the lighthouse. A run
     that fails or hangs is a record with recover_s None and the evidence, never a figure."""
     from elastic.bench.local_cluster import local_cluster
-    from elastic.bench.overhead import _connect_with_env, num_params
+    from elastic.bench.overhead import _connect_with_env
     from elastic.bench.torchft_peer import run_torchft_recovery
     from elastic.bench.workload import HIDDEN_ENV
 
     out = []
     for size in sizes:
-        hidden = hidden_for(size) if size else None
-        params = num_params(hidden) if hidden else num_params(1024)
+        hidden, params = model_size(size)
         for rep in range(1 if params >= LARGE_PARAMS else reps):
             at_step = fault_step(rep)
             for fault in faults:

@@ -120,8 +120,8 @@ def run_ray_train(work: str, cluster, s3=None) -> dict:
 
 def main(args) -> int:
     from elastic.bench.local_cluster import local_cluster
-    from elastic.bench.overhead import _connect_with_env, num_params
-    from elastic.bench.recovery import STATE_BYTES_PER_PARAM, hidden_for, parse_params
+    from elastic.bench.overhead import _connect_with_env
+    from elastic.bench.recovery import STATE_BYTES_PER_PARAM, model_size, parse_params
     from elastic.bench.workload import HIDDEN_ENV
 
     systems = parse_systems("resize", args.systems, list(SYSTEMS))
@@ -140,8 +140,7 @@ def main(args) -> int:
             from elastic.testing.seaweedfs import seaweedfs_server
             s3 = stack.enter_context(seaweedfs_server())
         for size in sizes:
-            hidden = hidden_for(size) if size else None
-            params = num_params(hidden) if hidden else num_params(1024)
+            hidden, params = model_size(size)
             for rep in range(args.reps):
                 for system in systems:  # interleaved, so drift on a shared machine hits every system alike
                     # A fresh cluster each time: it must start with exactly MIN nodes, and Ray Train's resource
@@ -156,7 +155,7 @@ def main(args) -> int:
                     records.append(rec)
                     emit(rec)
     for size in sizes:
-        params = num_params(hidden_for(size)) if size else num_params(1024)
+        _, params = model_size(size)
         mine = [r for r in records if r["params"] == params]
         med = medians([r for r in mine if r.get("resized")], METRICS)
         notes = [f"{MIN} -> {MAX} workers when a one-CPU node joins a local ray.cluster_utils.Cluster; MLP "

@@ -22,13 +22,17 @@ def hidden_width() -> int:
     return int(os.environ.get(HIDDEN_ENV) or HIDDEN)
 
 
-def build_model() -> nn.Module:
-    h = hidden_width()
+def build_mlp(hidden: int) -> nn.Module:
+    """256 -> hidden -> hidden -> 10: the hidden width sets the size."""
     return nn.Sequential(
-        nn.Linear(IN_FEATURES, h), nn.ReLU(),
-        nn.Linear(h, h), nn.ReLU(),
-        nn.Linear(h, NUM_CLASSES),
+        nn.Linear(IN_FEATURES, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, NUM_CLASSES),
     )
+
+
+def build_model() -> nn.Module:
+    return build_mlp(hidden_width())
 
 
 class TeacherDataset(torch.utils.data.Dataset):
