@@ -251,6 +251,15 @@ class TrainSpec(_Strict):
         False, description="Collate the next step's batches on a background thread while this step computes (same "
                            "samples, same order). Leave off if the dataset draws from torch's global RNG: a draw on "
                            "another thread would make runs irreproducible.")
+    data_workers: int = Field(
+        0, ge=0, description="DataLoader worker processes per rank that read and collate the rank's upcoming batches "
+                             "while it trains (same samples, same order; pinned memory on GPU). They use CPU beyond "
+                             "scaling.cpus_per_worker. 0: the rank reads each batch when it needs it.")
+    data_prefetch_factor: int = Field(
+        2, ge=1, description="With data_workers: batches each data worker reads ahead (DataLoader prefetch_factor).")
+    data_workers_start: Literal["forkserver", "spawn", "fork"] = Field(
+        "forkserver", description="How data workers start. forkserver and spawn pickle the dataset to them (as "
+                                  "Ray's docs advise inside Ray workers); fork copies the rank's process.")
     bad_step_limit: int = Field(3, ge=1, description="Bad steps in a row that end a skip (error) or trigger a rollback.")
 
     @model_validator(mode="after")
@@ -266,6 +275,9 @@ class TrainSpec(_Strict):
             raise ValueError(f"train.loss is required with train.strategy={self.strategy}")
         if self.strategy == "pipeline" and self.micro_batch_size is not None:
             raise ValueError("train.micro_batch_size is not used by a pipeline: set train.pipeline.microbatches")
+        if self.prefetch and self.data_workers:
+            raise ValueError(f"train.prefetch (a thread) and train.data_workers={self.data_workers} (processes) both "
+                             "read ahead: set one of them")
         return self
 
     @property

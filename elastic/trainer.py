@@ -18,6 +18,7 @@ import ray
 from elastic.checkpoint import checkpoints_root, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.controller import Controller
+from elastic.prefetch import check_data_workers
 from elastic.storage import Storage, StorageError, join
 
 
@@ -60,7 +61,7 @@ class Trainer:
             fns = job.train.resolve()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        num_samples = _dataset_length(fns["dataset"], job.train.dataset_ref)
+        num_samples = _dataset_length(fns["dataset"], job.train)
         if num_samples < 1:
             raise ConfigError("train.dataset: the dataset is empty")
         if job.train.strategy == "fsdp":
@@ -144,18 +145,25 @@ class Trainer:
         return TrainingFailed(message, result)
 
 
-def _dataset_length(build, ref: str) -> int:
+def _dataset_length(build, tr) -> int:
     """Build the dataset once on the driver and measure it, turning the user's exceptions into
-    one line that names the field (the workers would hit the same error, later and once each)."""
+    one line that names the field (the workers would hit the same error, later and once each).
+    Data workers that do not fork receive it pickled: check that it pickles, too."""
+    ref = tr.dataset_ref
     try:
         dataset = build()
     except Exception as e:  # noqa: BLE001 - the user's code: report it, do not crash through it
         raise ConfigError(f"train.dataset: {ref}() raised {type(e).__name__}: {e}") from None
     try:
-        return len(dataset)
+        n = len(dataset)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"train.dataset: len() of the dataset from {ref}() raised {type(e).__name__}: {e}; "
                           f"it must be a map-style dataset (len, getitem)") from None
+    try:
+        check_data_workers(tr, dataset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return n
 
 
 def _check_resume(storage: Storage, job: JobConfig, num_samples: int) -> None:

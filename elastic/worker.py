@@ -27,6 +27,7 @@ from elastic import chaos, collectives, fencing, resharding
 from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
+from elastic.prefetch import Prefetcher
 from elastic.storage import Storage
 from elastic.strategies import make_strategy
 from elastic.strategies.base import broadcast_tensors, forget_old_meshes
@@ -114,6 +115,8 @@ class Worker:
         self._pool = None  # train.prefetch: the thread that collates the next step's batches
         self._ahead: dict = {}  # this step's prefetched batches: micro-batch sample ids -> future
         self._upcoming: dict = {}  # the next step's
+        self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
+        self._micro = 0  # this run's per-rank micro-batch (0: the rank's whole share at once)
 
     # ---------------------------------------------------------------- identity
     def info(self) -> dict:
@@ -282,9 +285,32 @@ class Worker:
             for _ in range(self.step):
                 self.scheduler.step()
 
+    def _micro_batch(self) -> int:
+        """This rank's micro-batch at the current world size (0 for a pipeline: it splits each
+        replica's share into train.pipeline.microbatches itself)."""
+        tr = self.job.train
+        if tr.strategy == "pipeline":
+            return 0
+        return batch_plan(tr.global_batch_size, self.world_size, tr.micro_batch_size)[0]
+
+    def _start_data(self) -> None:
+        """Data workers (train.data_workers) start reading at the restored step during the
+        restore: their start is seconds (each imports torch), which the first step must not be
+        charged with (the controller would take it for a hang)."""
+        tr = self.job.train
+        if not tr.data_workers or not self.strategy.needs_data:
+            return
+        self._micro = self._micro_batch()
+        if self._loader is None:
+            self._loader = Prefetcher(self.dataset, tr.data_workers, tr.data_prefetch_factor, tr.data_workers_start,
+                                      pin_memory=self.device.type == "cuda")
+        self._loader.start(self.step, self._batch_keys)
+
     def _start_checkpointer(self) -> None:
-        """The last part of every restore path: the schedule caught up, checkpoints from here."""
+        """The last part of every restore path: the schedule caught up, data workers reading
+        from the restored step, checkpoints from here."""
         self._replay_schedule()
+        self._start_data()
         self.ckpt = AsyncCheckpointer(
             self.storage, self.root, self.rank, self.world_size, self.strategy.name, self.ckpt_pg,
             self.job.checkpoint.persist_retries, self.job.checkpoint.persist_retry_backoff_s,
@@ -392,8 +418,7 @@ class Worker:
         tr = self.job.train
         self.skip_steps = set(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
-        micro = 0 if tr.strategy == "pipeline" else batch_plan(tr.global_batch_size, self.world_size,
-                                                               tr.micro_batch_size)[0]
+        micro = self._micro = self._micro_batch()
         self._set(status="running")
         generation = self.generation
         self._forget_old_meshes()
@@ -582,9 +607,23 @@ class Worker:
         """The collated batch of global sample ids, on this rank's device: prefetched if it was
         (train.prefetch), else read now. A dataset that reads a batch at once (`__getitems__`, as
         torch's DataLoader uses) does."""
-        ahead = self._ahead.pop(tuple(ids), None)
-        batch = ahead.result() if ahead is not None else self._collate(ids)
+        batch = None
+        if self._loader is not None:  # train.data_workers (started by the restore)
+            batch = self._loader.get(self.step, ids, self._batch_keys)
+        else:
+            ahead = self._ahead.pop(tuple(ids), None)
+            batch = ahead.result() if ahead is not None else None
+        if batch is None:
+            batch = self._collate(ids)
         return _to(batch, self.device)
+
+    def _batch_keys(self, step: int) -> list[tuple[int, tuple[int, ...]]]:
+        """The (step, sample ids) of each batch this rank reads in `step`, in the order it reads
+        them (its share of the global order, cut into micro-batches): the data workers' plan."""
+        lay, tr = self.layout, self.job.train
+        ids = self.order.rank_indices(step, tr.global_batch_size, lay.dp, lay.replica_of(self.rank))
+        m = self._micro or len(ids)
+        return [(step, tuple(ids[i:i + m])) for i in range(0, len(ids), m)]
 
     def _collate(self, ids: list[int]):
         many = getattr(self.dataset, "__getitems__", None)
@@ -595,8 +634,8 @@ class Worker:
         earlier. train.prefetch collates them on a background thread (in this step's micro-batch
         chunks); a dataset that can read ahead itself (`prefetch(ids)`, e.g. ParquetDataset)
         is told which rows come next."""
-        if not self.strategy.needs_data:
-            return
+        if not self.strategy.needs_data or self.job.train.data_workers:
+            return  # data workers read ahead on their own
         lay, tr = self.layout, self.job.train
         nxt = self.order.rank_indices(self.step + 1, tr.global_batch_size, lay.dp, lay.replica_of(self.rank))
         if tr.prefetch:

@@ -96,7 +96,10 @@ def test_node_kill_with_a_warm_spare_takes_no_storage_round_trip(cluster, baseli
 
 
 def test_node_kill_storage_path_when_peer_restore_is_off(cluster, baseline, tmp_path):  # noqa: F811
-    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], failure={"peer_restore": False})
+    """With a data worker process per rank (train.data_workers): the survivors' loaders had read
+    past the fault and must start again at the restored step; same bits, every sample once."""
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], failure={"peer_restore": False},
+            train={"data_workers": 1})
     j["run"]["sample_ledger"] = True
     result = Trainer(j).fit(progress=False)
     assert_recovered_bit_identical(result, baseline, "kill_node", source="storage")

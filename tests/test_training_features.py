@@ -128,3 +128,6 @@ def test_prefetch_and_gradient_accumulation_change_nothing_but_timing(tmp_path):
     plain = run_ranks(mlp_job(tmp_path / "a", micro_batch_size=4))
     ahead = run_ranks(mlp_job(tmp_path / "b", micro_batch_size=4, prefetch=True))
     assert [o[2] for o in ahead] == [o[2] for o in plain] and plain[0][2] == plain[1][2]
+    # Data workers (processes, in the same global order) as well: the same bits.
+    workers = run_ranks(mlp_job(tmp_path / "c", micro_batch_size=4, data_workers=2))
+    assert [o[2] for o in workers] == [o[2] for o in plain]
