@@ -36,15 +36,24 @@ import uuid
 from elastic.bench.output import emit, medians, parse_systems, report_against_peer
 
 MIN, MAX, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 2, 3, 300, 10, 96
-RAY_TRAIN_STEPS, RAY_TRAIN_MONITOR_S = 300, 5.0
+RAY_TRAIN_MONITOR_S = 5.0
+# Steps a run needs after the node joins: Ray Train notices it within its 20 s resource view plus the
+# monitor interval, then restarts. 300 steps of the 1.3 M and 9 M models (0.02 and 0.2 s each) cover
+# that; at 2 s a step (90 M) 300 steps would be 10 minutes a run, so larger models run fewer.
+LARGE_MODEL_PARAMS, LARGE_MODEL_STEPS = 50_000_000, 80
+
+
+def num_steps(params: int) -> int:
+    """Steps per run for a model of `params` parameters (the same for every system)."""
+    return LARGE_MODEL_STEPS if params >= LARGE_MODEL_PARAMS else NUM_STEPS
 GROW_AFTER_STEP = 20  # the node is added once a checkpoint at or after this step is committed
 SYSTEMS = ["elastic-memory", "elastic-storage", "ray-train"]
 METRICS = ["resize_s", "restore_s", "lost_steps", "from_node_s"]
 
 
-def elastic_job(system: str, storage_uri: str, storage_options: dict | None = None) -> dict:
+def elastic_job(system: str, storage_uri: str, storage_options: dict | None = None, steps: int = NUM_STEPS) -> dict:
     return {
-        "run": {"name": f"bench-resize-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
+        "run": {"name": f"bench-resize-{uuid.uuid4().hex[:8]}", "num_steps": steps, "seed": 0},
         "scaling": {"num_workers": MIN, "min_workers": MIN, "max_workers": MAX, "grow_check_s": 1.0},
         "failure": {"max_failures": 2, "peer_restore": system == "elastic-memory"},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options or {},
@@ -65,13 +74,13 @@ def _events(run_dir: str, storage_options: dict | None = None) -> list[dict]:
         return []
 
 
-def run_elastic(system: str, work: str, cluster, s3=None) -> dict:
+def run_elastic(system: str, work: str, cluster, s3=None, steps: int = NUM_STEPS) -> dict:
     from elastic import Trainer
 
     if s3 is not None:
-        job = elastic_job(system, f"{s3.uri}/bench-resize", s3.storage_options)
+        job = elastic_job(system, f"{s3.uri}/bench-resize", s3.storage_options, steps)
     else:
-        job = elastic_job(system, "file://" + os.path.join(work, "runs"))
+        job = elastic_job(system, "file://" + os.path.join(work, "runs"), steps=steps)
     # The run's event log lives under its storage URI (on S3 as numbered segments).
     run_dir = job["checkpoint"]["storage_uri"] + "/" + job["run"]["name"]
     out: dict = {}
@@ -109,9 +118,9 @@ def run_elastic(system: str, work: str, cluster, s3=None) -> dict:
     return rec
 
 
-def run_ray_train(work: str, cluster, s3=None) -> dict:
+def run_ray_train(work: str, cluster, s3=None, steps: int = NUM_STEPS) -> dict:
     from elastic.bench.ray_train_elastic import run_ray_train_resize
-    r = run_ray_train_resize(work, num_steps=RAY_TRAIN_STEPS, grow_at_step=GROW_AFTER_STEP, ckpt_every=CKPT_EVERY,
+    r = run_ray_train_resize(work, num_steps=steps, grow_at_step=GROW_AFTER_STEP, ckpt_every=CKPT_EVERY,
                              cluster=cluster, min_workers=MIN, max_workers=MAX, global_batch_size=GLOBAL_BATCH,
                              resize_monitor_interval_s=RAY_TRAIN_MONITOR_S, s3=s3)
     # Ray Train's restart reloads its last checkpoint: the restore is the whole restart.
@@ -148,8 +157,8 @@ def main(args) -> int:
                     with local_cluster(num_worker_nodes=MIN, cpus_per_node=1) as cluster:
                         if hidden:  # every process of every system builds this width (elastic.bench.workload)
                             _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
-                        rec = (run_ray_train(work, cluster, s3) if system == "ray-train"
-                               else run_elastic(system, work, cluster, s3))
+                        rec = (run_ray_train(work, cluster, s3, num_steps(params)) if system == "ray-train"
+                               else run_elastic(system, work, cluster, s3, num_steps(params)))
                     rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
                                storage=args.storage)
                     records.append(rec)
@@ -160,7 +169,7 @@ def main(args) -> int:
         med = medians([r for r in mine if r.get("resized")], METRICS)
         notes = [f"{MIN} -> {MAX} workers when a one-CPU node joins a local ray.cluster_utils.Cluster; MLP "
                  f"{params / 1e6:.1f} M params ({params * STATE_BYTES_PER_PARAM / 1e6:.0f} MB of model + AdamW state), "
-                 f"global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps to "
+                 f"global batch {GLOBAL_BATCH}, {num_steps(params)} steps, checkpoint every {CKPT_EVERY} steps to "
                  f"{'S3 (SeaweedFS)' if s3 else 'local disk'}; elastic runs FSDP, Ray Train DDP (its resize is a "
                  f"restart from a checkpoint either way); Ray Train's resize monitor interval {RAY_TRAIN_MONITOR_S:g} s",
                  "resize_s: decision -> first step at the new size; from_node_s: node registered -> same (includes "
