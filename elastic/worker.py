@@ -604,8 +604,8 @@ class Worker:
             self._skipped.append((step, why))
 
     def _load(self, ids: list[int]):
-        """The collated batch of global sample ids, on this rank's device: prefetched if it was
-        (train.prefetch), else read now. A dataset that reads a batch at once (`__getitems__`, as
+        """The collated batch of global sample ids, on this rank's device: read ahead if it was
+        (by the data workers, or the train.prefetch thread), else read now. A dataset that reads a batch at once (`__getitems__`, as
         torch's DataLoader uses) does."""
         batch = None
         if self._loader is not None:  # train.data_workers (started by the restore)
