@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 Key = tuple[int, tuple[int, ...]]  # (step, the batch's sample ids in order)
 
 
+def collate(dataset, ids: list[int]):
+    """The collated batch of `ids`: in one call where the dataset reads a batch at once
+    (`__getitems__`, as torch's DataLoader uses it), else sample by sample."""
+    many = getattr(dataset, "__getitems__", None)
+    return default_collate(many(ids) if many is not None else [dataset[j] for j in ids])
+
+
 class _Tagged(torch.utils.data.Dataset):
     """The user's dataset, read a batch at a time by key: returns (key, collated batch)."""
 
@@ -39,9 +46,7 @@ class _Tagged(torch.utils.data.Dataset):
         return self.dataset[i]
 
     def __getitems__(self, key: Key):
-        _, ids = key
-        many = getattr(self.dataset, "__getitems__", None)
-        return key, default_collate(many(list(ids)) if many is not None else [self.dataset[j] for j in ids])
+        return key, collate(self.dataset, list(key[1]))
 
 
 def check_data_workers(tr, dataset) -> None:

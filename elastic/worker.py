@@ -27,7 +27,7 @@ from elastic import chaos, collectives, fencing, resharding
 from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
-from elastic.prefetch import Prefetcher
+from elastic.prefetch import Prefetcher, collate
 from elastic.storage import Storage
 from elastic.strategies import make_strategy
 from elastic.strategies.base import broadcast_tensors, forget_old_meshes
@@ -626,8 +626,7 @@ class Worker:
         return [(step, tuple(ids[i:i + m])) for i in range(0, len(ids), m)]
 
     def _collate(self, ids: list[int]):
-        many = getattr(self.dataset, "__getitems__", None)
-        return default_collate(many(ids) if many is not None else [self.dataset[j] for j in ids])
+        return collate(self.dataset, ids)
 
     def _prefetch_next(self, micro: int) -> None:
         """Start on the next step's samples while this step computes: same ids, same order, only
