@@ -60,7 +60,8 @@ def fsdp_job(root, name, chaos=()):
         "failure": {"max_failures": 2},
         "checkpoint": {"storage_uri": str(root), "every_steps": EVERY, "num_to_keep": 2},
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.workload:build_sgd",
+                  "loss": "elastic.testing.faulty:loss_slower_while_shrunk",
+                  "optimizer": "elastic.bench.workload:build_sgd",
                   "global_batch_size": BATCH, "strategy": "fsdp"},
         "chaos": list(chaos),
     }
