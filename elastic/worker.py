@@ -200,12 +200,16 @@ class Worker:
         _destroy_group()
 
     # ---------------------------------------------------------------- state
-    def warm(self) -> dict:
+    def warm(self, calibrate: bool = True) -> dict:
         """Build model and optimizer from the seed now, so that joining later costs only a
-        rendezvous and a state transfer. Spares are warmed before they are needed."""
+        rendezvous and a state transfer. Spares are warmed before they are needed. A worker
+        started for a recovery in progress takes a rank at once: its calibration (a few steps'
+        compute, seconds at 100 M parameters) is left for when it is ever weighed for a swap."""
+        t0 = time.perf_counter()
         if self.model is None:
             self._build()
-        return {**self.info(), "calib_s": self.calibrate()}
+        build_s = time.perf_counter() - t0
+        return {**self.info(), "build_s": build_s, "calib_s": self.calibrate() if calibrate else None}
 
     def calibrate(self, reps: int = 5) -> float:
         """Best compute time of one rank's share of a step (forward + backward) on this process,
@@ -384,20 +388,31 @@ class Worker:
         from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
         this rank's new shards overlap. No storage read."""
         t0 = time.monotonic()
+        phases: dict[str, float] = {}
+
+        def phase(name: str, since: float) -> float:
+            now = time.monotonic()
+            phases[name] = round(now - since, 3)
+            return now
+
         self._forget_old_meshes()
         self._build()
         state = self._state()
-        if self.strategy.name == "pipeline":  # by name, from replica 0 of each old stage (rank = stage)
-            parts = self.strategy.needed_stages(old_pp)
-            got = dict(zip(parts, ray.get([offers[p] for p in parts])))
-            self.step = self.strategy.assemble(state, got)
-        else:
-            parts = resharding.needed_parts(state, old_world, self.world_size, self.rank)
-            got = dict(zip(parts, ray.get([offers[p] for p in parts])))
-            self.step = resharding.assemble(state, got, self.world_size, self.rank)
+        t = phase("build", t0)
+        pipeline = self.strategy.name == "pipeline"  # by name, from replica 0 of each old stage (rank = stage)
+        parts = (self.strategy.needed_stages(old_pp) if pipeline
+                 else resharding.needed_parts(state, old_world, self.world_size, self.rank))
+        got = dict(zip(parts, ray.get([offers[p] for p in parts])))
+        t = phase("fetch", t)
+        self.step = (self.strategy.assemble(state, got) if pipeline
+                     else resharding.assemble(state, got, self.world_size, self.rank))
+        del got
+        t = phase("assemble", t)
         self._load_state(state)
+        t = phase("load", t)
         self._start_checkpointer()
-        return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
+        phase("start_checkpointer", t)
+        return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0, "phases": phases,
                 "source": f"re-sharded in memory from {old_world} ranks (read parts {parts})"}
 
     def state_digest(self) -> str:

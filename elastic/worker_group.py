@@ -58,6 +58,14 @@ def death_cause(e: BaseException) -> str:
     return "process_died"
 
 
+# During a group's formation there is no step time to weigh silence against (the run loop waits
+# silence_factor x the median step): a member is lost when it answers no ping for this many times
+# failure.ping_timeout_s. A 90 M-parameter job on a busy 2-core machine once answered its first
+# formation's ping after more than 1 s and was replaced as "unresponsive", which cost 55 s; a
+# stopped machine is still found 12x sooner than the rendezvous timeout would find it.
+FORMATION_SILENCE = 5
+
+
 @ray.remote(num_cpus=0, max_retries=0)
 def _probe() -> bool:
     return True
@@ -161,7 +169,7 @@ class WorkerGroup:
         """Start n spare workers in the background; they warm up (build the model) on their own."""
         for _ in range(max(0, n)):
             h = self._new_actor()
-            ref = h.warm.remote()
+            ref = h.warm.remote(calibrate=not on_demand)
             self._pending_spares[ref] = h
             self._kept_off[ref] = frozenset(self.suspect_nodes)
             if on_demand:
@@ -203,11 +211,15 @@ class WorkerGroup:
         if not self.ready_spares:
             return []
         _, bad = self._gather({i: m.handle.ping.remote() for i, m in enumerate(self.ready_spares)}, timeout_s)
+        return self._drop_spares(bad)
+
+    def _drop_spares(self, bad: dict[int, str], when: str = "") -> list[str]:
+        """Kill the ready spares at these indices; why each was lost, for the event log."""
         lost = []
         for i in sorted(bad, reverse=True):
             m = self.ready_spares.pop(i)
             self._kill_member(m)
-            lost.append(f"spare on node {m.node_id[:12]} {bad[i]}")
+            lost.append(f"spare on node {m.node_id[:12]} {bad[i]}{when}")
         return lost
 
     def trim_spares(self, keep: int) -> None:
@@ -225,6 +237,17 @@ class WorkerGroup:
         if bad:
             raise GroupError(f"request_stop failed for ranks {sorted(bad)}: {bad}", bad)
         return out
+
+    def calibrate_spares(self, timeout_s: float) -> list[str]:
+        """Calibrate the ready spares that were not (started on demand, kept afterwards), so a
+        straggler decision weighs every spare; drop (and report) the ones that do not answer."""
+        todo = {i: m for i, m in enumerate(self.ready_spares) if m.calib_s is None}
+        if not todo or self.job.train.strategy == "pipeline":  # a pipeline stage cannot calibrate alone
+            return []
+        out, bad = self._gather({i: m.handle.calibrate.remote() for i, m in todo.items()}, timeout_s)
+        for i, calib_s in out.items():
+            todo[i].calib_s = calib_s
+        return self._drop_spares(bad, " when calibrated")
 
     def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float) -> Member | None:
         """Give `rank` to the fastest live ready spare whose calibration is at most max_calib_s."""
@@ -298,11 +321,13 @@ class WorkerGroup:
         return how
 
     # ---------------------------------------------------------------- form / restore / run
-    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> None:
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> float:
         """A fresh rendezvous (new port, so a fresh store) for the current members, as group
         `generation`. A member that dies or stops answering fails the formation at once: the
         others' joins are aborted, and they come back with their state as survivors (a join
-        that failed because of a peer is the peer's failure, reported as "peer failed")."""
+        that failed because of a peer is the peer's failure, reported as "peer failed").
+        "Stops answering" here is FORMATION_SILENCE x ping_timeout_s without an answer to a ping.
+        Returns the slowest ping answer seen (seconds), for the group_formed event."""
         world = len(self.members)
         assert sorted(self.members) == list(range(world)), f"ranks must be 0..{world - 1}: {sorted(self.members)}"
         m0 = self.members[0]
@@ -314,6 +339,7 @@ class WorkerGroup:
         bad: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
         polls: dict[int, tuple] = {}
+        slowest = 0.0
         while pending and time.monotonic() < deadline:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)
             for ref in ready:
@@ -339,9 +365,10 @@ class WorkerGroup:
                     try:
                         ray.get(done[0])
                         polls.pop(r)
+                        slowest = max(slowest, now - ref_sent[1])
                     except RayActorError as e:
                         bad[r] = death_cause(e)
-                elif now - ref_sent[1] > ping_timeout_s:
+                elif now - ref_sent[1] > ping_timeout_s * FORMATION_SILENCE:
                     bad[r] = "unresponsive"
             if any(cause_of(w) != "error" for w in bad.values()):
                 break  # someone is gone: the rest cannot complete; cut their rendezvous
@@ -359,6 +386,7 @@ class WorkerGroup:
             bad.setdefault(r, "unresponsive")
         if bad:
             raise GroupError(f"process group formation failed for ranks {sorted(bad)}: {bad}", bad)
+        return slowest
 
     def abort_all(self, generation: int, timeout_s: float, only: list[int] | None = None) -> dict[int, str]:
         """Ask members (all, or `only`) to abort their collectives of `generation` (answered on

@@ -185,12 +185,13 @@ class Controller:
         self.generation += 1
         self._write_fence()
         try:
-            self.group.form(self.generation, cfg.rendezvous_timeout_s, cfg.ping_timeout_s, self.layout.pp)
+            slowest_ping_s = self.group.form(self.generation, cfg.rendezvous_timeout_s, cfg.ping_timeout_s,
+                                             self.layout.pp)
         except GroupError as e:
             return self._lost_from(e, "group formation")
         extra = {"stages": self.layout.pp, "replicas": self.layout.dp} if self.pipeline else {}
         self.events.emit("group_formed", world_size=len(self.group.members), form_s=self.now() - t0,
-                         generation=self.generation, **extra)
+                         generation=self.generation, slowest_ping_s=slowest_ping_s, **extra)
         return Restoring()
 
     def _on_restoring(self, _: Restoring) -> State:
@@ -245,9 +246,11 @@ class Controller:
         reached = self.max_step_seen  # the furthest any rank had trained before this restore
         self.step = self.max_step_seen = r0["step"]
         self.offers = {}
-        restore_s = max(o["restore_s"] for o in out.values())
+        slowest = max(out.values(), key=lambda o: o["restore_s"])
+        restore_s = slowest["restore_s"]
+        extra = {"phases": slowest["phases"]} if "phases" in slowest else {}  # the slowest rank's, where timed
         self.events.emit("restored", step=r0["step"], source=r0["source"], uri=r0["uri"], restore_s=restore_s,
-                         world_size=len(out))
+                         world_size=len(out), **extra)
         if self.resizing is not None:
             self.resizing.update(restore_s=restore_s, source=r0["source"], resumed_step=r0["step"])
             self.resizing.setdefault("reached_step", reached)
@@ -484,6 +487,10 @@ class Controller:
             healthy = [statistics.median(window[r]) for r in ranks if r not in slow and window[r]]
             healthy_s = statistics.median(healthy) if healthy else 0.0
             self.group.refresh_spares()
+            if slow:  # a spare started on demand for a recovery and kept has not been calibrated yet
+                # Six computes of a rank's share; a spare that needs more than ten healthy ones is no use for a swap.
+                self.group.lost_spares += self.group.calibrate_spares(
+                    max(self.job.failure.ping_timeout_s * 5, 10 * healthy_s))
             decision, reason = decide_straggler(self.stragglers, sc, self.now(),
                                                 [m.calib_s for m in self.group.ready_spares if m.calib_s],
                                                 healthy_s, may_shrink=self.world_size > self.job.scaling.min_size)

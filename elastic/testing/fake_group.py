@@ -132,6 +132,9 @@ class FakeGroup:
     def check_spares(self, timeout_s: float) -> list[str]:
         return []
 
+    def calibrate_spares(self, timeout_s: float) -> list[str]:
+        return []  # fake spares are calibrated when they become ready
+
     def probe_suspects(self) -> list[str]:
         return []
 
@@ -180,7 +183,7 @@ class FakeGroup:
         return mapping
 
     # ---------------------------------------------------------------- group
-    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> None:
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> float:
         self.calls.append(("form", generation) if pp == 1 else ("form", (generation, pp)))
         dying, self.die_on_form = self.die_on_form, []
         for r in dying:
@@ -191,6 +194,7 @@ class FakeGroup:
             raise GroupError(f"process group formation failed for ranks {sorted(bad)}", bad)
         for m in self.members.values():
             m.generation = generation
+        return 0.0  # the slowest ping answer
 
     def _restored(self, step: int, source: str) -> dict[int, dict]:
         for m in self.members.values():

@@ -1,0 +1,114 @@
+"""Group formation and spare calibration against real Ray actors that answer slowly or not at all.
+
+The members here speak the worker's formation protocol (free_port, join, ping, abort) without a
+process group behind it, so the test can choose how late each one answers. What is checked is
+WorkerGroup.form's rule: a member is lost only after FORMATION_SILENCE x ping_timeout_s without
+an answer, and then the others' joins are cut at once (not left to the rendezvous timeout)."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+
+import pytest
+import ray
+from ray import cloudpickle
+
+from elastic.config import JobConfig
+from elastic.worker_group import FORMATION_SILENCE, GroupError, Member, WorkerGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+PING_TIMEOUT_S = 0.5
+
+
+class FormationMember:
+    """Joins after `join_s` unless its rendezvous is cut (abort); answers a ping after `ping_s`."""
+
+    def __init__(self, ping_s: float, join_s: float):
+        self.ping_s, self.join_s = ping_s, join_s
+        self.cut = threading.Event()
+
+    def free_port(self) -> int:
+        return 0
+
+    def where(self) -> tuple[str, int]:
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def join(self, addr, port, rank, world_size, generation, pp=1) -> None:
+        if self.cut.wait(self.join_s):
+            raise RuntimeError("rendezvous cut")
+
+    def ping(self) -> bool:
+        time.sleep(self.ping_s)
+        return True
+
+    def abort(self, generation: int) -> dict:
+        self.cut.set()
+        return {"aborted": True}
+
+    def calibrate(self) -> float:
+        time.sleep(self.ping_s)
+        return 0.25
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # address="local": a Ray of this module's own, even where another runs.
+    ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def group_of(*members: tuple[float, float]) -> WorkerGroup:
+    job = JobConfig.model_validate({
+        "run": {"name": "form", "num_steps": 1}, "scaling": {"num_workers": max(1, len(members))},
+        "checkpoint": {"storage_uri": "memory://form"},
+        "train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 48}})
+    g = WorkerGroup(job, job.model_dump_json(), "memory://form", None, None)
+    for r, (ping_s, join_s) in enumerate(members):
+        g.members[r] = member(r, ping_s, join_s)
+    return g
+
+
+def member(rank: int, ping_s: float, join_s: float, **kw) -> Member:
+    h = ray.remote(max_concurrency=4, num_cpus=0)(FormationMember).remote(ping_s, join_s)
+    node_id, pid = ray.get(h.where.remote())
+    return Member(rank, h, node_id, "127.0.0.1", pid, **kw)
+
+
+def test_a_member_slow_to_answer_a_ping_still_forms_the_group(local_ray):
+    # Rank 1 answers each ping 3x later than ping_timeout_s (a busy machine), well inside the bound.
+    slow_ping = PING_TIMEOUT_S * 3
+    assert slow_ping < PING_TIMEOUT_S * FORMATION_SILENCE
+    g = group_of((0.0, 4.0), (slow_ping, 4.0))
+    slowest = g.form(generation=1, timeout_s=60, ping_timeout_s=PING_TIMEOUT_S)
+    assert slowest >= slow_ping
+
+
+def test_a_silent_member_fails_formation_and_the_others_are_cut_loose(local_ray):
+    # Rank 1 never answers and never joins (a stopped machine): rank 0's join would wait out
+    # the 60 s rendezvous; instead rank 1 is found silent and rank 0's rendezvous is cut.
+    g = group_of((0.0, 600.0), (600.0, 600.0))
+    with pytest.raises(GroupError) as e:
+        g.form(generation=1, timeout_s=60, ping_timeout_s=PING_TIMEOUT_S)
+    assert e.value.ranks == {1: "unresponsive", 0: "error: peer failed during formation"}
+
+
+def test_spares_started_on_demand_are_calibrated_when_weighed_and_silent_ones_dropped(local_ray):
+    g = group_of()
+    calibrated = member(-1, 0.0, 0.0, calib_s=0.1)
+    fresh = member(-1, 0.0, 0.0, on_demand=True)  # warmed, not calibrated
+    silent = member(-1, 600.0, 0.0, on_demand=True)  # its calibration never answers
+    g.ready_spares = [calibrated, fresh, silent]
+    lost = g.calibrate_spares(timeout_s=2.0)
+    assert g.ready_spares == [calibrated, fresh]
+    assert calibrated.calib_s == 0.1 and fresh.calib_s == 0.25
+    assert lost == [f"spare on node {silent.node_id[:12]} unresponsive when calibrated"]
+    assert g.calibrate_spares(timeout_s=2.0) == []  # nothing left to calibrate
