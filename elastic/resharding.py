@@ -7,20 +7,23 @@ A resize from W to W' therefore moves row ranges: new part j needs the
 intersection of its rows with each old part's rows. `pieces` computes that
 (pure); `offer` is what one old rank hands over (its local rows, plus the
 replicated tensors and plain values such as Adam's step count and the
-param groups); `assemble` fills a freshly sharded state from the offers.
+param groups); `exchange` fills a freshly sharded state from the offers.
 
-Offers travel through Ray's object store: an old rank returns its offer from
-a task, so the object lives in its node's shared memory, owned by the
-controller, and outlives the rank's process (a dropped or swapped rank is
-killed right after). A receiver reads only the parts it needs. If a part is
-missing (its node died), `assemble` raises and the controller falls back to
-the newest committed checkpoint, which DCP re-shards on load.
+An old rank that stays in the new group keeps its offer in its own memory, and
+`exchange` moves the rows rank to rank over the new group (gloo send/recv, the
+process group's transport). An old rank that leaves (a dropped or swapped rank,
+killed right after) returns its offer from a task instead, so the object lives
+in its node's shared memory, owned by the controller, and outlives the rank's
+process; a receiver reads only the parts it needs. If a part is missing (its
+node died), the re-shard raises and the controller falls back to the newest
+committed checkpoint, which DCP re-shards on load.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 
@@ -94,45 +97,82 @@ def offer(state: dict, part: int, world: int, step: int) -> dict:
     return {"part": part, "world": world, "step": step, "sharded": sharded, "other": other}
 
 
-def needed_parts(state: dict, old_world: int, new_world: int, new_part: int) -> list[int]:
-    """Which old parts new part `new_part` reads, for the row-sharded tensors of `state`."""
+def needed_parts(state: dict, old_world: int, new_world: int, new_part: int, held: frozenset = frozenset()) -> list[int]:
+    """Which old parts new part `new_part` reads from the object store, for the row-sharded
+    tensors of `state`: those its rows overlap, less the `held` ones (moved rank to rank)."""
     parts = {0}  # part 0 also carries the replicated tensors and plain values
     for _, v in flatten(state):
         if _is_row_sharded(v):
             parts.update(p.old_part for p in pieces(v.shape[0], old_world, new_world, new_part))
-    return sorted(parts)
+    return sorted(parts - set(held))
 
 
-def assemble(state: dict, offers: dict[int, dict], new_world: int, new_part: int) -> int:
-    """Fill `state` (this rank's freshly sharded state at `new_world`, same keys as the offers'
-    state) in place from `offers` (old part -> offer). Returns the step the offers were taken at."""
-    if not offers:
-        raise ReshardError("no offers")
-    first = next(iter(offers.values()))
-    old_world, step = first["world"], first["step"]
-    if any(o["world"] != old_world or o["step"] != step for o in offers.values()):
-        raise ReshardError(f"offers from different layouts or steps: "
-                           f"{sorted((o['part'], o['world'], o['step']) for o in offers.values())}")
-    base = offers[min(offers)]
+def exchange(state: dict, own: dict | None, fetched: dict[int, dict], holders: dict[int, int], old_world: int,
+             new_world: int, new_part: int, group) -> int:
+    """Fill `state` (this rank's freshly sharded state at `new_world`, same keys as the offers')
+    in place. The parts in `holders` (old part -> the new rank that kept it in memory) move rank
+    to rank over `group` (gloo: CPU tensors, whatever the training backend); `own` is this rank's
+    kept offer, if it holds one. The other needed parts are in `fetched` (old part -> offer, read
+    from the object store); with no holders, `group` is not used. Collective: every rank of the
+    new group calls it with the same holders, and walks the same tensors and pieces in the same
+    order, so each send meets its receive. Returns the step the offers were taken at."""
+    held = set(holders)
+    if 0 not in held and 0 not in fetched:
+        raise ReshardError("no offer of part 0 (it carries the replicated tensors and the step)")
+    if own is not None and holders.get(own["part"]) != new_part:
+        raise ReshardError(f"rank {new_part} holds old part {own['part']}, but holders say {holders}")
+    # The replicated tensors, plain values and step travel with part 0.
+    if 0 in held:
+        box = [(own["other"], own["step"], own["world"]) if holders[0] == new_part else None]
+        dist.broadcast_object_list(box, src=holders[0], group=group)
+        other, step, world = box[0]
+    else:
+        other, step, world = fetched[0]["other"], fetched[0]["step"], fetched[0]["world"]
+    if world != old_world or any(o["world"] != old_world or o["step"] != step for o in fetched.values()) or (
+            own is not None and own["step"] != step):
+        raise ReshardError(f"offers from different layouts or steps: world {world}/{old_world}, step {step}, "
+                           f"fetched {sorted((o['part'], o['world'], o['step']) for o in fetched.values())}")
     with torch.no_grad():
         for path, v in flatten(state):
             name = ".".join(map(str, path))
-            if _is_row_sharded(v):
-                local = v.to_local()
-                lo, _ = part_rows(v.shape[0], new_world, new_part)
-                for pc in pieces(v.shape[0], old_world, new_world, new_part):
-                    if pc.old_part not in offers:
-                        raise ReshardError(f"{name}: rows {pc.start}:{pc.stop} were held only by old part "
-                                           f"{pc.old_part}, which is gone")
-                    src = offers[pc.old_part]["sharded"].get(path)
-                    if src is None:
-                        raise ReshardError(f"{name}: not in the offer of old part {pc.old_part}")
-                    a, _ = part_rows(v.shape[0], old_world, pc.old_part)
-                    local[pc.start - lo:pc.stop - lo].copy_(src[pc.start - a:pc.stop - a])
-            elif path not in base["other"]:
-                raise ReshardError(f"{name}: not in the offers")
-            elif isinstance(v, torch.Tensor):
-                v.copy_(base["other"][path])
-            else:
-                _set(state, path, base["other"][path])
+            if not _is_row_sharded(v):
+                if path not in other:
+                    raise ReshardError(f"{name}: not in the offers")
+                if isinstance(v, torch.Tensor):
+                    v.copy_(other[path])
+                else:
+                    _set(state, path, other[path])
+                continue
+            n = v.shape[0]
+            local = v.to_local()
+            lo, _ = part_rows(n, new_world, new_part)
+            pending, landing = [], []
+            for dst in range(new_world):
+                for pc in pieces(n, old_world, new_world, dst):
+                    a, _ = part_rows(n, old_world, pc.old_part)
+                    holder = holders.get(pc.old_part)
+                    if holder is None:  # from the object store, read by the receiver alone
+                        if dst == new_part:
+                            if pc.old_part not in fetched:
+                                raise ReshardError(f"{name}: rows {pc.start}:{pc.stop} were held only by old part "
+                                                   f"{pc.old_part}, which is gone")
+                            local[pc.start - lo:pc.stop - lo].copy_(fetched[pc.old_part]["sharded"][path][
+                                pc.start - a:pc.stop - a])
+                    elif holder == new_part and dst == new_part:
+                        local[pc.start - lo:pc.stop - lo].copy_(own["sharded"][path][pc.start - a:pc.stop - a])
+                    elif holder == new_part:
+                        pending.append(dist.isend(own["sharded"][path][pc.start - a:pc.stop - a].contiguous(),
+                                                  dst=dst, group=group))
+                    elif dst == new_part:
+                        into = local[pc.start - lo:pc.stop - lo]
+                        # gloo receives into contiguous CPU memory; anything else lands in a buffer first.
+                        buf = into if into.is_contiguous() and into.device.type == "cpu" else torch.empty(
+                            into.shape, dtype=into.dtype)
+                        pending.append(dist.irecv(buf, src=holder, group=group))
+                        if buf is not into:
+                            landing.append((into, buf))
+            for work in pending:
+                work.wait()
+            for into, buf in landing:
+                into.copy_(buf)
     return step

@@ -116,6 +116,7 @@ class Worker:
         self._ahead: dict = {}  # this step's prefetched batches: micro-batch sample ids -> future
         self._upcoming: dict = {}  # the next step's
         self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
+        self._kept_offer: dict | None = None  # this rank's part, kept for a rank-to-rank re-shard
         self._micro = 0  # this run's per-rank micro-batch (0: the rank's whole share at once)
 
     # ---------------------------------------------------------------- identity
@@ -331,6 +332,7 @@ class Worker:
         to the next candidate together. With none loadable, rank 0's fresh init is broadcast.
         Returns what was loaded and what was skipped, and why."""
         t0 = time.monotonic()
+        self._kept_offer = None  # a re-shard in memory that fell back to storage
         self._forget_old_meshes()
         self.step = 0
         skipped = []
@@ -363,6 +365,7 @@ class Worker:
         source per stage (`stage_sources[stage]`, a replica of that stage); a rank whose model
         was built for another stage (a spare, a re-numbered survivor) builds its stage first."""
         t0 = time.monotonic()
+        self._kept_offer = None
         if self.model is None or self._built_for != self.strategy.layout_key:
             self._build()
         step = torch.tensor([self.step], dtype=torch.int64, device=self.device)
@@ -376,17 +379,25 @@ class Worker:
         return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
                 "source": f"peer rank {src}" if not stage_sources else f"stage replicas {list(stage_sources)}"}
 
-    def offer_shards(self) -> dict:
-        """This rank's part of the state, for a re-shard in memory at a planned resize. Returned
-        through Ray, it stays in this node's object store (owned by the caller) after this
-        process is gone."""
+    def offer_shards(self, publish: bool = True) -> dict:
+        """This rank's part of the state, for a re-shard in memory at a planned resize. Published
+        (returned through Ray), it stays in this node's object store (owned by the caller) after
+        this process is gone: for a rank that leaves. A rank that stays in the new group keeps it
+        here instead and sends its rows rank to rank (resharding.exchange); it returns only a
+        marker."""
         self._forget_old_meshes()
-        return self.strategy.offer(self._state(), self.rank, self.world_size, self.step)
+        offer = self.strategy.offer(self._state(), self.rank, self.world_size, self.step)
+        if publish:
+            return offer
+        self._kept_offer = offer
+        return {"part": offer["part"], "world": offer["world"], "step": offer["step"], "kept": True}
 
-    def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1) -> dict:
+    def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1,
+                            holders: dict[int, int] | None = None) -> dict:
         """Memory path of a sharded strategy: a fresh sharded build at the new world size, filled
         from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
-        this rank's new shards overlap. No storage read."""
+        this rank's new shards overlap. No storage read. `holders` (old part -> new rank): parts
+        kept in the memory of ranks of the new group, moved rank to rank instead."""
         t0 = time.monotonic()
         phases: dict[str, float] = {}
 
@@ -399,21 +410,29 @@ class Worker:
         self._build()
         state = self._state()
         t = phase("build", t0)
+        holders = {int(p): r for p, r in (holders or {}).items()}
+        own, self._kept_offer = self._kept_offer, None
         pipeline = self.strategy.name == "pipeline"  # by name, from replica 0 of each old stage (rank = stage)
-        parts = (self.strategy.needed_stages(old_pp) if pipeline
-                 else resharding.needed_parts(state, old_world, self.world_size, self.rank))
+        if pipeline:
+            parts = self.strategy.needed_stages(old_pp)
+        else:
+            parts = resharding.needed_parts(state, old_world, self.world_size, self.rank, frozenset(holders))
         got = dict(zip(parts, ray.get([offers[p] for p in parts])))
         t = phase("fetch", t)
-        self.step = (self.strategy.assemble(state, got) if pipeline
-                     else resharding.assemble(state, got, self.world_size, self.rank))
-        del got
+        if pipeline:
+            self.step = self.strategy.assemble(state, got)
+        else:
+            self.step = resharding.exchange(state, own, got, holders, old_world, self.world_size, self.rank,
+                                            self.ckpt_pg)
+        del got, own
         t = phase("assemble", t)
         self._load_state(state)
         t = phase("load", t)
         self._start_checkpointer()
         phase("start_checkpointer", t)
         return {"step": self.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0, "phases": phases,
-                "source": f"re-sharded in memory from {old_world} ranks (read parts {parts})"}
+                "source": f"re-sharded in memory from {old_world} ranks (read parts {parts}"
+                          f"{f', rank to rank from {sorted(holders)}' if holders else ''})"}
 
     def state_digest(self) -> str:
         """sha256 over the whole (unsharded) model and optimizer state in a fixed order: equal

@@ -105,6 +105,7 @@ class WorkerGroup:
         self.suspect_nodes: set[str] = set()
         self._probes: dict[str, "ray.ObjectRef"] = {}  # suspect node -> probe task in flight
         self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
+        self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
 
     def _new_actor(self):
         """A new worker actor, never on a suspect node."""
@@ -405,15 +406,27 @@ class WorkerGroup:
 
     def restore_from_shards(self, offers: dict[int, "ray.ObjectRef"], old_world: int,
                             timeout_s: float, old_pp: int = 1) -> dict[int, dict]:
+        # Parts kept by a process that is a member again move rank to rank: old part -> its new rank.
+        where = {(m.node_id, m.pid): r for r, m in self.members.items()}
+        holders = {p: where.get(key) for p, key in self._kept_by.items()}
+        self._kept_by = {}
+        if None in holders.values():
+            gone = sorted(p for p, r in holders.items() if r is None)
+            raise GroupError(f"old parts {gone} were kept by ranks that are not in the new group", {})
         # Refs nested in a list reach the workers as refs: each fetches only the parts it needs.
-        return self._all("restore_from_shards", timeout_s, [offers[p] for p in range(old_world)], old_world, old_pp)
+        return self._all("restore_from_shards", timeout_s, [offers[p] for p in range(old_world)], old_world, old_pp,
+                         holders)
 
-    def offer_shards(self, timeout_s: float) -> tuple[dict[int, "ray.ObjectRef"], list[int]]:
-        """Every member's part of the state, as object refs owned by this (the controller's)
-        process: the bytes stay in each member's node store and outlive the member's process.
-        Returns (refs by rank, ranks whose offer was not ready in time). An offer that failed
-        is ready too; its error surfaces when a receiver reads it, and that restore fails."""
-        refs = {r: m.handle.offer_shards.remote() for r, m in self.members.items()}
+    def offer_shards(self, timeout_s: float, keep: frozenset[int] = frozenset()
+                     ) -> tuple[dict[int, "ray.ObjectRef"], list[int]]:
+        """Every member's part of the state. Ranks in `keep` (they stay in the new group) keep
+        theirs in memory and send it rank to rank at the restore; the others' are object refs
+        owned by this (the controller's) process: the bytes stay in each member's node store and
+        outlive the member's process. Returns (refs by rank, ranks whose offer was not ready in
+        time). An offer that failed is ready too; its error surfaces when a receiver reads it,
+        and that restore fails."""
+        self._kept_by = {r: (m.node_id, m.pid) for r, m in self.members.items() if r in keep}
+        refs = {r: m.handle.offer_shards.remote(publish=r not in keep) for r, m in self.members.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s, fetch_local=False)
         ready = set(ready)
         late = [r for r, ref in refs.items() if ref not in ready]

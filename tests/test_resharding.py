@@ -120,7 +120,7 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop):
     strat, model, opt = _setup(rank, world, port, "new")
     state = strat.state_dict(model, opt)
     parts = resharding.needed_parts(state, old_world, world, rank)
-    assert resharding.assemble(state, {p: offers[p] for p in parts}, world, rank) == 3
+    assert resharding.exchange(state, None, {p: offers[p] for p in parts}, {}, old_world, world, rank, None) == 3
     strat.load_state_dict(model, opt, state)
     full = _full(strat, model, opt)
     # Training goes on at the new size: one more step must work on the re-sharded state.
@@ -137,12 +137,26 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop):
     opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-2)
     state3 = strat.state_dict(model3, opt3)
     try:
-        resharding.assemble(state3, {p: offers[p] for p in parts if p not in drop}, world, rank)
+        resharding.exchange(state3, None, {p: offers[p] for p in parts if p not in drop}, {}, old_world, world, rank,
+                            None)
         error = None
     except ReshardError as e:
         error = str(e)
+    # 4. Rank to rank: the new ranks that were old ranks keep their own part and send its rows over
+    # the group; a part whose rank left (3 -> 2: part 2) is read from its offer as before.
+    holders = {p: p for p in range(min(old_world, world))}
+    model4 = strat.prepare(_model(), sync_init=False)
+    opt4 = torch.optim.AdamW(model4.parameters(), lr=1e-2)
+    state4 = strat.state_dict(model4, opt4)
+    remote = resharding.needed_parts(state4, old_world, world, rank, frozenset(holders))
+    assert not set(remote) & set(holders)
+    own = offers[rank] if rank in holders else None
+    assert resharding.exchange(state4, own, {p: offers[p] for p in remote}, holders, old_world, world, rank,
+                               dist.group.WORLD) == 3
+    strat.load_state_dict(model4, opt4, state4)
+    full_direct = _full(strat, model4, opt4)
     if rank == 0:
-        torch.save({"memory": full, "storage": full_ckpt}, f"{out_dir}/full_new.pt")
+        torch.save({"memory": full, "storage": full_ckpt, "direct": full_direct}, f"{out_dir}/full_new.pt")
     with open(f"{out_dir}/error_{rank}.txt", "w") as f:
         f.write(repr(error))
     dist.destroy_process_group()
@@ -163,7 +177,7 @@ def _assert_same_state(a: dict, b: dict):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("old,new", [(3, 2), (2, 3)])
-def test_fsdp_reshards_exactly_in_memory_and_from_a_checkpoint(tmp_path, old, new):
+def test_fsdp_reshards_exactly_in_memory_rank_to_rank_and_from_a_checkpoint(tmp_path, old, new):
     uri = f"file://{tmp_path}/ckpt"
     _spawn(_old_world, old, str(tmp_path), uri)
     _spawn(_new_world, new, str(tmp_path), old, uri, (1,))
@@ -171,6 +185,7 @@ def test_fsdp_reshards_exactly_in_memory_and_from_a_checkpoint(tmp_path, old, ne
     assert any(k[0] == "optim" and k[-1] == "exp_avg_sq" for k in full_old), "optimizer moments are compared too"
     _assert_same_state(full_old, full_new["memory"])
     _assert_same_state(full_old, full_new["storage"])
+    _assert_same_state(full_old, full_new["direct"])
     # Without old part 1 (its node died), every new part that overlaps its rows refuses; a new
     # part that lies within other old parts (part 0 of 3 within part 0 of 2) does not need it.
     errors = {int(p.stem.split("_")[1]): p.read_text() for p in tmp_path.glob("error_*.txt")}

@@ -46,7 +46,7 @@ def test_shrink_on_node_loss_then_grow_back(cluster, tmp_path):  # noqa: F811
         "failure": {"max_failures": 2},
         "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": 50},
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.testing.faulty:loss_slower_while_shrunk", "global_batch_size": 48},
+                  "loss": "elastic.testing.workloads:loss_slower_while_shrunk", "global_batch_size": 48},
         "chaos": [{"action": "kill_node", "rank": 1, "at_step": 20}],
     }
     out = {}

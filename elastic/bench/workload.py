@@ -22,11 +22,11 @@ def hidden_width() -> int:
     return int(os.environ.get(HIDDEN_ENV) or HIDDEN)
 
 
-def build_mlp(hidden: int) -> nn.Module:
+def build_mlp(hidden: int, activation: type[nn.Module] = nn.ReLU) -> nn.Module:
     """256 -> hidden -> hidden -> 10: the hidden width sets the size."""
     return nn.Sequential(
-        nn.Linear(IN_FEATURES, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(IN_FEATURES, hidden), activation(),
+        nn.Linear(hidden, hidden), activation(),
         nn.Linear(hidden, NUM_CLASSES),
     )
 

@@ -543,14 +543,17 @@ class Controller:
     def _path(self, plan) -> str:
         return "storage" if isinstance(plan, FromStorage) else "memory"
 
-    def _leave_for_planned_change(self) -> Recovering | None:
-        """Every rank stopped at the same boundary; a sharded state's parts are offered (kept in
-        the object store) before the ranks drop the group. A rank that cannot turns the planned
-        change into a recovery."""
+    def _leave_for_planned_change(self, leaving: int | None = None) -> Recovering | None:
+        """Every rank stopped at the same boundary; a sharded state's parts are offered before the
+        ranks drop the group: kept in memory by the ranks that stay (moved rank to rank at the
+        restore), put in the object store by the one `leaving` and by a pipeline's ranks (whose
+        re-partition moves state by name). A rank that cannot turns the planned change into a
+        recovery."""
         self.run_refs = {}
         self.offers = {}
         if (self.sharded or self.pipeline) and self.job.failure.peer_restore:
-            self.offers, late = self.group.offer_shards(self.job.failure.collective_timeout_s)
+            keep = frozenset() if self.pipeline else frozenset(r for r in self.group.members if r != leaving)
+            self.offers, late = self.group.offer_shards(self.job.failure.collective_timeout_s, keep)
             if late:
                 return Recovering(tuple(LostRank(r, "unresponsive", "did not offer its shards") for r in late),
                                   self.wall())
@@ -564,7 +567,7 @@ class Controller:
         healthy rank's memory."""
         cfg = self.job.failure
         t0 = self.now()
-        failed = self._leave_for_planned_change()
+        failed = self._leave_for_planned_change(leaving=st.rank)
         if failed:
             return failed
         max_calib = self.job.stragglers.threshold * self._swap_healthy_s
@@ -710,7 +713,7 @@ class Controller:
         """A straggler with no spare to take its place, and the world may shrink: stop at a
         step boundary, let it hand over its part of the state, and go on without it."""
         t0 = self.now()
-        failed = self._leave_for_planned_change()
+        failed = self._leave_for_planned_change(leaving=st.rank)
         if failed:
             return failed
         old = self.world_size

@@ -217,7 +217,8 @@ class FakeGroup:
         step = max(m.step for m in self.members.values())
         return self._restored(step, f"re-sharded in memory from {old_world} ranks")
 
-    def offer_shards(self, timeout_s: float):
+    def offer_shards(self, timeout_s: float, keep: frozenset = frozenset()):
+        self.calls.append(("offer_shards", tuple(sorted(keep))))  # the ranks that keep their part
         return {r: object() for r in self.members}, []
 
     def request_stop(self, generation: int, timeout_s: float) -> dict[int, int]:

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import os
-import time
 
 import torch
-import torch.distributed as dist
 
 from elastic.bench.workload import loss_fn as _loss_fn
 
@@ -77,18 +75,3 @@ def rollback_drill_loss(model, batch):
 
 _drill_ids = None
 
-
-SHRUNK_EXTRA_S = 0.3
-
-
-def loss_slower_while_shrunk(model, batch):
-    """The workload's loss, SHRUNK_EXTRA_S slower per call while the group has fewer than 3 ranks.
-
-    Resize tests shrink 3 -> 2 and then give capacity back. At full speed the shrunken run can
-    reach its last step before the new node has started and its worker warmed (CI saw it on a
-    loaded machine: the run ended with no grow to test). Slower steps at 2 ranks widen that
-    window to SHRUNK_EXTRA_S x the remaining steps; the arithmetic is the workload's, and a run
-    that never shrinks is not slowed at all."""
-    if dist.is_initialized() and dist.get_world_size() < 3:
-        time.sleep(SHRUNK_EXTRA_S)
-    return _loss_fn(model, batch)
