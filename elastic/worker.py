@@ -734,6 +734,7 @@ class Worker:
         self._collect_persists()
         with self._lock:
             out = dict(self._progress, rank=self.rank, generation=self.generation, persists=self._persists,
+                       persisting=self.ckpt is not None and self.ckpt.in_flight(),
                        compute_log=self._compute_log, ledger=self._ledger, deferred=self._deferred,
                        skipped=self._skipped)
             self._deferred = []

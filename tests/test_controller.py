@@ -90,6 +90,33 @@ def test_a_stop_request_that_reaches_only_some_ranks_is_not_lost():
     assert not kinds(c, "failure_detected")
 
 
+def test_a_grow_waits_for_the_persist_in_flight_while_training_goes_on():
+    """A planned stop would wait for a persist with every rank idle: the grow waits instead."""
+    c, g, clock = make(num_steps=4000, scaling={"num_workers": 2, "max_workers": 3, "grow_check_s": 1})
+    g.persisting = True
+    drive(c, lambda c: kinds(c, "grow_deferred"))
+    step = c.step
+    drive(c, lambda c: c.step >= step + 100)  # training goes on at 2 ranks, and no stop is requested
+    assert c.world_size == 2 and not calls(g, "request_stop") and len(kinds(c, "grow_deferred")) == 1
+    g.persisting = False  # the persist is over
+    drive(c, lambda c: c.world_size == 3)
+    assert [d["decision"] for d in kinds(c, "decision")] == ["Grow"]
+
+
+def test_a_grow_waits_for_one_persist_at_most():
+    """Checkpoints so frequent that the next persist is always in flight cannot put a grow off:
+    once the persist it waited for has committed, the group stops and grows."""
+    c, g, clock = make(num_steps=4000, scaling={"num_workers": 2, "max_workers": 3, "grow_check_s": 1})
+    g.persisting = True
+    drive(c, lambda c: kinds(c, "grow_deferred"))
+    step = c.step
+    drive(c, lambda c: c.step >= step + 100)
+    assert c.world_size == 2
+    g.commits = ["memory://ckpt/step_1"]  # committed, and the next persist is already running
+    drive(c, lambda c: c.world_size == 3)
+    assert c.world_size == 3 and kinds(c, "checkpoint_committed") and g.persisting
+
+
 def test_a_failure_during_a_recovery_keeps_the_survivors():
     """Rank 1's machine stops; while the new group forms, rank 2 dies. Ranks 0 and the replacement
     failed their join because of a peer: they are survivors, and rank 0's state is still used."""

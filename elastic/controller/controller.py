@@ -102,6 +102,8 @@ class Controller:
         # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
         self.ledger: dict[int, tuple[int, dict[int, list[int]]]] = {}
         self._grow_checked_at = self.now()
+        self.persisting: dict[int, bool] = {}  # rank -> a checkpoint persist of its was in flight at its last poll
+        self._grow_deferred: tuple[str | None] | None = None  # (last committed checkpoint) while a grow waits for a persist
         self._swap_healthy_s = 0.0  # healthy ranks' median compute at the last Swap decision
         self._spares_checked_at = 0.0
         self.generation = 0  # bumped by every group formation
@@ -653,6 +655,25 @@ class Controller:
                          old_layout=str(old), new_layout=str(new))
         return Forming()
 
+    def _defer_for_persist(self, n: int) -> bool:
+        """A planned stop waits for the persist in flight with every rank idle. So while one runs,
+        the grow waits instead and training goes on; once that persist is over (committed or
+        failed), the stop is requested even if the next one has started, so frequent checkpoints
+        cannot put a grow off for more than one persist."""
+        busy = any(self.persisting.get(r) for r in self.group.members)
+        if self._grow_deferred is None:
+            if not busy:
+                return False
+            self._grow_deferred = (self.last_committed,)
+            self.events.emit("grow_deferred", ranks=list(range(self.world_size, self.world_size + n)),
+                             reason="a checkpoint persist is in flight: training goes on until it is over, "
+                                    "then the group stops at a step boundary and grows")
+            return True
+        if busy and (self.last_committed,) == self._grow_deferred:
+            return True
+        self._grow_deferred = None
+        return False
+
     def _check_growth(self) -> Growing | None:
         """Below max_workers, keep workers waiting for capacity; once some are warm, plan a stop
         at a step boundary and grow (never in the middle of a step or of a checkpoint persist)."""
@@ -673,6 +694,8 @@ class Controller:
             if target is None:
                 return None
             n = target.world_size - self.world_size
+        if self._defer_for_persist(n):
+            return None
         if not self._request_stop():
             return None
         reason = (f"{n} warm worker(s) available and world size {self.world_size} < "
@@ -823,6 +846,7 @@ class Controller:
 
     def _absorb_progress(self, answers: dict[int, dict]) -> None:
         self.rank_status.update({r: a.get("status") for r, a in answers.items()})
+        self.persisting.update({r: bool(a.get("persisting")) for r, a in answers.items()})
         steps = [a["step"] for a in answers.values()]
         if not steps:
             return

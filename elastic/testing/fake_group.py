@@ -62,6 +62,8 @@ class FakeGroup:
     die_on_form: list = field(default_factory=list)  # ranks that die during the next form()
     stop_undelivered: set = field(default_factory=set)  # ranks a request_stop does not reach
     self_s: float = 0.0  # real seconds spent inside this fake (to subtract from controller timings)
+    persisting: bool = False  # every rank reports a checkpoint persist in flight
+    commits: list = field(default_factory=list)  # checkpoint uris rank 0 reports committed at its next answer
 
     def __post_init__(self):
         self._pending: list[float] = []  # fake times at which pending spares become ready
@@ -260,9 +262,14 @@ class FakeGroup:
         return results, died
 
     def _answer(self, m: FakeRank) -> dict:
+        persists = []
+        if m.rank == 0:
+            persists = [{"committed": True, "uri": u, "step": m.step, "persist_s": 1.0, "attempts": 1, "metrics": {}}
+                        for u in self.commits]
+            self.commits = []
         return {"step": m.step, "status": "running" if m.running else "idle", "loss": 1.0, "step_s": self.step_s,
-                "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": [],
-                "compute_log": [], "ledger": [], "deferred": []}
+                "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": persists,
+                "persisting": self.persisting, "compute_log": [], "ledger": [], "deferred": []}
 
     def poll_nowait(self, ping_timeout_s: float):
         t0 = time.perf_counter()
