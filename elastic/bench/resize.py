@@ -26,6 +26,7 @@ only larger states, read back over HTTP, show what re-sharding in memory is wort
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -74,7 +75,19 @@ def _events(run_dir: str, storage_options: dict | None = None) -> list[dict]:
         return []
 
 
-def run_elastic(system: str, work: str, cluster, s3=None, steps: int = NUM_STEPS) -> dict:
+def grow_timeline(events: list[dict]) -> list[dict]:
+    """A run's events (polls left out) with their time in seconds from the Grow decision, the
+    form the README's resize breakdowns quote; from the run's start if it never grew."""
+    grow = [e for e in events if e["kind"] == "decision" and e.get("decision") == "Grow"]
+    t0 = grow[0]["t"] if grow else events[0]["t"]
+    return [{"t_from_grow_decision_s": round(e["t"] - t0, 3), **{k: v for k, v in e.items() if k != "t"}}
+            for e in events if e["kind"] != "poll"]
+
+
+def run_elastic(system: str, work: str, cluster, s3=None, steps: int = NUM_STEPS,
+                timeline_path: str | None = None) -> dict:
+    """One elastic run that grows when a node joins; with `timeline_path`, its events are written
+    there as JSON lines (`grow_timeline`)."""
     from elastic import Trainer
 
     if s3 is not None:
@@ -106,6 +119,10 @@ def run_elastic(system: str, work: str, cluster, s3=None, steps: int = NUM_STEPS
     if "error" in out:
         raise out["error"]
     result = out["result"]
+    if timeline_path:
+        os.makedirs(os.path.dirname(timeline_path), exist_ok=True)
+        with open(timeline_path, "w") as f:
+            f.writelines(json.dumps(e, default=str) + "\n" for e in grow_timeline(result.events))
     done = result.events_of("resize_completed")
     grow = [d for d in done if d["new_world_size"] == MAX]
     rec = {"bench": "resize", "system": system, "resized": bool(grow), "old_world_size": MIN, "new_world_size": MAX,
@@ -157,8 +174,10 @@ def main(args) -> int:
                     with local_cluster(num_worker_nodes=MIN, cpus_per_node=1) as cluster:
                         if hidden:  # every process of every system builds this width (elastic.bench.workload)
                             _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+                        timeline = (os.path.join(args.out, "resize-events", f"{system}-{params}-rep{rep}.jsonl")
+                                    if args.out else None)
                         rec = (run_ray_train(work, cluster, s3, num_steps(params)) if system == "ray-train"
-                               else run_elastic(system, work, cluster, s3, num_steps(params)))
+                               else run_elastic(system, work, cluster, s3, num_steps(params), timeline))
                     rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
                                storage=args.storage)
                     records.append(rec)
