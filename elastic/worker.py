@@ -206,11 +206,9 @@ class Worker:
         rendezvous and a state transfer. Spares are warmed before they are needed. A worker
         started for a recovery in progress takes a rank at once: its calibration (a few steps'
         compute, seconds at 100 M parameters) is left for when it is ever weighed for a swap."""
-        t0 = time.perf_counter()
         if self.model is None:
             self._build()
-        build_s = time.perf_counter() - t0
-        return {**self.info(), "build_s": build_s, "calib_s": self.calibrate() if calibrate else None}
+        return {**self.info(), "calib_s": self.calibrate() if calibrate else None}
 
     def calibrate(self, reps: int = 5) -> float:
         """Best compute time of one rank's share of a step (forward + backward) on this process,
@@ -410,7 +408,7 @@ class Worker:
         self._build()
         state = self._state()
         t = phase("build", t0)
-        holders = {int(p): r for p, r in (holders or {}).items()}
+        holders = holders or {}
         own, self._kept_offer = self._kept_offer, None
         pipeline = self.strategy.name == "pipeline"  # by name, from replica 0 of each old stage (rank = stage)
         if pipeline:

@@ -74,4 +74,3 @@ def rollback_drill_loss(model, batch):
 
 
 _drill_ids = None
-
