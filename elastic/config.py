@@ -31,6 +31,9 @@ class ScalingConfig(_Strict):
         0, ge=0, description="Warm spare workers (model built, ready to receive state) that replace lost or slow ranks.")
     wait_for_spares: bool = Field(
         False, description="Start training only once the spares are warm (drills and benchmarks of the spare path).")
+    low_priority_refills: bool = Field(
+        True, description="Spares that refill the pool while the group trains start under SCHED_IDLE (the lowest CPU "
+                          "priority) until built, where the OS lets them return to normal (elastic/priority.py).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor.")
     use_gpu: bool = Field(False, description="One GPU per worker and NCCL; gloo on CPU otherwise.")
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
-from elastic import chaos, collectives, fencing, resharding
+from elastic import chaos, collectives, fencing, priority, resharding
 from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
@@ -208,7 +208,14 @@ class Worker:
         compute, seconds at 100 M parameters) is left for when it is ever weighed for a swap."""
         if self.model is None:
             self._build()
-        return {**self.info(), "calib_s": self.calibrate() if calibrate else None}
+        # Started beside training at the lowest priority (elastic/priority.py): built now, it
+        # calibrates and later trains at the priority it had.
+        low = priority.restore()
+        return {**self.info(), "calib_s": self.calibrate() if calibrate else None, "started_low": low}
+
+    def restore_priority(self) -> bool:
+        """A spare still warming at low priority is wanted by a recovery: finish at full priority."""
+        return priority.restore()
 
     def calibrate(self, reps: int = 5) -> float:
         """Best compute time of one rank's share of a step (forward + backward) on this process,

@@ -14,6 +14,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic import priority
 from elastic.worker import Worker
 
 
@@ -97,8 +98,10 @@ class WorkerGroup:
         # Spares: started and warmed (model built) before they are needed; not in the group.
         self._pending_spares: dict["ray.ObjectRef", "ray.actor.ActorHandle"] = {}
         self._on_demand: set["ray.ObjectRef"] = set()  # pending spares started by promote() itself
+        self._background: set["ray.ObjectRef"] = set()  # pending spares started at low priority beside training
         self.ready_spares: list[Member] = []
-        self.newly_ready: list[tuple[str, int]] = []  # (node, pid) of spares that became ready since the controller last looked
+        # (node, pid, started at low priority) of spares that became ready since the controller last looked
+        self.newly_ready: list[tuple[str, int, bool]] = []
         self.lost_spares: list[str] = []  # why spares were lost inside a group operation, for the event log
         # Nodes that hosted a rank lost to silence (stopped, partitioned, dead). Ray may list such a
         # node as alive for a while; nothing new goes there until it answers again (see `probe_suspects`).
@@ -107,9 +110,14 @@ class WorkerGroup:
         self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
         self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
 
-    def _new_actor(self):
-        """A new worker actor, never on a suspect node."""
+    def _new_actor(self, background: bool = False):
+        """A new worker actor, never on a suspect node. `background`: it starts beside a training
+        group, at the lowest CPU priority until it is built (see elastic/priority.py)."""
         opts = dict(self._actor_opts)
+        if background:
+            env = dict(opts["runtime_env"] or {})
+            env["env_vars"] = {**env.get("env_vars", {}), priority.BACKGROUND_ENV: "1"}
+            opts["runtime_env"] = env
         if self.suspect_nodes:
             opts["label_selector"] = {"ray.io/node-id": f"!in({','.join(sorted(self.suspect_nodes))})"}
         return self._remote_worker.options(**opts).remote(self.job_json, self.root, self.controller)
@@ -144,11 +152,12 @@ class WorkerGroup:
         for ref, avoided in list(self._kept_off.items()):
             if ref in self._pending_spares and avoided & cleared:
                 h = self._pending_spares.pop(ref)
-                on_demand = ref in self._on_demand
+                on_demand, background = ref in self._on_demand, ref in self._background
                 self._on_demand.discard(ref)
+                self._background.discard(ref)
                 self._kept_off.pop(ref)
                 ray.kill(h, no_restart=True)
-                self.add_spares(1, on_demand=on_demand)
+                self.add_spares(1, on_demand=on_demand, background=background)
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
@@ -166,15 +175,20 @@ class WorkerGroup:
             self.members[r] = Member(r, handles[r], info["node_id"], info["ip"], info["pid"])
 
     # ---------------------------------------------------------------- spares
-    def add_spares(self, n: int, on_demand: bool = False) -> None:
-        """Start n spare workers in the background; they warm up (build the model) on their own."""
+    def add_spares(self, n: int, on_demand: bool = False, background: bool = False) -> None:
+        """Start n spare workers in the background; they warm up (build the model) on their own.
+        `on_demand`: wanted by a recovery in progress (no calibration). `background`: refilling the
+        pool while the group trains; they start at the lowest CPU priority, so that on CPUs they
+        share with training ranks they take only what training leaves."""
         for _ in range(max(0, n)):
-            h = self._new_actor()
+            h = self._new_actor(background=background and not on_demand and self.job.scaling.low_priority_refills)
             ref = h.warm.remote(calibrate=not on_demand)
             self._pending_spares[ref] = h
             self._kept_off[ref] = frozenset(self.suspect_nodes)
             if on_demand:
                 self._on_demand.add(ref)
+            elif background:
+                self._background.add(ref)
 
     def wait_spares_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -196,6 +210,7 @@ class WorkerGroup:
             self._kept_off.pop(ref, None)
             on_demand = ref in self._on_demand
             self._on_demand.discard(ref)
+            self._background.discard(ref)
             try:
                 info = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a spare that died while warming is just gone
@@ -204,7 +219,7 @@ class WorkerGroup:
                 continue
             self.ready_spares.append(Member(-1, h, info["node_id"], info["ip"], info["pid"], info.get("calib_s"),
                                             on_demand))
-            self.newly_ready.append((info["node_id"][:12], info["pid"]))
+            self.newly_ready.append((info["node_id"][:12], info["pid"], bool(info.get("started_low"))))
         return lost
 
     def check_spares(self, timeout_s: float) -> list[str]:
@@ -228,6 +243,8 @@ class WorkerGroup:
             if self._pending_spares:
                 ref, h = self._pending_spares.popitem()
                 self._kept_off.pop(ref, None)
+                self._on_demand.discard(ref)
+                self._background.discard(ref)
                 ray.kill(h, no_restart=True)
             else:
                 self._kill_member(self.ready_spares.pop())
@@ -309,6 +326,11 @@ class WorkerGroup:
 
         self.lost_spares.extend(self.refresh_spares())
         take_ready("warm spare")
+        if need:
+            # A spare still warming at low priority is now wanted: it finishes at full priority
+            # (the call runs once its constructor has, beside warm()).
+            for ref in self._background:
+                self._pending_spares[ref].restore_priority.remote()
         while need and time.monotonic() < deadline:
             # Keep one warming spare per missing rank: a replacement that died (its node was lost
             # too, or not yet known to be lost) is replaced in turn, never waited on forever.

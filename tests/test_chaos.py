@@ -290,7 +290,13 @@ def test_a_dead_spare_is_replaced_without_disturbing_training(cluster, baseline,
     t.join(timeout=240)
     result = out["result"]
     assert result.events_of("spare_lost")
-    assert len(result.events_of("spare_ready")) >= 2  # a replacement spare warmed up
+    ready = result.events_of("spare_ready")
+    assert len(ready) >= 2  # a replacement spare warmed up
+    # The first spare started with the group; its replacement beside training, at the lowest CPU
+    # priority until built, wherever it could return to its own priority afterwards.
+    from elastic import priority
+    assert ready[0]["started_low"] is False
+    assert all(e["started_low"] is priority._can_return() for e in ready[1:])
     assert not result.events_of("failure_detected") and not result.events_of("recovered")
     assert result.metrics["step"] == 300 and len(set(result.digests.values())) == 1
 

@@ -197,3 +197,18 @@ def test_a_pipeline_without_capacity_drops_a_replica_then_stages_and_grows_back(
     assert isinstance(c.state, Finished) and c.step == 400
     assert [(r["old_world_size"], r["new_world_size"]) for r in kinds(c, "resized")] == [(4, 2), (2, 4)]
     assert (c.layout.pp, c.layout.dp) == (2, 2)
+
+
+def test_spares_that_refill_the_pool_beside_training_start_at_low_priority():
+    """The first spares start with the group, at full priority; the one that replaces a spare used
+    by a recovery starts while the group trains, so it asks for low priority (elastic/priority.py).
+    A worker a recovery waits for never does."""
+    c, g, clock = make(scaling={"num_spares": 1})
+    drive(c, lambda c: c.step >= 10)
+    assert g.spare_starts == [(1, False, False)]
+    g.freeze(1)
+    drive(c)
+    assert isinstance(c.state, Finished)
+    assert calls(g, "promote") == [(1,)]
+    assert g.spare_starts[1:] == [(1, False, True)]
+    assert all(not background for _, on_demand, background in g.spare_starts if on_demand)

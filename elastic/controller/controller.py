@@ -265,7 +265,8 @@ class Controller:
         # those that can bring a shrunk world back up (they wait for capacity, then we grow).
         headroom = self.job.scaling.max_size - self.world_size
         self.group.trim_spares(self.job.scaling.num_spares + headroom)
-        self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares())
+        # Refills start beside the training group: at low CPU priority until built.
+        self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares(), background=True)
         return Running()
 
     def _on_running(self, st: Running) -> State:
@@ -765,13 +766,14 @@ class Controller:
         lost = self.group.refresh_spares() + self.group.check_spares(self.job.failure.ping_timeout_s)
         lost += self.group.lost_spares
         self.group.lost_spares = []
-        for node, pid in self.group.newly_ready:
-            self.events.emit("spare_ready", node=node, pid=pid, num_ready=len(self.group.ready_spares))
+        for node, pid, low in self.group.newly_ready:
+            self.events.emit("spare_ready", node=node, pid=pid, num_ready=len(self.group.ready_spares),
+                             started_low=low)
         self.group.newly_ready.clear()
         for why in lost:
             self.events.emit("spare_lost", reason=why)
         if lost:
-            self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares())
+            self.group.add_spares(self.job.scaling.num_spares - self.group.num_spares(), background=True)
 
     # ---------------------------------------------------------------- helpers
     def _lost_from(self, e: GroupError, during: str) -> State:

@@ -54,6 +54,7 @@ class FakeGroup:
     members: dict = field(default_factory=dict)
     ready_spares: list = field(default_factory=list)
     newly_ready: list = field(default_factory=list)
+    spare_starts: list = field(default_factory=list)  # (n, on_demand, background) per add_spares that started any
     lost_spares: list = field(default_factory=list)
     suspect_nodes: set = field(default_factory=set)
     calls: list = field(default_factory=list)  # (method, args) in order
@@ -110,7 +111,9 @@ class FakeGroup:
         for r in ranks:
             self.members[r] = self._new_rank(r)
 
-    def add_spares(self, n: int, on_demand: bool = False) -> None:
+    def add_spares(self, n: int, on_demand: bool = False, background: bool = False) -> None:
+        if n > 0:
+            self.spare_starts.append((n, on_demand, background))
         for _ in range(max(0, n)):
             self._pending.append(self.clock() + self.spare_warm_s)
 
@@ -128,7 +131,7 @@ class FakeGroup:
             self._pending.remove(t)
             m = self._new_rank(-1)
             self.ready_spares.append(m)
-            self.newly_ready.append((m.node_id[:12], m.pid))
+            self.newly_ready.append((m.node_id[:12], m.pid, False))
         return []
 
     def check_spares(self, timeout_s: float) -> list[str]:
