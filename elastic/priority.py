@@ -36,10 +36,6 @@ def _threads() -> list[int]:
         return []
 
 
-def policy_of(tid: int) -> int:
-    return os.sched_getscheduler(tid)
-
-
 def _set(tid: int, policy: int) -> None:
     os.sched_setscheduler(tid, policy, os.sched_param(0))
 
@@ -52,7 +48,7 @@ def _can_return() -> bool:
     def probe() -> None:
         tid = threading.get_native_id()
         try:
-            base = policy_of(tid)
+            base = os.sched_getscheduler(tid)
             _set(tid, os.SCHED_IDLE)
             _set(tid, base)
             ok.append(base != os.SCHED_IDLE)
@@ -74,7 +70,7 @@ def lower() -> bool:
             return True
         if not hasattr(os, "SCHED_IDLE") or not _threads() or not _can_return():
             return False
-        _saved = policy_of(threading.get_native_id())
+        _saved = os.sched_getscheduler(threading.get_native_id())
         for tid in _threads():
             try:
                 _set(tid, os.SCHED_IDLE)

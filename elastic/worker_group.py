@@ -180,14 +180,15 @@ class WorkerGroup:
         `on_demand`: wanted by a recovery in progress (no calibration). `background`: refilling the
         pool while the group trains; they start at the lowest CPU priority, so that on CPUs they
         share with training ranks they take only what training leaves."""
+        low = background and not on_demand and self.job.scaling.low_priority_refills
         for _ in range(max(0, n)):
-            h = self._new_actor(background=background and not on_demand and self.job.scaling.low_priority_refills)
+            h = self._new_actor(background=low)
             ref = h.warm.remote(calibrate=not on_demand)
             self._pending_spares[ref] = h
             self._kept_off[ref] = frozenset(self.suspect_nodes)
             if on_demand:
                 self._on_demand.add(ref)
-            elif background:
+            if low:
                 self._background.add(ref)
 
     def wait_spares_ready(self, timeout_s: float) -> bool:
