@@ -126,3 +126,35 @@ def test_the_cli_refuses_bad_arguments_before_starting_anything(capsys):
     assert bench.main(p.parse_args(["overhead", "--systems", "elastic,horovod"])) == 2
     assert bench.main(p.parse_args(["overhead", "--hidden", "0"])) == 2
     assert "--hidden" in capsys.readouterr().err
+
+
+def test_a_gpu_run_puts_one_rank_on_each_gpu_up_to_the_cpu_world():
+    # NCCL refuses two ranks on one GPU: one GPU is a world of one.
+    assert [bench.gpu_world_size(n) for n in (1, 2, 8)] == [1, 2, bench.NUM_WORKERS]
+    with pytest.raises(ValueError, match="--gpu"):
+        bench.gpu_world_size(0)
+
+
+def test_a_gpu_run_gives_every_size_the_same_plan():
+    assert bench.plan(10000, reps=3, gpu=True) == bench.plan(1024, reps=3, gpu=True) == bench.plan(1024, reps=3)
+
+
+def test_the_gpu_job_and_the_gpu_plain_peer_use_the_gpu(tmp_path):
+    job = parse_job(bench.elastic_job(1024, 100, "file://" + str(tmp_path), num_workers=1, gpu=True))
+    assert job.scaling.use_gpu and job.scaling.num_workers == 1
+    assert not parse_job(bench.elastic_job(1024, 100, "file://" + str(tmp_path))).scaling.use_gpu
+    cmd = bench.plain_command(1024, 100, "/tmp/ckpt", num_workers=1, gpu=True)
+    assert "--nproc-per-node=1" in cmd
+    assert plain_ddp.parse_args(cmd[cmd.index("elastic.bench.plain_ddp") + 1:]).gpu
+    cpu = bench.plain_command(1024, 100, "/tmp/ckpt")
+    assert not plain_ddp.parse_args(cpu[cpu.index("elastic.bench.plain_ddp") + 1:]).gpu
+
+
+def test_the_cli_takes_gpu_and_refuses_it_without_a_gpu(capsys, monkeypatch):
+    import argparse
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    assert p.parse_args(["overhead", "--gpu"]).gpu and not p.parse_args(["overhead"]).gpu
+    monkeypatch.setattr(bench, "gpu_devices", lambda: 0)
+    assert bench.main(p.parse_args(["overhead", "--gpu"])) == 2
+    assert "no CUDA device" in capsys.readouterr().err

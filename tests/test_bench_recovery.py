@@ -42,3 +42,36 @@ def test_the_resize_bench_reads_a_runs_events_from_an_object_store_as_they_are_w
     Storage(run).write_bytes(f"{run}/events/000001.jsonl",
                              (json.dumps({"t": 1.0, "kind": "checkpoint_committed", "step": 20}) + "\n").encode())
     assert [e["step"] for e in _events(run)] == [20]
+
+
+def test_a_gpu_run_faults_a_rank_that_exists_and_compares_only_what_the_gpus_allow():
+    one = bench.gpu_layout(1)  # NCCL refuses two ranks on one GPU: no survivor, no spare
+    assert one == {"num_workers": 1, "fault_rank": 0, "systems": ["elastic", "ray-train"]}
+    two = bench.gpu_layout(2)
+    assert two["num_workers"] == 2 and two["fault_rank"] == 1 and "elastic-spare" not in two["systems"]
+    assert "elastic-spare" in bench.gpu_layout(bench.NUM_WORKERS + 1)["systems"]
+    with pytest.raises(ValueError, match="--gpu"):
+        bench.gpu_layout(0)
+
+
+def test_the_gpu_job_faults_the_named_rank_on_the_gpu(tmp_path):
+    from elastic.config import parse_job
+    job = parse_job(bench.elastic_job("elastic", "file://" + str(tmp_path), {}, "kill_process", 25,
+                                      num_workers=1, fault_rank=0, gpu=True))
+    assert job.scaling.use_gpu and job.scaling.num_workers == 1
+    assert (job.chaos[0].action, job.chaos[0].rank, job.chaos[0].at_step) == ("kill_process", 0, 25)
+    cpu = parse_job(bench.elastic_job("elastic-spare", "file://" + str(tmp_path), {}))
+    assert not cpu.scaling.use_gpu and cpu.scaling.num_workers == bench.NUM_WORKERS and cpu.scaling.num_spares == 1
+
+
+def test_a_gpu_run_refuses_a_node_fault(capsys, monkeypatch):
+    import argparse
+
+    from elastic.bench import overhead
+    from elastic.bench.cli import add_bench_args
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    monkeypatch.setattr(overhead, "gpu_devices", lambda: 1)
+    assert bench.main(p.parse_args(["recovery", "--gpu"])) == 2  # the default fault, kill_node
+    assert "kill_process" in capsys.readouterr().err
+    assert bench.main(p.parse_args(["recovery", "--gpu", "--fault", "kill_process", "--systems", "elastic-spare"])) == 2

@@ -13,7 +13,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--storage", choices=["file", "s3"], default="file", help="checkpoint storage under test")
     p.add_argument("--fault", default="kill_node",
                    help="recovery: kill_node (sockets close), freeze_node (silence, as a power loss), or both "
-                        "comma-separated (interleaved in one run)")
+                        "comma-separated (interleaved in one run); with --gpu: kill_process (the rank's process "
+                        "is killed, its node and GPU stay)")
     p.add_argument("--params", default=None,
                    help="recovery: model sizes in parameters, comma-separated (900K, 9M, 90M: about 10 MB, 100 MB, "
                         "1 GB of model + AdamW state); default: the common workload's 1.3 M")
@@ -28,6 +29,9 @@ def add_bench_args(p) -> None:
                    help="pipeline: the schedule every system runs")
     p.add_argument("--gpt", default="4,64,64",
                    help="pipeline: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (the model every system trains)")
+    p.add_argument("--gpu", action="store_true",
+                   help="overhead, recovery: train on GPUs with NCCL, one GPU per rank (world size: the smaller of "
+                        "the CPU run's and the GPUs on this machine, as NCCL refuses two ranks on one GPU)")
     p.add_argument("--hidden", default=None,
                    help="overhead, checkpoint: hidden widths of the MLP, one model size each (1024: 1.3 M parameters, "
                         "3072: 10.3 M, 10000: 102.7 M; default 1024,3072,10000 for overhead, 3072,10000 for checkpoint)")

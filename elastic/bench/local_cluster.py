@@ -68,10 +68,11 @@ def _stopped(pid: int) -> bool:
 class LocalCluster:
     """Handle on a running local cluster; build it with `local_cluster()`."""
 
-    def __init__(self, cluster: Cluster, cpus_per_node: int, head_cpus: int = 0):
+    def __init__(self, cluster: Cluster, cpus_per_node: int, head_cpus: int = 0, gpus_per_node: int = 0):
         self.cluster = cluster
         self.cpus_per_node = cpus_per_node
         self.head_cpus = head_cpus
+        self.gpus_per_node = gpus_per_node
 
     @property
     def worker_node_resource(self) -> str | None:
@@ -81,7 +82,7 @@ class LocalCluster:
 
     def _add_worker_node(self) -> "ray._private.node.Node":
         extra = {"resources": {WORKER_NODE_RESOURCE: self.cpus_per_node}} if self.head_cpus > 0 else {}
-        return self.cluster.add_node(num_cpus=self.cpus_per_node, **extra)
+        return self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, **extra)
 
     @property
     def address(self) -> str:
@@ -219,20 +220,30 @@ class LocalCluster:
 
 
 @contextlib.contextmanager
-def local_cluster(num_worker_nodes: int = 4, cpus_per_node: int = 1, head_cpus: int = 0) -> Iterator[LocalCluster]:
-    """Start a head (`head_cpus` CPUs, 0 by default) and `num_worker_nodes` worker nodes, connect the
-    driver, stop all on exit. With `head_cpus > 0` worker nodes also carry `WORKER_NODE_RESOURCE`."""
+def local_cluster(num_worker_nodes: int = 4, cpus_per_node: int = 1, head_cpus: int = 0,
+                  gpus_per_node: int = 0) -> Iterator[LocalCluster]:
+    """Start a head (`head_cpus` CPUs, 0 by default, never a GPU) and `num_worker_nodes` worker nodes
+    of `gpus_per_node` GPUs each (0 by default), connect the driver, stop all on exit. With
+    `head_cpus > 0` worker nodes also carry `WORKER_NODE_RESOURCE`.
+
+    Ray numbers each node's GPUs from 0 and sets CUDA_VISIBLE_DEVICES from that number, so two
+    nodes of one machine that both claim a GPU would share the same device: on a GPU machine,
+    use one worker node that holds all its GPUs."""
     if num_worker_nodes < 1:
         raise ValueError(f"num_worker_nodes must be >= 1, got {num_worker_nodes}")
     if cpus_per_node < 1:
         raise ValueError(f"cpus_per_node must be >= 1, got {cpus_per_node}")
     if head_cpus < 0:
         raise ValueError(f"head_cpus must be >= 0, got {head_cpus}")
+    if gpus_per_node < 0:
+        raise ValueError(f"gpus_per_node must be >= 0, got {gpus_per_node}")
     t0 = time.monotonic()
     # The driver attaches to the head, and Ray Train's controller follows the
     # driver's node: both survive any worker-node kill.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus})
-    handle = LocalCluster(cluster, cpus_per_node, head_cpus)
+    # num_gpus=0: Ray would otherwise give the head every GPU it detects (and the same device ids
+    # as a worker node's), while nothing trains there.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0})
+    handle = LocalCluster(cluster, cpus_per_node, head_cpus, gpus_per_node)
     try:
         for _ in range(num_worker_nodes):
             handle._add_worker_node()

@@ -22,8 +22,15 @@ gives both figures:
   the mean time per step (a median would skip the checkpoint steps).
 
 Steps are timed the same way in every system: an optimizer post-step hook on global rank 0
-(`timed_optimizer`) appends each step's end time to a file. Systems run interleaved within
-each repetition (their order rotates); the ratios are of medians of the same run.
+(`timed_optimizer`) appends each step's end time to a file (on a GPU after synchronising, so a
+step counts when it is done, not when it is queued). Systems run interleaved within each
+repetition (their order rotates); the ratios are of medians of the same run.
+
+`--gpu`: the same comparison on NCCL, one GPU per rank (elastic's `scaling.use_gpu`, torchrun's
+processes on cuda:LOCAL_RANK, Ray Train's `use_gpu=True`), every batch collated on the CPU and
+copied to the GPU. NCCL refuses two ranks on one GPU, so the world size is the smaller of 2 and
+the machine's GPUs; the local cluster is one worker node holding every GPU. Every size gets
+`--reps` repetitions (a 102.7 M step takes milliseconds there).
 """
 from __future__ import annotations
 
@@ -70,6 +77,24 @@ def timed_optimizer(params):
     return optimizer
 
 
+def gpu_devices() -> int:
+    """CUDA devices torch sees on this machine (the driver's; every rank runs here too)."""
+    import torch
+    return torch.cuda.device_count()
+
+
+def gpu_info() -> dict:
+    """What a GPU figure needs beside it: the device, its driver, torch and NCCL."""
+    import torch
+    info = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        info["driver"] = out[0] if out else None
+    return info
+
+
 # ---------------------------------------------------------------- plan and figures (pure)
 def parse_hidden(arg: str) -> list[int]:
     """`--hidden 1024,3072,10000`: the MLP widths, one model size each."""
@@ -82,11 +107,20 @@ def parse_hidden(arg: str) -> list[int]:
     return widths
 
 
-def plan(hidden: int, reps: int) -> dict:
+def gpu_world_size(num_gpus: int, cpu_world: int = NUM_WORKERS) -> int:
+    """Ranks of a `--gpu` run: one GPU each (NCCL refuses two ranks on one device), at most the
+    CPU run's world size."""
+    if num_gpus < 1:
+        raise ValueError("--gpu: torch sees no CUDA device on this machine")
+    return min(cpu_world, num_gpus)
+
+
+def plan(hidden: int, reps: int, gpu: bool = False) -> dict:
     """Steps, warm-up steps and repetitions for one size: two checkpoint periods (the first
-    without a checkpoint, the second from the first checkpoint on). From LARGE_PARAMS on a step
-    takes seconds here, so a shorter warm-up and one repetition keep the run short."""
-    large = num_params(hidden) >= LARGE_PARAMS
+    without a checkpoint, the second from the first checkpoint on). From LARGE_PARAMS on a CPU
+    step takes seconds, so a shorter warm-up and one repetition keep the run short; on a GPU
+    every size gets the same plan."""
+    large = not gpu and num_params(hidden) >= LARGE_PARAMS
     return {"num_steps": 2 * CKPT_EVERY, "warmup_steps": 5 if large else 10, "reps": 1 if large else reps}
 
 
@@ -138,10 +172,11 @@ def rotated(systems: list[str], rep: int) -> list[str]:
     return systems[k:] + systems[:k]
 
 
-def elastic_job(hidden: int, num_steps: int, storage_uri: str) -> dict:
+def elastic_job(hidden: int, num_steps: int, storage_uri: str, num_workers: int = NUM_WORKERS,
+                gpu: bool = False) -> dict:
     return {
         "run": {"name": f"bench-overhead-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
-        "scaling": {"num_workers": NUM_WORKERS},
+        "scaling": {"num_workers": num_workers, "use_gpu": gpu},
         "checkpoint": {"storage_uri": storage_uri, "every_steps": CKPT_EVERY},
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.overhead:timed_optimizer",
@@ -149,19 +184,20 @@ def elastic_job(hidden: int, num_steps: int, storage_uri: str) -> dict:
     }
 
 
-def plain_command(hidden: int, num_steps: int, ckpt_dir: str) -> list[str]:
+def plain_command(hidden: int, num_steps: int, ckpt_dir: str, num_workers: int = NUM_WORKERS,
+                  gpu: bool = False) -> list[str]:
     """torchrun launching the plain DDP peer, as torch's docs launch one."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NUM_WORKERS}",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_workers}",
             "-m", "elastic.bench.plain_ddp", "--hidden", str(hidden), "--steps", str(num_steps),
             "--global-batch", str(GLOBAL_BATCH), "--seed", str(SEED), "--ckpt-every", str(CKPT_EVERY),
-            "--ckpt-dir", ckpt_dir]
+            "--ckpt-dir", ckpt_dir, *(["--gpu"] if gpu else [])]
 
 
 # ---------------------------------------------------------------- the systems
-def run_elastic(hidden: int, num_steps: int, work: str) -> None:
+def run_elastic(hidden: int, num_steps: int, work: str, num_workers: int = NUM_WORKERS, gpu: bool = False) -> None:
     from elastic import Trainer
     runs = os.path.join(work, "elastic")
-    result = Trainer(elastic_job(hidden, num_steps, "file://" + runs)).fit(progress=False)
+    result = Trainer(elastic_job(hidden, num_steps, "file://" + runs, num_workers, gpu)).fit(progress=False)
     shutil.rmtree(runs, ignore_errors=True)
     if result.events_of("recovered") or result.metrics["step"] != num_steps:
         raise RuntimeError(f"elastic's run was not fault-free: {result.summary()}")
@@ -174,16 +210,19 @@ def ray_worker_niceness() -> int:
     return ray.get(ray.remote(num_cpus=1)(lambda: os.getpriority(os.PRIO_PROCESS, 0)).remote())
 
 
-def run_plain(hidden: int, num_steps: int, work: str, step_log: str, niceness: int) -> None:
+def run_plain(hidden: int, num_steps: int, work: str, step_log: str, niceness: int, num_workers: int = NUM_WORKERS,
+              gpu: bool = False) -> None:
     ckpt_dir = os.path.join(work, "torch-ddp")
     os.makedirs(ckpt_dir, exist_ok=True)
     # At the priority of Ray's workers (elastic's and Ray Train's ranks): on a machine shared
     # with other work, a rank at the default priority would take CPU from it that theirs cannot.
     increment = max(0, niceness - os.getpriority(os.PRIO_PROCESS, 0))
-    cmd = ["nice", "-n", str(increment), *plain_command(hidden, num_steps, ckpt_dir)]
+    cmd = ["nice", "-n", str(increment), *plain_command(hidden, num_steps, ckpt_dir, num_workers, gpu)]
+    # One compute thread per rank, as Ray gives its one-CPU workers (torchrun sets this itself
+    # only when it starts more than one process).
+    env = {**os.environ, STEP_LOG_ENV: step_log, "OMP_NUM_THREADS": "1"}
     try:
-        proc = subprocess.run(cmd, env={**os.environ, STEP_LOG_ENV: step_log}, capture_output=True, text=True,
-                              timeout=1800)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     if proc.returncode:
@@ -199,7 +238,7 @@ def _ray_train_loop(config: dict) -> None:
     with `ray.train.report(checkpoint=...)` while the other ranks report metrics only."""
     import ray.train
     import torch
-    from ray.train.torch import prepare_model
+    from ray.train.torch import get_device, prepare_model
     from torch.utils.data import default_collate
 
     from elastic.bench import workload
@@ -209,7 +248,8 @@ def _ray_train_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(config["seed"])
-    model = prepare_model(build_mlp(config["hidden"]))  # DDP over gloo, rank 0's weights broadcast
+    model = prepare_model(build_mlp(config["hidden"]))  # DDP (gloo, or NCCL on GPU), rank 0's weights broadcast
+    device = get_device()
     optimizer = timed_optimizer(model.parameters())
     dataset = workload.build_dataset()
     order = GlobalOrder(len(dataset), config["seed"])
@@ -217,6 +257,8 @@ def _ray_train_loop(config: dict) -> None:
     for step in range(num_steps):
         idx = order.rank_indices(step, global_batch, world, rank)
         batch = default_collate([dataset[j] for j in idx])
+        if device.type == "cuda":
+            batch = [t.to(device, non_blocking=True) for t in batch]
         optimizer.zero_grad(set_to_none=True)
         loss = workload.loss_fn(model, batch)
         loss.backward()
@@ -236,7 +278,8 @@ def _ray_train_loop(config: dict) -> None:
             ray.train.report(metrics)
 
 
-def run_ray_train(hidden: int, num_steps: int, work: str, step_log: str) -> None:
+def run_ray_train(hidden: int, num_steps: int, work: str, step_log: str, num_workers: int = NUM_WORKERS,
+                  gpu: bool = False) -> None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -245,8 +288,8 @@ def run_ray_train(hidden: int, num_steps: int, work: str, step_log: str) -> None
         _ray_train_loop,
         train_loop_config={"hidden": hidden, "num_steps": num_steps, "ckpt_every": CKPT_EVERY,
                            "global_batch": GLOBAL_BATCH, "seed": SEED, "step_log": step_log},
-        scaling_config=ray.train.ScalingConfig(num_workers=NUM_WORKERS, use_gpu=False,
-                                               resources_per_worker={"CPU": 1}),
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=gpu,
+                                               resources_per_worker={"CPU": 1, **({"GPU": 1} if gpu else {})}),
         run_config=ray.train.RunConfig(storage_path=storage, name=f"bench-overhead-{uuid.uuid4().hex[:8]}"),
     )
     try:
@@ -295,8 +338,8 @@ def summarise(records: list[dict]) -> tuple[list[dict], str]:
                              "step_s": m["step_s"], "steps_per_s": m["steps_per_s"],
                              "overhead_ratio": ratio, "median_of_rep_ratios": m["overhead_ratio"]})
                 cell = "1" if system == PEER else ("-" if ratio is None else f"{ratio:.3f}")
-                lines.append(f"| {params / 1e6:.1f} M | {mode} | {system} | {m['n']} | {m['step_s']:.4f} | "
-                             f"{m['steps_per_s']:.2f} | {cell} |")
+                lines.append(f"| {params / 1e6:.1f} M | {mode} | {system} | {m['n']} | {m['step_s']:.4g} | "
+                             f"{m['steps_per_s']:.4g} | {cell} |")
     return rows, "\n".join(lines) + "\n"
 
 
@@ -348,6 +391,15 @@ def main(args) -> int:
     except ValueError as e:
         print(f"elastic bench overhead: {e}", file=sys.stderr)
         return 2
+    gpu = bool(getattr(args, "gpu", False))
+    try:
+        num_gpus = gpu_devices() if gpu else 0
+        world = gpu_world_size(num_gpus) if gpu else NUM_WORKERS
+    except ValueError as e:
+        print(f"elastic bench overhead: {e}", file=sys.stderr)
+        return 2
+    # CPU: one one-CPU node per rank. GPU: one node holding every GPU (see local_cluster), a CPU per rank.
+    num_nodes = 1 if gpu else world
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="elastic-bench-overhead-")
@@ -356,9 +408,10 @@ def main(args) -> int:
     niceness = None
     t_start = time.time()
     with contextlib.ExitStack() as stack:
-        cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS, cpus_per_node=1))
+        cluster = stack.enter_context(local_cluster(num_worker_nodes=num_nodes, cpus_per_node=world if gpu else 1,
+                                                    gpus_per_node=num_gpus))
         for hidden in widths:
-            p = plan(hidden, args.reps)
+            p = plan(hidden, args.reps, gpu)
             params = num_params(hidden)
             _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
             if niceness is None:
@@ -366,15 +419,15 @@ def main(args) -> int:
             for rep in range(p["reps"]):
                 group: list[dict] = []  # this size and repetition: every system, both modes
                 for system in rotated(systems, rep):
-                    cluster.ensure_worker_nodes(NUM_WORKERS)
+                    cluster.ensure_worker_nodes(num_nodes)
                     open(step_log, "w").close()
                     t0 = time.time()
                     if system == "elastic":
-                        run_elastic(hidden, p["num_steps"], work)
+                        run_elastic(hidden, p["num_steps"], work, world, gpu)
                     elif system == "torch-ddp":
-                        run_plain(hidden, p["num_steps"], work, step_log, niceness)
+                        run_plain(hidden, p["num_steps"], work, step_log, niceness, world, gpu)
                     else:
-                        run_ray_train(hidden, p["num_steps"], work, step_log)
+                        run_ray_train(hidden, p["num_steps"], work, step_log, world, gpu)
                     lines = read_step_log(step_log)
                     if args.out:  # the raw step times, for a closer look
                         os.makedirs(os.path.join(args.out, "steps"), exist_ok=True)
@@ -383,7 +436,8 @@ def main(args) -> int:
                     for mode, f in figs.items():
                         rec = {"bench": "overhead", "system": system, "params": params, "hidden": hidden,
                                "checkpoints": mode, "rep": rep, **f, "num_steps": p["num_steps"],
-                               "warmup_steps": p["warmup_steps"], "num_workers": NUM_WORKERS,
+                               "warmup_steps": p["warmup_steps"], "num_workers": world,
+                               "backend": "nccl" if gpu else "gloo",
                                "global_batch": GLOBAL_BATCH, "niceness": niceness, "total_s": time.time() - t0}
                         group.append(rec)
                     print(f"[overhead] {params / 1e6:.1f} M rep {rep} {system}: "
@@ -400,23 +454,33 @@ def main(args) -> int:
                 records += group
     rows, table = summarise(records)
     summary = {"bench": "overhead", "summary": True, "rows": rows, "target": TARGET,
-               "wall_s": time.time() - t_start}
+               "wall_s": time.time() - t_start, "num_workers": world, "backend": "nccl" if gpu else "gloo",
+               **(gpu_info() if gpu else {})}
     emit(summary)
+    if gpu:
+        where = (f"{world} rank{'s' if world > 1 else ''} on NCCL, one GPU each ({summary['gpu']}; NCCL refuses two "
+                 f"ranks on one GPU, so the world is min({NUM_WORKERS}, GPUs)), one compute thread each (elastic and "
+                 f"Ray Train on a worker node of a local ray.cluster_utils.Cluster holding the GPUs, torch DDP as "
+                 f"torchrun processes beside it); batches collated on the CPU and copied to the GPU")
+    else:
+        where = (f"{NUM_WORKERS} ranks on gloo with one compute thread each (elastic and Ray Train on "
+                 f"the {NUM_WORKERS} one-CPU worker nodes of a local ray.cluster_utils.Cluster, torch DDP as torchrun "
+                 f"processes beside it)")
     notes = (f"MLP 256 -> hidden -> hidden -> 10 (hidden {', '.join(map(str, widths))}), AdamW, global batch "
-             f"{GLOBAL_BATCH}, {NUM_WORKERS} ranks on gloo with one compute thread each (elastic and Ray Train on "
-             f"the {NUM_WORKERS} one-CPU worker nodes of a local ray.cluster_utils.Cluster, torch DDP as torchrun "
-             f"processes beside it); data: the common workload's dataset, default_collate of elastic's global "
+             f"{GLOBAL_BATCH}, {where}; data: the common workload's dataset, default_collate of elastic's global "
              f"order; every system checkpoints every {CKPT_EVERY} steps its own way. 'off' = median time of the "
              f"steps after the warm-up up to the first checkpoint; 'every {CKPT_EVERY}' = mean time per step over "
              f"whole checkpoint periods from the first checkpoint on. Timed by an optimizer post-step hook on "
-             f"global rank 0; systems interleaved (rotated) per repetition; ratios of medians of this run.")
+             f"global rank 0{' after torch.cuda.synchronize()' if gpu else ''}; systems interleaved (rotated) per "
+             f"repetition; ratios of medians of this run.")
     title = "### overhead (steady state, same run)\n\n"
     print(title + table + f"\n- {notes}")
     if args.out:
         with open(os.path.join(args.out, "results.md"), "a") as f:
             f.write(title + table + f"\n- {notes}\n\n")
         command = (f"elastic bench overhead --reps {args.reps} --hidden {args.hidden or DEFAULT_HIDDEN}"
-                   + (f" --systems {args.systems}" if args.systems else "") + f" --out {args.out}")
+                   + (f" --systems {args.systems}" if args.systems else "") + (" --gpu" if gpu else "")
+                   + f" --out {args.out}")
         with open(os.path.join(args.out, "overhead.json"), "w") as f:
             json.dump({"command": command, "notes": notes, **summary}, f, indent=2)
         plot(os.path.join(args.out, "overhead.png"), records)

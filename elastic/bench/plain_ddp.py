@@ -1,6 +1,6 @@
 """The no-framework peer of `elastic bench overhead`: the benchmark's MLP trained with plain
-`torch.distributed` and `DistributedDataParallel` in processes started by torchrun, on gloo,
-the way torch's DDP tutorial writes it.
+`torch.distributed` and `DistributedDataParallel` in processes started by torchrun, on gloo (or, with `--gpu`, NCCL with
+one GPU per process), the way torch's DDP tutorial writes it.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m elastic.bench.plain_ddp \
         --hidden 3072 --steps 150 --ckpt-every 50 --ckpt-dir /tmp/ckpt
@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-every", type=int, default=0, help="rank 0 torch.saves every this many steps; 0: never")
     p.add_argument("--ckpt-dir", default=None, help="local folder for the checkpoints (needed with --ckpt-every)")
+    p.add_argument("--gpu", action="store_true",
+                   help="NCCL, the model on cuda:LOCAL_RANK and each batch copied there (as elastic does)")
     args = p.parse_args(argv)
     if args.hidden < 1 or args.steps < 1 or args.global_batch < 1 or args.ckpt_every < 0:
         p.error("--hidden, --steps and --global-batch must be >= 1, --ckpt-every >= 0")
@@ -53,18 +55,29 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.bench.workload import build_mlp
     from elastic.data import GlobalOrder  # the sample order only: a pure function of (len, seed)
 
-    dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+    if args.gpu:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)  # torchrun's env:// rendezvous
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of the world size {world}")
     torch.manual_seed(args.seed)
-    model = DDP(build_mlp(args.hidden), gradient_as_bucket_view=True)
+    if args.gpu:
+        model = DDP(build_mlp(args.hidden).to(device), device_ids=[device.index], gradient_as_bucket_view=True)
+    else:
+        model = DDP(build_mlp(args.hidden), gradient_as_bucket_view=True)
     optimizer = timed_optimizer(model.parameters())
     dataset = workload.build_dataset()
     order = GlobalOrder(len(dataset), args.seed)
     for step in range(args.steps):
         idx = order.rank_indices(step, args.global_batch, world, rank)
         batch = default_collate([dataset[j] for j in idx])
+        if args.gpu:  # from pageable memory, as elastic's worker copies a batch read on its own thread
+            batch = [t.to(device, non_blocking=True) for t in batch]
         optimizer.zero_grad(set_to_none=True)
         workload.loss_fn(model, batch).backward()  # DDP all-reduces the buckets during backward
         optimizer.step()

@@ -111,8 +111,9 @@ def train_step(model, optimizer, dataset, step: int, global_batch: int, rank: in
     num_samples = len(dataset)
     start = (step * global_batch + rank * per_rank_batch) % num_samples
     idx = (torch.arange(per_rank_batch) + start) % num_samples
+    device = next(model.parameters()).device  # prepare_model's: the worker's GPU under use_gpu
     optimizer.zero_grad(set_to_none=True)
-    loss = workload.loss_fn(model, (dataset.x[idx], dataset.y[idx]))
+    loss = workload.loss_fn(model, (dataset.x[idx].to(device), dataset.y[idx].to(device)))
     loss.backward()  # DDP all-reduces gradients here
     optimizer.step()
     return loss
@@ -157,7 +158,7 @@ def _train_loop(config: dict) -> None:
 
     first_step_logged = False
     while step < num_steps:
-        if rank == 1 and step == fault_step:
+        if rank == config.get("fault_rank", 1) and step == fault_step:
             # O_EXCL makes the claim atomic and the fault fire once per run,
             # whatever restarts follow; the marker (holding the fault time)
             # is on disk before the node dies.
@@ -223,10 +224,10 @@ def _summarise(events: list[dict], *, fault_step: int) -> dict:
 
 
 def check_recovery_args(num_workers: int, num_steps: int, fault_step: int, ckpt_every: int, global_batch_size: int,
-                        who: str) -> None:
+                        who: str, fault_rank: int = 1) -> None:
     """What every recovery peer needs of its arguments, and a connected Ray cluster."""
-    if num_workers < 2:
-        raise ValueError(f"num_workers must be >= 2 (the fault targets rank 1), got {num_workers}")
+    if not 0 <= fault_rank < num_workers:
+        raise ValueError(f"num_workers must be > {fault_rank} (the fault targets rank {fault_rank}), got {num_workers}")
     if not 0 < fault_step < num_steps:
         raise ValueError(f"fault_step must be in (0, num_steps={num_steps}), got {fault_step}")
     if ckpt_every < 1:
@@ -262,9 +263,12 @@ def run_ray_train_recovery(
     max_failures: int = 3,
     fault: str = "kill_node",
     s3=None,
+    fault_rank: int = 1,
+    use_gpu: bool = False,
 ) -> dict:
-    """Train the common workload with Ray Train, fault rank 1's node after `fault_step` steps (kill it,
-    or freeze it: `elastic.chaos` actions), measure the recovery.
+    """Train the common workload with Ray Train, fault rank `fault_rank`'s node after `fault_step` steps
+    (kill it, or freeze it: `elastic.chaos` actions; or `kill_process`, its process alone), measure the
+    recovery. `use_gpu`: one GPU per worker, NCCL (`ScalingConfig(use_gpu=True)`).
 
     Needs `ray.init` done (on a cluster with a spare node). Returns one
     benchmark record (see shared/BENCHMARKS.md), plus `restart_s` and the
@@ -274,7 +278,8 @@ def run_ray_train_recovery(
     endpoint, through the pyarrow S3 filesystem its docs name for `RunConfig.storage_filesystem`;
     otherwise to `storage_dir` on local disk. The timeline stays on local disk either way.
     """
-    check_recovery_args(num_workers, num_steps, fault_step, ckpt_every, global_batch_size, "run_ray_train_recovery")
+    check_recovery_args(num_workers, num_steps, fault_step, ckpt_every, global_batch_size, "run_ray_train_recovery",
+                        fault_rank)
 
     storage_dir = os.path.abspath(storage_dir)
     name = f"ray-train-recovery-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -287,8 +292,10 @@ def run_ray_train_recovery(
         train_loop_config={
             "timeline_dir": timeline_dir, "num_steps": num_steps, "fault_step": fault_step,
             "ckpt_every": ckpt_every, "global_batch_size": global_batch_size, "seed": seed, "fault": fault,
+            "fault_rank": fault_rank,
         },
-        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}),
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                               resources_per_worker={"CPU": 1, **({"GPU": 1} if use_gpu else {})}),
         run_config=ray.train.RunConfig(
             **_storage(storage_dir, s3),
             name=name,

@@ -14,6 +14,11 @@ cycling), so that one system's report lag at one offset does not alone decide lo
 (`elastic.bench.workload`, through the job's runtime environment). `--storage s3` puts every
 system's checkpoints on a SeaweedFS S3 endpoint (Ray Train's through the pyarrow S3 filesystem
 its docs name), so the storage path pays for reading the state back over HTTP.
+
+`--gpu`: every system trains on NCCL, one GPU per rank, on one worker node of the local cluster
+that holds every GPU (see `gpu_layout`: NCCL refuses two ranks on one GPU, so one GPU means one
+rank, rank 0 is the one faulted, and no survivor or warm spare can exist). The fault is
+`--fault kill_process`: the rank's process dies, its node and GPU stay for the replacement.
 """
 from __future__ import annotations
 
@@ -33,6 +38,22 @@ FAULT_STEPS = (25, 22, 28)
 METRICS = ["recover_s", "lost_steps", "detect_s"]
 LARGE_PARAMS = 50_000_000
 STATE_BYTES_PER_PARAM = 12  # fp32 parameter + AdamW's two moments, as every system checkpoints them
+
+
+GPU_FAULTS = ("kill_process",)
+
+
+def gpu_layout(num_gpus: int) -> dict:
+    """World size, faulted rank and the systems a `--gpu` run can compare on `num_gpus` GPUs: one
+    rank per GPU, at most the CPU run's 3. With one rank there is no survivor, so elastic's default
+    path is its storage path (elastic-storage would be the same run again); a warm spare needs a
+    GPU of its own beside the ranks."""
+    if num_gpus < 1:
+        raise ValueError("--gpu: torch sees no CUDA device on this machine")
+    world = min(NUM_WORKERS, num_gpus)
+    systems = (["elastic-storage"] if world > 1 else []) + ["elastic"]
+    systems += ["elastic-spare"] if num_gpus > world else []
+    return {"num_workers": world, "fault_rank": 1 if world > 1 else 0, "systems": systems + ["ray-train"]}
 
 
 def fault_step(rep: int) -> int:
@@ -87,24 +108,27 @@ TORCHFT_TIMEOUT_S = 300.0  # a torchft run that has not finished by then is repo
 
 
 def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str = "kill_node",
-                at_step: int = FAULT_STEPS[0]) -> dict:
+                at_step: int = FAULT_STEPS[0], num_workers: int = NUM_WORKERS, fault_rank: int = 1,
+                gpu: bool = False) -> dict:
     scaling, failure = ELASTIC_SYSTEMS[system]
     return {
         "run": {"name": f"bench-recovery-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
-        "scaling": scaling,
+        "scaling": {**scaling, "num_workers": num_workers, "use_gpu": gpu},
         "failure": {"max_failures": 3, **failure},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY},
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.workload:build_optimizer",
                   "global_batch_size": GLOBAL_BATCH},
-        "chaos": [{"action": fault, "rank": 1, "at_step": at_step}],
+        "chaos": [{"action": fault, "rank": fault_rank, "at_step": at_step}],
     }
 
 
-def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str, at_step: int) -> dict:
+def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str, at_step: int,
+                num_workers: int = NUM_WORKERS, fault_rank: int = 1, gpu: bool = False) -> dict:
     from elastic import Trainer
     t0 = time.time()
-    result = Trainer(elastic_job(system, storage_uri, storage_options, fault, at_step)).fit(progress=False)
+    job = elastic_job(system, storage_uri, storage_options, fault, at_step, num_workers, fault_rank, gpu)
+    result = Trainer(job).fit(progress=False)
     rec = result.events_of("recovered")
     r = rec[0] if rec else {}
     restored = result.events_of("restored")[-1]
@@ -112,15 +136,16 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
             "restore_source": restored["source"],
             "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
             "resumed_step": r.get("resumed_step"), "final_step": result.metrics["step"],
-            "total_s": time.time() - t0, "num_workers": NUM_WORKERS, "ckpt_every": CKPT_EVERY,
+            "total_s": time.time() - t0, "num_workers": num_workers, "ckpt_every": CKPT_EVERY,
             "replicas_identical": len(set(result.digests.values())) == 1, "run_dir": result.run_dir}
 
 
-def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None) -> dict:
+def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_workers: int = NUM_WORKERS,
+                  fault_rank: int = 1, gpu: bool = False) -> dict:
     from elastic.bench.ray_train_peer import run_ray_train_recovery
-    return run_ray_train_recovery(storage_dir=storage_dir, num_workers=NUM_WORKERS, num_steps=NUM_STEPS,
+    return run_ray_train_recovery(storage_dir=storage_dir, num_workers=num_workers, num_steps=NUM_STEPS,
                                   fault_step=at_step, ckpt_every=CKPT_EVERY, global_batch_size=GLOBAL_BATCH,
-                                  fault=fault, s3=s3)
+                                  fault=fault, s3=s3, fault_rank=fault_rank, use_gpu=gpu)
 
 
 def main(args) -> int:
@@ -128,7 +153,19 @@ def main(args) -> int:
     from elastic.bench.overhead import _connect_with_env
     from elastic.bench.workload import HIDDEN_ENV
 
-    systems = parse_systems("recovery", args.systems or ",".join(SYSTEMS), [*SYSTEMS, TORCHFT])
+    gpu = bool(getattr(args, "gpu", False))
+    layout = {"num_workers": NUM_WORKERS, "fault_rank": 1, "systems": SYSTEMS}
+    if gpu:
+        from elastic.bench.overhead import gpu_devices
+        try:
+            num_gpus = gpu_devices()
+            layout = gpu_layout(num_gpus)
+        except ValueError as e:
+            print(f"elastic bench recovery: {e}", file=sys.stderr)
+            return 2
+    world, fault_rank = layout["num_workers"], layout["fault_rank"]
+    systems = parse_systems("recovery", args.systems or ",".join(layout["systems"]),
+                            layout["systems"] if gpu else [*SYSTEMS, TORCHFT])
     if systems is None:
         return 2
     if TORCHFT in systems:
@@ -139,7 +176,12 @@ def main(args) -> int:
                   f"pip install -c constraints.txt -e '.[bench]'", file=sys.stderr)
             return 2
     faults = [f.strip() for f in args.fault.split(",") if f.strip()]
-    if not faults or set(faults) - {"kill_node", "freeze_node"}:
+    if gpu:
+        if not faults or set(faults) - set(GPU_FAULTS):
+            print(f"elastic bench recovery: --gpu: expected --fault {', '.join(GPU_FAULTS)} (the node holds the GPUs, "
+                  f"so it must outlive the fault), got {args.fault!r}", file=sys.stderr)
+            return 2
+    elif not faults or set(faults) - {"kill_node", "freeze_node"}:
         print(f"elastic bench recovery: --fault: expected kill_node, freeze_node or both (comma-separated), "
               f"got {args.fault!r}", file=sys.stderr)
         return 2
@@ -156,7 +198,13 @@ def main(args) -> int:
             from elastic.testing.seaweedfs import seaweedfs_server
             s3 = stack.enter_context(seaweedfs_server())
             storage_uri, storage_options = f"{s3.uri}/bench", s3.storage_options
-        cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1))
+        if gpu:  # one node holding every GPU (see local_cluster), a CPU per rank and one for a replacement
+            num_nodes = 1
+            cluster = stack.enter_context(local_cluster(num_worker_nodes=1, cpus_per_node=world + 1,
+                                                        gpus_per_node=num_gpus))
+        else:
+            num_nodes = NUM_WORKERS + 1
+            cluster = stack.enter_context(local_cluster(num_worker_nodes=num_nodes, cpus_per_node=1))
         for size in sizes:
             hidden, params = model_size(size)
             if hidden:  # every process of every system builds this width (elastic.bench.workload)
@@ -166,12 +214,13 @@ def main(args) -> int:
                 at_step = fault_step(rep)
                 for fault in faults:
                     for system in [s for s in systems if s != TORCHFT]:  # interleaved: drift hits all alike
-                        cluster.ensure_worker_nodes(NUM_WORKERS + 1)
+                        cluster.ensure_worker_nodes(num_nodes)
                         if system == "ray-train":
-                            rec = run_ray_train(work, fault, at_step, s3)
+                            rec = run_ray_train(work, fault, at_step, s3, world, fault_rank, gpu)
                         else:
-                            rec = {**run_elastic(system, storage_uri, storage_options, fault, at_step),
-                                   "storage": args.storage}
+                            rec = {**run_elastic(system, storage_uri, storage_options, fault, at_step, world,
+                                                 fault_rank, gpu), "storage": args.storage}
+                        rec["backend"] = "nccl" if gpu else "gloo"
                         rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
                                    fault_offset=at_step % CKPT_EVERY)
                         records.append(rec)
@@ -183,11 +232,21 @@ def main(args) -> int:
         for fault in faults:
             mine = [r for r in records if r["fault"] == fault and r["params"] == params]
             med = medians(mine, METRICS)
-            notes = [f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
+            if gpu:
+                from elastic.bench.overhead import gpu_info
+                info = gpu_info()
+                where = (f"{world} worker{'s' if world > 1 else ''} on NCCL, one GPU each ({info['gpu']}, driver "
+                         f"{info.get('driver')}, torch {info['torch']}; NCCL refuses two ranks on one GPU), on one "
+                         f"node of a local ray.cluster_utils.Cluster holding the GPUs, ")
+            else:
+                where = f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
+            what = {"kill_node": "node killed", "freeze_node": "node frozen (SIGSTOP)",
+                    "kill_process": "process killed (SIGKILL; node and GPU stay)"}[fault]
+            notes = [where +
                      f"MLP {params / 1e6:.1f} M params ({params * STATE_BYTES_PER_PARAM / 1e6:.0f} MB of model + "
                      f"AdamW state), global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps to "
-                     f"{'S3 (SeaweedFS)' if s3 else 'local disk'} for every system, rank 1's node "
-                     f"{'killed' if fault == 'kill_node' else 'frozen (SIGSTOP)'} after step "
+                     f"{'S3 (SeaweedFS)' if s3 else 'local disk'} for every system, rank {fault_rank}'s "
+                     f"{what} after step "
                      f"{', '.join(str(s) for s in dict.fromkeys(r['fault_step'] for r in mine if r.get('fault_step')))}"
                      f" (one per repetition, cycling through {', '.join(map(str, FAULT_STEPS))})"]
             report_against_peer("recovery", f"recovery ({fault}, {params / 1e6:.1f} M params)", mine, med, METRICS,
