@@ -242,6 +242,7 @@ def _ray_train_loop(config: dict) -> None:
     from torch.utils.data import default_collate
 
     from elastic.bench import workload
+    from elastic.bench.ray_train_peer import _unwrapped
     from elastic.data import GlobalOrder
 
     os.environ[STEP_LOG_ENV] = config["step_log"]
@@ -269,7 +270,7 @@ def _ray_train_loop(config: dict) -> None:
             metrics["loss"] = float(loss.detach())
             if rank == 0:
                 with tempfile.TemporaryDirectory() as tmp:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    torch.save({"model": _unwrapped(model).state_dict(), "optimizer": optimizer.state_dict(),
                                 "step": done}, os.path.join(tmp, CHECKPOINT_FILE))
                     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
             else:

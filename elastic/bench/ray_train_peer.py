@@ -119,6 +119,11 @@ def train_step(model, optimizer, dataset, step: int, global_batch: int, rank: in
     return loss
 
 
+def _unwrapped(model):
+    """The model `prepare_model` wrapped: it wraps in DDP only at a world size above one."""
+    return getattr(model, "module", model)
+
+
 def report_step(model, optimizer, step: int, metrics: dict, rank: int, ckpt_every: int, num_steps: int,
                 timeline_dir: str, **log_fields) -> None:
     """Ray Train's documented pattern: every `ckpt_every` steps rank 0 writes the (replicated) DDP
@@ -127,7 +132,7 @@ def report_step(model, optimizer, step: int, metrics: dict, rank: int, ckpt_ever
     if step % ckpt_every == 0:
         if rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
-                torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                torch.save({"model": _unwrapped(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                            os.path.join(tmp, CHECKPOINT_FILE))
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
             _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, **log_fields)
