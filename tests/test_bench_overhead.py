@@ -158,3 +158,14 @@ def test_the_cli_takes_gpu_and_refuses_it_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(bench, "gpu_devices", lambda: 0)
     assert bench.main(p.parse_args(["overhead", "--gpu"])) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_ray_train_peers_save_the_model_whether_or_not_prepare_model_wrapped_it():
+    # prepare_model wraps in DDP only above world size one: a one-GPU run has no `.module`.
+    from torch import nn
+
+    from elastic.bench.ray_train_peer import _unwrapped
+    model = nn.Linear(2, 2)
+    wrapped = nn.Module()
+    wrapped.module = model
+    assert _unwrapped(model) is model and _unwrapped(wrapped) is model
