@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import fsspec
 import torch
@@ -269,6 +269,7 @@ class PersistResult:
 # of them take the same path through the collective save.
 _EMPTY, _COMMITTED, _STALE, _BROKEN, _UNREADABLE = range(5)
 _FENCED = -1  # some rank may no longer write: nobody does
+_LATE = -2  # some rank's upload for a failed group still runs: nobody writes this time
 DCP_METADATA = ".metadata"  # DCP's index of a save, written last by its coordinator
 
 
@@ -293,15 +294,24 @@ class AsyncCheckpointer:
 
     A new `save()` first waits for the previous persist, so at most one is in flight
     and every rank issues the same collectives in the same order.
+
+    When the group fails, its persist can never commit, but an upload in progress cannot be
+    interrupted either: the worker leaves it running and hands it to the next
+    group's checkpointer as `after`, which waits for it before it writes anything.
     """
 
     def __init__(self, storage: Storage, root: str, rank: int, world_size: int, strategy: str,
                  process_group, retries: int, backoff_s: float, num_to_keep: int, *,
-                 data_order: dict[str, int] | None = None, may_write: Callable[[], bool] | None = None):
+                 data_order: dict[str, int] | None = None, may_write: Callable[[], bool] | None = None,
+                 after: Sequence["AsyncCheckpointer"] = (), after_timeout_s: float = 120.0):
         """`data_order`: what the run's sample order depends on (global_batch_size, seed,
         num_samples), stored in every manifest so a resume can refuse another order.
         `may_write`: asked before the shard save and again before the commit; False (or an
-        exception) abandons the persist, reported with an error starting "fenced:"."""
+        exception) abandons the persist, reported with an error starting "fenced:".
+        `after`: checkpointers of this process's earlier groups whose persist was abandoned while
+        still uploading. Each persist first waits for them, in its background thread and at most
+        `after_timeout_s`: a late upload of theirs must never land on a file this one wrote. If
+        one still runs on any rank, every rank skips that persist ("skipped:")."""
         self.storage, self.root = storage, root
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
@@ -311,18 +321,26 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
         self._staged = None  # the last snapshot: its buffers are reused once its persist is done
+        self._after = list(after)
+        self._after_timeout_s = after_timeout_s
+        self.step_in_flight: int | None = None  # the step of the persist last started
 
     def abort(self) -> None:
         """The group is being torn down: an in-flight persist stops retrying and is never committed."""
         self._abort.set()
 
+    def aborted(self) -> bool:
+        """`abort` was called: the group failed, and a persist in flight can never commit."""
+        return self._abort.is_set()
+
     def wait(self, timeout_s: float | None = None) -> float:
-        """Block until the in-flight persist (if any) is done; returns seconds waited.
-        With a timeout, a persist stuck on a dead group is abandoned (it can never commit)."""
+        """Block until the in-flight persist (if any) is done, or at most `timeout_s`; returns
+        seconds waited. A persist still running after the timeout stays `in_flight`."""
         t0 = time.monotonic()
         if self._thread is not None:
             self._thread.join(timeout_s)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
         return time.monotonic() - t0
 
     def in_flight(self) -> bool:
@@ -335,6 +353,7 @@ class AsyncCheckpointer:
         self.wait()
         snap = self._staged = snapshot(state, self._staged)
         stall_s = time.monotonic() - t0
+        self.step_in_flight = step
         self._thread = threading.Thread(target=self._persist, args=(step, cursor, snap, dict(metrics), stall_s),
                                         name=f"persist-{step}", daemon=True)
         self._thread.start()
@@ -354,7 +373,7 @@ class AsyncCheckpointer:
             verdict, detail, found = self._agree(folder, step)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the group failed: nothing to retry
             return report(error=f"{type(e).__name__}: {e}")
-        if verdict == _FENCED:
+        if verdict in (_FENCED, _LATE):
             return report(error=detail)
         if verdict == _COMMITTED:
             # A redone step (recovery from storage): its folder was committed by the attempt that
@@ -405,20 +424,33 @@ class AsyncCheckpointer:
         except Exception as e:  # noqa: BLE001 - unable to confirm the right to write: do not write
             return False, f"may_write() raised {type(e).__name__}: {e}"
 
+    def _earlier_still_running(self) -> bool:
+        """Wait (bounded) for the persists earlier groups abandoned; True if one still runs."""
+        deadline = time.monotonic() + self._after_timeout_s
+        for ck in self._after:
+            ck.wait(max(0.0, deadline - time.monotonic()))
+        self._after = [ck for ck in self._after if ck.in_flight()]
+        return bool(self._after)
+
     def _agree(self, folder: str, step: int) -> tuple[int, str, Manifest | None]:
         """(verdict, detail, manifest of a committed folder), the same verdict on every rank:
-        one tiny all-reduce on the checkpoint group carries rank 0's look at the folder and
-        whether any rank is fenced."""
+        one tiny all-reduce on the checkpoint group carries rank 0's look at the folder, whether
+        any rank is fenced and whether any still runs an upload an earlier group abandoned."""
+        late = self._earlier_still_running()
         ok, why = self._allowed()
         verdict, detail, found = _EMPTY, "", None
-        if self.rank == 0 and ok:
+        if self.rank == 0 and ok and not late:
             verdict, detail, found = self._inspect(folder, step)
-        flags = torch.tensor([0 if ok else 1, verdict if self.rank == 0 else 0], dtype=torch.int64)
+        flags = torch.tensor([0 if ok else 1, verdict if self.rank == 0 else 0, int(late)], dtype=torch.int64)
         dist.all_reduce(flags, group=self.pg)
-        num_fenced, verdict = int(flags[0]), int(flags[1])
+        num_fenced, verdict, num_late = int(flags[0]), int(flags[1]), int(flags[2])
         if num_fenced:
             who = f"rank {self.rank}: {why}" if not ok else f"{num_fenced} rank(s) of the group may no longer write"
             return _FENCED, f"fenced: {who}; persist of {folder} abandoned, nothing written", None
+        if num_late:
+            return _LATE, (f"skipped: {num_late} rank(s) still upload a persist their failed group abandoned "
+                           f"(after {self._after_timeout_s:.0f} s); nothing of {folder} written, the next "
+                           f"checkpoint tries again"), None
         return verdict, detail, found
 
     def _inspect(self, folder: str, step: int) -> tuple[int, str, Manifest | None]:
@@ -475,6 +507,7 @@ class AsyncCheckpointer:
                 log.warning("commit of step %d failed (attempt %d): %s", step, attempt + 1, e)
 
     def drain(self) -> list[PersistResult]:
+        """Results of finished persists, each once."""
         out = []
         while True:
             try:

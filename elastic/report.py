@@ -30,6 +30,8 @@ def describe_event(ev: dict) -> str:
         return f"CHECKPOINT step {ev['step']} deferred: {ev['reason']}"
     if k == "workers_replaced":
         return f"REPLACED ranks {ev['ranks']} in {ev['start_s']:.2f}s"
+    if k == "persist_abandoned":
+        return f"CHECKPOINT step {ev['step']} abandoned on rank {ev['rank']}: {ev['reason']}"
     if k == "checkpoint_failed":
         return f"CHECKPOINT step {ev['step']} not committed: {ev['error']}"
     if k == "user_error":

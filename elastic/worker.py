@@ -99,6 +99,10 @@ class Worker:
         self._progress: dict = {"step": 0, "status": "idle", "loss": None, "step_end": None,
                                 "step_s": None, "compute_s": None}
         self._persists: list[dict] = []
+        # Checkpointers of failed groups whose upload was still running when this rank left them:
+        # reported on until done, and waited for by the next persist before it writes.
+        self._abandoned: list[AsyncCheckpointer] = []
+        self._abandoned_steps: list[int] = []  # their steps, until the next poll
         # (step, own compute seconds, global mean loss) per step, drained by poll()
         self._compute_log: list[tuple[int, float, float]] = []
         self._ledger: list[tuple[int, int, int, list[int]]] = []  # (step, world, rank, sample ids), if enabled
@@ -194,8 +198,18 @@ class Worker:
             forget_old_meshes(self.generation)
 
     def leave(self) -> None:
+        """Drop the process group. A persist in flight is waited for at a planned change (it can
+        still commit). Once the group failed it can never commit, yet its upload cannot be
+        interrupted, and at 1 GB it takes a minute: waiting for it here held survivors past the
+        controller's grace, and they were replaced with their state. So it is left to end on its
+        own, and this rank's next persist waits for it before writing (AsyncCheckpointer `after`)."""
         if self.ckpt is not None:
-            self.ckpt.wait(timeout_s=self.job.failure.collective_timeout_s)
+            if not self.ckpt.aborted():
+                self.ckpt.wait(timeout_s=self.job.failure.collective_timeout_s)
+            if self.ckpt.in_flight():
+                with self._lock:
+                    self._abandoned.append(self.ckpt)
+                    self._abandoned_steps.append(self.ckpt.step_in_flight)
             self._collect_persists()
             self.ckpt = None
         _destroy_group()
@@ -327,7 +341,8 @@ class Worker:
             self.job.checkpoint.num_to_keep,
             data_order={"global_batch_size": self.job.train.global_batch_size, "seed": self.job.run.seed,
                         "num_samples": len(self.dataset)},
-            may_write=lambda gen=self.generation: fencing.may_write(self.storage, self.root, gen))
+            may_write=lambda gen=self.generation: fencing.may_write(self.storage, self.root, gen),
+            after=self._still_abandoned(), after_timeout_s=self.job.failure.collective_timeout_s)
         self._set(step=self.step, status="restored", step_end=None, first_step_end=None)
 
     def restore(self, candidates: list[str]) -> dict:
@@ -728,11 +743,17 @@ class Worker:
         with self._lock:
             self._progress = {**self._progress, **kv}
 
-    def _collect_persists(self) -> None:
-        if self.ckpt is None:
-            return
+    def _still_abandoned(self) -> tuple[AsyncCheckpointer, ...]:
         with self._lock:
-            self._persists.extend(r.__dict__ for r in self.ckpt.drain())
+            return tuple(self._abandoned)
+
+    def _collect_persists(self) -> None:
+        with self._lock:  # poll() runs beside run() and leave()
+            running = [ck for ck in self._abandoned if ck.in_flight()]  # before draining: no result missed
+            for ck in (*self._abandoned, self.ckpt):
+                if ck is not None:
+                    self._persists.extend(r.__dict__ for r in ck.drain())
+            self._abandoned = running
 
     def poll(self) -> dict:
         """Progress and finished persists since the last poll (each persist reported once)."""
@@ -741,7 +762,8 @@ class Worker:
             out = dict(self._progress, rank=self.rank, generation=self.generation, persists=self._persists,
                        persisting=self.ckpt is not None and self.ckpt.in_flight(),
                        compute_log=self._compute_log, ledger=self._ledger, deferred=self._deferred,
-                       skipped=self._skipped)
+                       skipped=self._skipped, abandoned=self._abandoned_steps)
+            self._abandoned_steps = []
             self._deferred = []
             self._skipped = []
             self._persists = []

@@ -61,7 +61,7 @@ def assert_recovered_bit_identical(result, baseline_digest, action, source="peer
     if source == "peer":
         # Survivors' memory: no storage read, no step redone.
         assert restored["source"] == "peer rank 0" and restored["uri"] is None
-        assert rec["resumed_step"] == FAULT_STEP and rec["lost_steps"] == 0
+        assert rec["resumed_step"] == fault_step and rec["lost_steps"] == 0
     else:
         # Storage: nothing lost beyond the steps since the last committed checkpoint. A save waits
         # for the previous persist, so past step 2 x EVERY the first checkpoint is surely committed;
@@ -339,6 +339,39 @@ def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_p
     assert committed and committed[0].step == NUM_STEPS
     for c in committed:
         validate(storage, c.uri)  # raises if any file is missing or short
+
+
+@pytest.mark.s3
+def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline, tmp_path, s3_server):  # noqa: F811
+    """Every checkpoint upload goes through a thin link (300 kB/s per connection: a rank's 5 MB
+    shard takes ~18 s, as a gigabyte's does on a busy cluster), so the step-10 persist is still
+    uploading when rank 1's node is killed at step 19 (not earlier: the persist's first phase,
+    collectives and a local write, must be over, or it fails with the group and there is nothing
+    to wait for). The survivors' persist can never commit:
+    they leave their group without waiting for it (they used to wait past the controller's grace
+    and were replaced, their state lost, the run restarted from step 0), restore from their own
+    memory, redo nothing and end bit-identical. Their next persist waits for the abandoned upload
+    before writing; every checkpoint committed is whole."""
+    from elastic.checkpoint import committed_checkpoints, validate
+    from elastic.testing.slow_link import SlowLink
+
+    host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
+    with SlowLink(host, int(port), bytes_per_s=300_000) as link:
+        options = {**s3_server.storage_options, "endpoint_url": link.url}
+        uri = f"{s3_server.uri}/slow-{uuid.uuid4().hex[:6]}"
+        j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": 19}], storage_uri=uri,
+                storage_options=options)
+        result = Trainer(j).fit(progress=False)
+    assert not result.events_of("worker_replaced"), result.events_of("worker_replaced")
+    abandoned = result.events_of("persist_abandoned")
+    assert {e["rank"] for e in abandoned} == {0, 2} and {e["step"] for e in abandoned} == {EVERY}, abandoned
+    assert_recovered_bit_identical(result, baseline, "kill_node", fault_step=19)
+    assert result.events_of("workers_replaced")[0]["how"] == {"1": "started on demand"}
+    storage = Storage(uri, s3_server.storage_options)
+    committed = committed_checkpoints(storage, join(uri, j["run"]["name"], "checkpoints"))
+    assert committed and committed[0].step == NUM_STEPS
+    for c in committed:
+        validate(storage, c.uri)
 
 
 FEATURES = {"scheduler": "elastic.testing.faulty:warmup_cosine", "clip_grad_norm": 0.5, "precision": "bf16"}

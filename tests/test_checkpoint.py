@@ -1,5 +1,6 @@
 """The commit protocol, retention and background persist, on memory:// (and a flaky variant)."""
 import json
+import threading
 import uuid
 from datetime import timedelta
 
@@ -290,6 +291,64 @@ def test_a_fenced_worker_writes_nothing(store, one_rank_group, monkeypatch):
     (res,) = ck.drain()
     assert not res.committed and res.error.startswith("fenced:")
     assert saves == [] and storage.list_dir(root) == []
+
+
+def _still_uploading(storage, root, one_rank_group):
+    """A checkpointer whose persist is still running (an upload an earlier, failed group left
+    behind), ended by setting the returned event."""
+    done = threading.Event()
+    old = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    old._thread = threading.Thread(target=done.wait, daemon=True)
+    old._thread.start()
+    return old, done
+
+
+def test_a_wait_that_times_out_leaves_the_persist_in_flight(store, one_rank_group):
+    storage, root = store
+    old, done = _still_uploading(storage, root, one_rank_group)
+    old.wait(timeout_s=0.05)
+    assert old.in_flight()  # still reported, and still waited for by whoever writes next
+    done.set()
+    old.wait()
+    assert not old.in_flight()
+
+
+def test_a_persist_waits_for_an_abandoned_upload_before_writing(store, one_rank_group, monkeypatch):
+    """A late upload of a failed group's persist must never land on a file a newer save wrote:
+    the newer checkpointer writes nothing until it has ended."""
+    import elastic.checkpoint as ckpt
+    storage, root = store
+    old, done = _still_uploading(storage, root, one_rank_group)
+    seen = []
+    real = ckpt.save_shards
+    monkeypatch.setattr(ckpt, "save_shards", lambda *a, **kw: (seen.append(old.in_flight()), real(*a, **kw))[1])
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
+                           after=[old], after_timeout_s=60)
+    ck.save(10, 80, model_state(0), {})  # returns at once: the waiting is the persist thread's
+    ck.wait(timeout_s=0.5)
+    assert ck.in_flight() and seen == [] and storage.list_dir(root) == []
+    done.set()
+    ck.wait()
+    (res,) = ck.drain()
+    assert res.committed and seen == [False]
+
+
+def test_a_persist_is_skipped_while_an_abandoned_upload_outlasts_its_bound(store, one_rank_group, monkeypatch):
+    storage, root = store
+    saves = count_saves(monkeypatch)
+    old, done = _still_uploading(storage, root, one_rank_group)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
+                           after=[old], after_timeout_s=0.1)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert not res.committed and res.error.startswith("skipped:") and "abandoned" in res.error
+    assert saves == [] and storage.list_dir(root) == []
+    done.set()  # it ended: the next checkpoint is written as usual
+    ck.save(20, 160, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert res.committed and len(saves) == 1
 
 
 def test_a_worker_fenced_during_its_save_never_commits(store, one_rank_group):

@@ -827,6 +827,11 @@ class Controller:
                                      loss=p["metrics"].get("loss"))
                 elif p.get("error"):
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
+            for step in a.get("abandoned", []):
+                self.events.emit("persist_abandoned", rank=rank, step=step,
+                                 reason="its group failed, so it can never commit, and its upload cannot be cut "
+                                        "short: the rank left it to end on its own, and its next persist waits "
+                                        "for it before writing")
         for step, why in sorted({(s, w) for a in answers.values() for s, w in a.get("skipped", [])}):
             if self.skipped.get(step) != why:
                 self.skipped[step] = why
