@@ -400,6 +400,10 @@ class AsyncCheckpointer:
                     break
         if err is not None:
             return report(attempts=attempt, error=err)
+        if self._abort.is_set():
+            # The group failed during the save: what the shards' collective said may not hold (a
+            # rank whose group is already destroyed skips it, as a single process would).
+            return report(attempts=attempt, error="abandoned: the group failed during the save; never committed")
         if self.rank != 0:
             return report(attempts=attempt, metrics_=metrics)
 

@@ -175,15 +175,19 @@ class WorkerGroup:
             self.members[r] = Member(r, handles[r], info["node_id"], info["ip"], info["pid"])
 
     # ---------------------------------------------------------------- spares
-    def add_spares(self, n: int, on_demand: bool = False, background: bool = False) -> None:
+    def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
+                   calibrate: bool | None = None) -> None:
         """Start n spare workers in the background; they warm up (build the model) on their own.
         `on_demand`: wanted by a recovery in progress (no calibration). `background`: refilling the
         pool while the group trains; they start at the lowest CPU priority, so that on CPUs they
-        share with training ranks they take only what training leaves."""
+        share with training ranks they take only what training leaves. `calibrate`: time a rank's
+        compute before the spare counts as ready (default: unless on demand); one left
+        uncalibrated is calibrated when a straggler decision first weighs it (calibrate_spares)."""
         low = background and not on_demand and self.job.scaling.low_priority_refills
+        calibrate = not on_demand if calibrate is None else calibrate
         for _ in range(max(0, n)):
             h = self._new_actor(background=low)
-            ref = h.warm.remote(calibrate=not on_demand)
+            ref = h.warm.remote(calibrate=calibrate)
             self._pending_spares[ref] = h
             self._kept_off[ref] = frozenset(self.suspect_nodes)
             if on_demand:

@@ -351,6 +351,19 @@ def test_a_persist_is_skipped_while_an_abandoned_upload_outlasts_its_bound(store
     assert res.committed and len(saves) == 1
 
 
+def test_a_persist_whose_group_failed_during_its_save_is_never_committed(store, one_rank_group, monkeypatch):
+    import elastic.checkpoint as ckpt
+    storage, root = store
+    real = ckpt.save_shards
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2)
+    monkeypatch.setattr(ckpt, "save_shards", lambda *a, **kw: (ck.abort(), real(*a, **kw))[1])
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert not res.committed and res.error.startswith("abandoned:")
+    assert latest_committed(storage, root) is None
+
+
 def test_a_worker_fenced_during_its_save_never_commits(store, one_rank_group):
     storage, root = store
     answers = iter([True])  # may write when the save starts; a newer generation took over since

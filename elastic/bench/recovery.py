@@ -137,7 +137,10 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
             "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
             "resumed_step": r.get("resumed_step"), "final_step": result.metrics["step"],
             "total_s": time.time() - t0, "num_workers": num_workers, "ckpt_every": CKPT_EVERY,
-            "replicas_identical": len(set(result.digests.values())) == 1, "run_dir": result.run_dir}
+            "replicas_identical": len(set(result.digests.values())) == 1, "run_dir": result.run_dir,
+            # Survivors replaced instead of kept (their state lost), and persists they left running.
+            "survivors_replaced": len(result.events_of("worker_replaced")),
+            "persists_abandoned": len(result.events_of("persist_abandoned"))}
 
 
 def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_workers: int = NUM_WORKERS,

@@ -684,7 +684,10 @@ class Controller:
             return None
         self._grow_checked_at = now
         want = sc.max_size - self.world_size
-        self.group.add_spares(sc.num_spares + want - self.group.num_spares())  # queued until capacity exists
+        # Queued until capacity exists. Not calibrated first: a worker wanted to grow the world takes a
+        # rank as soon as it is built (calibration cost 4.4 s of a 1 GB grow here); one that stays a
+        # spare is calibrated when a straggler decision first weighs it.
+        self.group.add_spares(sc.num_spares + want - self.group.num_spares(), calibrate=False)
         self.group.refresh_spares()
         extra = len(self.group.ready_spares) - sc.num_spares
         if extra < 1:

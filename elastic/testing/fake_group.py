@@ -55,6 +55,7 @@ class FakeGroup:
     ready_spares: list = field(default_factory=list)
     newly_ready: list = field(default_factory=list)
     spare_starts: list = field(default_factory=list)  # (n, on_demand, background) per add_spares that started any
+    calibrated_starts: list = field(default_factory=list)  # whether those spares calibrate before they are ready
     lost_spares: list = field(default_factory=list)
     suspect_nodes: set = field(default_factory=set)
     calls: list = field(default_factory=list)  # (method, args) in order
@@ -111,9 +112,11 @@ class FakeGroup:
         for r in ranks:
             self.members[r] = self._new_rank(r)
 
-    def add_spares(self, n: int, on_demand: bool = False, background: bool = False) -> None:
+    def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
+                   calibrate: bool | None = None) -> None:
         if n > 0:
             self.spare_starts.append((n, on_demand, background))
+            self.calibrated_starts.append(not on_demand if calibrate is None else calibrate)
         for _ in range(max(0, n)):
             self._pending.append(self.clock() + self.spare_warm_s)
 
