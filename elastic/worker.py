@@ -546,13 +546,13 @@ class Worker:
         tr = self.job.train
         t_start = time.perf_counter()
         seed = step_seed(self.job.run.seed, self.step, self.rank)
-        if self.device.type == "cpu":
-            # The CPU generator is all a CPU step draws from. torch.manual_seed would also queue
-            # lazy CUDA/XPU seeding, formatting the Python stack each time: up to 0.3 ms a step
-            # in a Ray actor's deep stack, against 1 us for this (measured).
-            torch.default_generator.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
+        # The CPU generator, and on a GPU this process's one device's: all a step draws from.
+        # torch.manual_seed would also queue lazy XPU/MTIA seeding (and on a CPU, CUDA's),
+        # formatting the Python stack each time: up to 0.3 ms a step in a Ray actor's deep
+        # stack, against 1 us for this (measured on CPU). Ray shows a worker one GPU.
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
         # The data slice follows the rank's replica (its dp coordinate): every stage of a pipeline
         # replica works on the same samples; ddp and fsdp ranks are each a replica.
         lay = self.layout
@@ -591,33 +591,36 @@ class Worker:
             # non-finite value, in the same step, with no collective of its own.
             check_grads = tr.clip_grad_norm is not None or scale is not None
             sumsq = _sum_of_squares(grads, self.device) if check_grads else torch.zeros((), device=self.device)
-            stats = torch.stack([local_loss, torch.tensor(stop_flag, device=self.device),
-                                 torch.tensor(busy_flag, device=self.device),
+            flags = torch.tensor([stop_flag, busy_flag], device=self.device)  # one copy to a GPU, not two
+            stats = torch.stack([local_loss, flags[0], flags[1],
                                  (~torch.isfinite(local_loss)).float(), (~torch.isfinite(sumsq)).float(), sumsq])
             dist.all_reduce(stats)  # the whole world: every rank agrees on the stop, whatever its stage
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
         grad_norm = (stats[5] / self.strategy.grad_copies).sqrt()
-        self._update(tr, grads, stats, grad_norm)
+        # Every decision below reads one host copy: on a GPU each read of a device tensor is a
+        # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
+        host = stats.cpu()
+        self._update(tr, grads, host, grad_norm)
         self._set(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or self.amp else None)
         self.step += 1
         if self.scheduler is not None:
             self.scheduler.step()  # once per step, skipped or not: the schedule is a function of the step
-        loss = stats[0].item() / self.strategy.loss_ranks
+        loss = host[0].item() / self.strategy.loss_ranks
         with self._lock:
             self._compute_log.append((self.step, compute_s, loss))
             if self.job.run.sample_ledger and lay.stage_of(self.rank) == 0:
                 self._ledger.append((self.step, lay.dp, replica, idx))
         now = time.time()
-        self._stop_agreed = bool(stats[1].item() > 0)
-        self._persist_busy = bool(stats[2].item() > 0)  # on any rank: agreed, like the stop
+        self._stop_agreed = bool(host[1].item() > 0)
+        self._persist_busy = bool(host[2].item() > 0)  # on any rank: agreed, like the stop
         self._set(step=self.step, loss=loss, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
                   first_step_end=self._progress.get("first_step_end") or now)
 
     def _update(self, tr, grads: list[torch.Tensor], stats: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """The optimizer step of step `self.step + 1`, decided the same way on every rank from the
-        all-reduced stats: skipped after a rollback, after an fp16 overflow (the loss scale backs
+        all-reduced stats (a host copy): skipped after a rollback, after an fp16 overflow (the loss scale backs
         off), or for a non-finite loss or gradient (train.bad_step); clipped to the global norm."""
         step = self.step + 1
         bad_loss, bad_grads = bool(stats[3] > 0), bool(stats[4] > 0)
