@@ -48,9 +48,13 @@ class SlowLink:
         while not self._closed:
             try:
                 client, _ = self._server.accept()
-                server = socket.create_connection(self.target)
-            except OSError:
+            except OSError:  # closed
                 return
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:  # the server is down: so is the link
+                client.close()
+                continue
             with self._lock:
                 self._open += [client, server]
             threading.Thread(target=self._pump, args=(client, server, self.bytes_per_s), daemon=True).start()
