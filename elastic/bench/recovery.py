@@ -48,9 +48,8 @@ def gpu_layout(num_gpus: int) -> dict:
     rank per GPU, at most the CPU run's 3. With one rank there is no survivor, so elastic's default
     path is its storage path (elastic-storage would be the same run again); a warm spare needs a
     GPU of its own beside the ranks."""
-    if num_gpus < 1:
-        raise ValueError("--gpu: torch sees no CUDA device on this machine")
-    world = min(NUM_WORKERS, num_gpus)
+    from elastic.bench.overhead import gpu_world_size
+    world = gpu_world_size(num_gpus, NUM_WORKERS)
     systems = (["elastic-storage"] if world > 1 else []) + ["elastic"]
     systems += ["elastic-spare"] if num_gpus > world else []
     return {"num_workers": world, "fault_rank": 1 if world > 1 else 0, "systems": systems + ["ray-train"]}
