@@ -184,8 +184,11 @@ def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
 
 # ---------------------------------------------------------------- shards (collective)
 
-def save_shards(state: dict, folder: str, storage_options: dict, process_group):
+def save_shards(state: dict, folder: str, storage_options: dict, process_group,
+                on_write: Callable[[], None] | None = None):
     """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
+    `on_write` is called when this rank starts writing to `folder` itself (after the collective
+    planning; for a remote folder, when the upload of the staged files begins).
     A save into an existing folder overwrites files of the same name and leaves the others.
 
     Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
@@ -199,8 +202,9 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group):
     if folder.startswith("file://"):
         # Never pass checkpoint_id= as well: DCP would rebuild the filesystem from it without
         # the storage options.
-        return dcp.save(state, storage_writer=FsspecWriter(folder, sync_files=True, **storage_options),
-                        process_group=process_group)
+        writer = (FsspecWriter(folder, sync_files=True, **storage_options) if on_write is None
+                  else _NotifyingWriter(on_write, folder, sync_files=True, **storage_options))
+        return dcp.save(state, storage_writer=writer, process_group=process_group)
     stage = tempfile.mkdtemp(prefix="elastic-stage-")
     try:
         # No fsync: the staged copy is only read back by the upload, never after a crash.
@@ -208,6 +212,8 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group):
                             process_group=process_group)
         error = None
         try:
+            if on_write:
+                on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
             fs.put(stage.rstrip("/") + "/", path.rstrip("/") + "/", recursive=True)
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
@@ -222,6 +228,18 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group):
         return metadata
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+class _NotifyingWriter(FsspecWriter):
+    """DCP's fsspec writer that says when it starts writing this rank's files."""
+
+    def __init__(self, on_write: Callable[[], None], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_write = on_write
+
+    def write_data(self, plan, planner):
+        self.on_write()
+        return super().write_data(plan, planner)
 
 
 def load_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:
@@ -302,16 +320,21 @@ class AsyncCheckpointer:
 
     def __init__(self, storage: Storage, root: str, rank: int, world_size: int, strategy: str,
                  process_group, retries: int, backoff_s: float, num_to_keep: int, *,
-                 data_order: dict[str, int] | None = None, may_write: Callable[[], bool] | None = None,
-                 after: Sequence["AsyncCheckpointer"] = (), after_timeout_s: float = 120.0):
+                 data_order: dict[str, int] | None = None,
+                 may_write: Callable[[], bool | tuple[bool | None, str]] | None = None,
+                 after: Sequence["AsyncCheckpointer"] = (), wait_timeout_s: float = 60.0):
         """`data_order`: what the run's sample order depends on (global_batch_size, seed,
         num_samples), stored in every manifest so a resume can refuse another order.
-        `may_write`: asked before the shard save and again before the commit; False (or an
-        exception) abandons the persist, reported with an error starting "fenced:".
+        `may_write`: asked before the shard save and again before the commit; False, (False,
+        why) or an exception abandons the persist, reported with an error starting "fenced:".
+        (None, why) means not yet (this group's fence has not landed): asked again until it
+        says yes or no, within the wait bound below, before the save; refused at the commit.
         `after`: checkpointers of this process's earlier groups whose persist was abandoned while
-        still uploading. Each persist first waits for them, in its background thread and at most
-        `after_timeout_s`: a late upload of theirs must never land on a file this one wrote. If
-        one still runs on any rank, every rank skips that persist ("skipped:")."""
+        still uploading. Each persist first waits for them: a late upload of theirs must never
+        land on a file this one wrote. If one still runs on any rank, every rank skips that
+        persist ("skipped:").
+        `wait_timeout_s`: the most a persist waits for both, in its background thread, before
+        the ranks agree; keep it well under the checkpoint group's collective timeout."""
         self.storage, self.root = storage, root
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
@@ -322,8 +345,9 @@ class AsyncCheckpointer:
         self._abort = threading.Event()
         self._staged = None  # the last snapshot: its buffers are reused once its persist is done
         self._after = list(after)
-        self._after_timeout_s = after_timeout_s
+        self._wait_timeout_s = wait_timeout_s
         self.step_in_flight: int | None = None  # the step of the persist last started
+        self.writing = threading.Event()  # the persist last started writes its shards to storage
 
     def abort(self) -> None:
         """The group is being torn down: an in-flight persist stops retrying and is never committed."""
@@ -354,6 +378,7 @@ class AsyncCheckpointer:
         snap = self._staged = snapshot(state, self._staged)
         stall_s = time.monotonic() - t0
         self.step_in_flight = step
+        self.writing = threading.Event()
         self._thread = threading.Thread(target=self._persist, args=(step, cursor, snap, dict(metrics), stall_s),
                                         name=f"persist-{step}", daemon=True)
         self._thread.start()
@@ -361,6 +386,7 @@ class AsyncCheckpointer:
 
     def _persist(self, step: int, cursor: int, snap: dict, metrics: dict, stall_s: float = 0.0) -> None:
         folder = step_dir(self.root, step)
+        writing = self.writing
         t0 = time.monotonic()
 
         def report(committed=False, attempts=0, error=None, reused=False, metrics_=None) -> None:
@@ -387,7 +413,7 @@ class AsyncCheckpointer:
         metadata, err, attempt = None, None, 0
         for attempt in range(1, self.retries + 2):
             try:
-                metadata = save_shards(snap, folder, self.storage.options, self.pg)
+                metadata = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set)
                 err = None
                 break
             # DCP's CheckpointException is a BaseException, not an Exception.
@@ -418,19 +444,26 @@ class AsyncCheckpointer:
         except Exception as e:  # noqa: BLE001 - old folders stay until the next pass; the commit stands
             log.warning("retention after step %d failed (next checkpoint retries): %s", step, e)
 
-    def _allowed(self) -> tuple[bool, str]:
+    def _allowed(self, deadline: float | None = None) -> tuple[bool, str]:
+        """Whether this rank may write; a "not yet" is asked again until `deadline` (monotonic)."""
         if self.may_write is None:
             return True, ""
-        try:
-            if self.may_write():
+        while True:
+            try:
+                answer = self.may_write()
+            except Exception as e:  # noqa: BLE001 - unable to confirm the right to write: do not write
+                return False, f"may_write() raised {type(e).__name__}: {e}"
+            ok, why = answer if isinstance(answer, tuple) else (answer, "")
+            if ok:
                 return True, ""
-            return False, "may_write() said this worker may no longer write"
-        except Exception as e:  # noqa: BLE001 - unable to confirm the right to write: do not write
-            return False, f"may_write() raised {type(e).__name__}: {e}"
+            if ok is None and deadline is not None and time.monotonic() < deadline:
+                if self._abort.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                    return False, "the group failed while waiting: " + why
+                continue
+            return False, why or "may_write() said this worker may no longer write"
 
-    def _earlier_still_running(self) -> bool:
-        """Wait (bounded) for the persists earlier groups abandoned; True if one still runs."""
-        deadline = time.monotonic() + self._after_timeout_s
+    def _earlier_still_running(self, deadline: float) -> bool:
+        """Wait (until `deadline`) for the persists earlier groups abandoned; True if one still runs."""
         for ck in self._after:
             ck.wait(max(0.0, deadline - time.monotonic()))
         self._after = [ck for ck in self._after if ck.in_flight()]
@@ -439,9 +472,11 @@ class AsyncCheckpointer:
     def _agree(self, folder: str, step: int) -> tuple[int, str, Manifest | None]:
         """(verdict, detail, manifest of a committed folder), the same verdict on every rank:
         one tiny all-reduce on the checkpoint group carries rank 0's look at the folder, whether
-        any rank is fenced and whether any still runs an upload an earlier group abandoned."""
-        late = self._earlier_still_running()
-        ok, why = self._allowed()
+        any rank is fenced and whether any still runs an upload an earlier group abandoned. Each
+        rank first waits, within one bound, for those uploads and for its group's fence."""
+        deadline = time.monotonic() + self._wait_timeout_s
+        late = self._earlier_still_running(deadline)
+        ok, why = self._allowed(deadline)
         verdict, detail, found = _EMPTY, "", None
         if self.rank == 0 and ok and not late:
             verdict, detail, found = self._inspect(folder, step)
@@ -453,7 +488,7 @@ class AsyncCheckpointer:
             return _FENCED, f"fenced: {who}; persist of {folder} abandoned, nothing written", None
         if num_late:
             return _LATE, (f"skipped: {num_late} rank(s) still upload a persist their failed group abandoned "
-                           f"(after {self._after_timeout_s:.0f} s); nothing of {folder} written, the next "
+                           f"(after {self._wait_timeout_s:.0f} s); nothing of {folder} written, the next "
                            f"checkpoint tries again"), None
         return verdict, detail, found
 

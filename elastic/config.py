@@ -123,6 +123,11 @@ class ChaosFault(_Strict):
     thaw_after_s: float | None = Field(
         None, gt=0, description="freeze_node / freeze_process only: resume (SIGCONT) the frozen processes this "
                                 "many seconds later, as a machine back from a partition; default never")
+    during_upload: bool = Field(
+        False, description="at at_step, first wait until this rank's checkpoint is being written to storage, then "
+                           "fire: the drill for a machine lost mid-upload. Waits at most "
+                           "failure.collective_timeout_s; fires at once if no persist is in flight (the "
+                           "fault_injected event says whether an upload was under way)")
 
     @model_validator(mode="after")
     def _check_thaw(self) -> "ChaosFault":

@@ -32,6 +32,10 @@ def describe_event(ev: dict) -> str:
         return f"REPLACED ranks {ev['ranks']} in {ev['start_s']:.2f}s"
     if k == "persist_abandoned":
         return f"CHECKPOINT step {ev['step']} abandoned on rank {ev['rank']}: {ev['reason']}"
+    if k == "storage_unanswered":
+        return f"STORAGE no answer in {ev['waited_s']:.1f}s to '{ev['op']}'; going on with {ev['using']}"
+    if k == "fence_not_written":
+        return f"FENCE generation {ev['generation']} not written yet: {ev['error']}"
     if k == "checkpoint_failed":
         return f"CHECKPOINT step {ev['step']} not committed: {ev['error']}"
     if k == "user_error":

@@ -8,8 +8,9 @@ local disk can append (`can_append`); object stores write whole objects.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -17,6 +18,29 @@ from fsspec.implementations.local import LocalFileSystem
 
 class StorageError(RuntimeError):
     """A storage operation failed; the message names the URI."""
+
+
+T = TypeVar("T")
+
+
+def call_within(fn: Callable[[], T], timeout_s: float) -> tuple[bool, T | None, BaseException | None]:
+    """(answered, result, error) of `fn()`, waiting at most `timeout_s`: for a storage call that
+    must not hold up a decision while storage hangs (an outage). An unanswered call goes on in a
+    daemon thread and its result is dropped."""
+    out: dict[str, Any] = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            out["error"] = e
+        done.set()
+
+    threading.Thread(target=call, name="storage-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        return False, None, None
+    return True, out.get("result"), out.get("error")
 
 
 def normalize_uri(uri: str) -> str:

@@ -250,7 +250,7 @@ class _Progress:
 
     NOTABLE = {"fault_injected", "failure_detected", "decision", "recovered", "checkpoint_skipped",
                "hang_detected", "user_error", "workers_replaced", "checkpoint_failed", "silence_detected",
-               "checkpoint_deferred", "persist_abandoned"}
+               "checkpoint_deferred", "persist_abandoned", "storage_unanswered", "fence_not_written"}
 
     def __init__(self, total: int, out=None, every_s: float = 10.0):
         self.out = out or sys.stderr

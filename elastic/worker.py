@@ -342,7 +342,9 @@ class Worker:
             data_order={"global_batch_size": self.job.train.global_batch_size, "seed": self.job.run.seed,
                         "num_samples": len(self.dataset)},
             may_write=lambda gen=self.generation: fencing.may_write(self.storage, self.root, gen),
-            after=self._still_abandoned(), after_timeout_s=self.job.failure.collective_timeout_s)
+            # Half the checkpoint group's collective timeout: a rank that waits the whole bound
+            # still meets its peers in the agreement's all-reduce before that times out.
+            after=self._still_abandoned(), wait_timeout_s=self.job.failure.collective_timeout_s / 2)
         self._set(step=self.step, status="restored", step_end=None, first_step_end=None)
 
     def restore(self, candidates: list[str]) -> dict:
@@ -706,13 +708,23 @@ class Worker:
     def _fire(self, fault: dict) -> None:
         # Tell the controller first (it records the fault time and never hands this fault out
         # again), then fault. The report must land before the process dies, hence ray.get.
+        uploading = self._await_upload(self.job.failure.collective_timeout_s) if fault.get("during_upload") else None
         if self.controller is not None:
             ray.get(self.controller.report_fault.remote(fault, self.rank, self.step, time.time(), os.getpid(),
-                                                        self.generation))
+                                                        self.generation, uploading))
         if fault["action"] == "slow":
             self.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
             return
         chaos.inject(fault["action"], fault.get("thaw_after_s"))
+
+    def _await_upload(self, limit_s: float) -> bool:
+        """Wait (at most `limit_s`) until this rank's persist in flight writes to storage; True if
+        it does now. False at once when no persist is in flight, or when it ends first."""
+        ck, deadline = self.ckpt, time.monotonic() + limit_s
+        while ck is not None and ck.in_flight() and time.monotonic() < deadline:
+            if ck.writing.wait(0.02):
+                return ck.in_flight()
+        return False
 
     def _exit_if_fenced(self, generation: int) -> None:
         """A rank whose group failed asks the controller whether its generation is still the

@@ -6,8 +6,11 @@ Run one Ray-heavy test job at a time on a machine.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
 import uuid
 
 import pytest
@@ -268,9 +271,6 @@ def test_straggler_is_swapped_for_a_spare_and_the_run_stays_exact(cluster, basel
 
 def test_a_dead_spare_is_replaced_without_disturbing_training(cluster, baseline, tmp_path):  # noqa: F811
     import signal
-    import threading
-    import time
-
     name = f"spare-death-{uuid.uuid4().hex[:6]}"
     j = job(tmp_path, name=name, scaling={"num_spares": 1, "wait_for_spares": True})
     j["run"]["num_steps"] = 300  # long enough to outlive the spare's death and its replacement
@@ -301,32 +301,36 @@ def test_a_dead_spare_is_replaced_without_disturbing_training(cluster, baseline,
     assert result.metrics["step"] == 300 and len(set(result.digests.values())) == 1
 
 
+@contextlib.contextmanager
+def _training_in_background(j, storage, root):
+    """Runs the job on a thread; the block starts once its first persist has begun (its step
+    folder exists; GENERATION, the fence, is written earlier). The run's result is `out["result"]`."""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))
+    t.start()
+    deadline = time.monotonic() + 120
+    while not any(n.startswith("step_") for n in storage.list_dir(root)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield out
+    t.join(timeout=240)
+
+
 @pytest.mark.s3
 def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_path, s3_server):  # noqa: F811
     """SeaweedFS stops answering for 12 s, longer than the hang bound (5 s here), while a checkpoint
     persists in the background: training goes on at full speed (the next checkpoint step is
     deferred on every rank, not waited for), the last step's wait for storage is not taken for a
     hang, nothing is redone, and every checkpoint that ends up committed is whole."""
-    import threading
-    import time
-
     from elastic.checkpoint import committed_checkpoints, validate
 
     uri = f"{s3_server.uri}/outage-{uuid.uuid4().hex[:6]}"
     j = job(tmp_path, storage_uri=uri, storage_options=s3_server.storage_options)
     j["train"]["micro_batch_size"] = 8  # slower steps: the outage overlaps the step-10 and step-20 persists
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))
-    t.start()
     storage = Storage(uri, s3_server.storage_options)
     root = join(uri, j["run"]["name"], "checkpoints")
-    deadline = time.monotonic() + 120
-    # The first persist has begun: its step folder exists (GENERATION, the fence, is written earlier).
-    while not any(n.startswith("step_") for n in storage.list_dir(root)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with s3_server.outage():
-        time.sleep(12)
-    t.join(timeout=240)
+    with _training_in_background(j, storage, root) as out:
+        with s3_server.outage():
+            time.sleep(12)
     result = out["result"]
     assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
     assert not result.events_of("failure_detected") and not result.events_of("hang_detected")
@@ -344,10 +348,11 @@ def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_p
 @pytest.mark.s3
 def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline, tmp_path, s3_server):  # noqa: F811
     """Every checkpoint upload goes through a thin link (300 kB/s per connection: a rank's 5 MB
-    shard takes ~18 s, as a gigabyte's does on a busy cluster), so the step-10 persist is still
-    uploading when rank 1's node is killed at step 19 (not earlier: the persist's first phase,
-    collectives and a local write, must be over, or it fails with the group and there is nothing
-    to wait for). The survivors' persist can never commit:
+    shard takes ~18 s, as a gigabyte's does on a busy cluster). Rank 1's node is killed at step 15
+    once its step-10 shards are uploading (`during_upload`: the kill waits for the collective
+    first phase, a local write, to end; without it, on a slow machine the persist could still be
+    in that phase, fail with the group, and leave nothing to wait for). The survivors' persist can
+    never commit:
     they leave their group without waiting for it (they used to wait past the controller's grace
     and were replaced, their state lost, the run restarted from step 0), restore from their own
     memory, redo nothing and end bit-identical. Their next persist waits for the abandoned upload
@@ -359,16 +364,53 @@ def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline,
     with SlowLink(host, int(port), bytes_per_s=300_000) as link:
         options = {**s3_server.storage_options, "endpoint_url": link.url}
         uri = f"{s3_server.uri}/slow-{uuid.uuid4().hex[:6]}"
-        j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": 19}], storage_uri=uri,
-                storage_options=options)
+        j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP, "during_upload": True}],
+                storage_uri=uri, storage_options=options)
         result = Trainer(j).fit(progress=False)
+    assert result.events_of("fault_injected")[0]["uploading"] is True
     assert not result.events_of("worker_replaced"), result.events_of("worker_replaced")
     abandoned = result.events_of("persist_abandoned")
     assert {e["rank"] for e in abandoned} == {0, 2} and {e["step"] for e in abandoned} == {EVERY}, abandoned
-    assert_recovered_bit_identical(result, baseline, "kill_node", fault_step=19)
+    assert_recovered_bit_identical(result, baseline, "kill_node")
     assert result.events_of("workers_replaced")[0]["how"] == {"1": "started on demand"}
     storage = Storage(uri, s3_server.storage_options)
     committed = committed_checkpoints(storage, join(uri, j["run"]["name"], "checkpoints"))
+    assert committed and committed[0].step == NUM_STEPS
+    for c in committed:
+        validate(storage, c.uri)
+
+
+@pytest.mark.s3
+def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waiting(cluster, baseline, tmp_path,
+                                                                                 s3_server):  # noqa: F811
+    """The failures real clusters have come together: SeaweedFS stops answering (paused) once the
+    step-10 persist has begun, and rank 1's node is killed at step 25 during the outage. The
+    survivors' memory needs no storage, so the recovery ends while storage is still out (the
+    controller used to wait for it twice: its look at the committed checkpoints and the new
+    generation's fence). The fence lands after the outage, and the last checkpoint commits only
+    then; bit-identical, nothing redone, every committed checkpoint whole."""
+    from elastic.checkpoint import committed_checkpoints, validate
+    from elastic.fencing import current_generation
+
+    uri = f"{s3_server.uri}/outage-kill-{uuid.uuid4().hex[:6]}"
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": 25}], storage_uri=uri,
+            storage_options=s3_server.storage_options)
+    storage = Storage(uri, s3_server.storage_options)
+    root = join(uri, j["run"]["name"], "checkpoints")
+    with _training_in_background(j, storage, root) as out:
+        with s3_server.outage():
+            outage = (time.time(), None)
+            time.sleep(40)
+            outage = (outage[0], time.time())
+    result = out["result"]
+    (fault,) = result.events_of("fault_injected")
+    (rec,) = result.events_of("recovered")
+    assert outage[0] < fault["fault_t"] and rec["t"] < outage[1], (outage, fault, rec)
+    assert_recovered_bit_identical(result, baseline, "kill_node", fault_step=25)
+    assert [e["op"] for e in result.events_of("storage_unanswered")] == ["list committed checkpoints"]
+    assert [e["generation"] for e in result.events_of("fence_not_written")] == [2]
+    assert current_generation(storage, root) == 2
+    committed = committed_checkpoints(storage, root)
     assert committed and committed[0].step == NUM_STEPS
     for c in committed:
         validate(storage, c.uri)

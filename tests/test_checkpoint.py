@@ -323,7 +323,7 @@ def test_a_persist_waits_for_an_abandoned_upload_before_writing(store, one_rank_
     real = ckpt.save_shards
     monkeypatch.setattr(ckpt, "save_shards", lambda *a, **kw: (seen.append(old.in_flight()), real(*a, **kw))[1])
     ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
-                           after=[old], after_timeout_s=60)
+                           after=[old], wait_timeout_s=60)
     ck.save(10, 80, model_state(0), {})  # returns at once: the waiting is the persist thread's
     ck.wait(timeout_s=0.5)
     assert ck.in_flight() and seen == [] and storage.list_dir(root) == []
@@ -338,7 +338,7 @@ def test_a_persist_is_skipped_while_an_abandoned_upload_outlasts_its_bound(store
     saves = count_saves(monkeypatch)
     old, done = _still_uploading(storage, root, one_rank_group)
     ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
-                           after=[old], after_timeout_s=0.1)
+                           after=[old], wait_timeout_s=0.1)
     ck.save(10, 80, model_state(0), {})
     ck.wait()
     (res,) = ck.drain()
@@ -518,3 +518,52 @@ def test_remote_shards_are_staged_on_local_disk_then_uploaded_and_the_stage_remo
     with pytest.raises(OSError, match="upload refused"):
         save_shards(model_state(0), folder + "x", {}, one_rank_group)
     assert not list(tmp_path.glob("elastic-stage-*"))
+
+
+@pytest.mark.parametrize("protocol", ["file", "memory"])
+def test_a_save_says_when_it_starts_writing_to_storage_and_not_before(one_rank_group, tmp_path, protocol):
+    """`on_write` (what a `during_upload` chaos fault waits for) is called once, after the
+    collective planning and before any of this rank's files reach the folder."""
+    import fsspec
+
+    from elastic.checkpoint import save_shards
+    base = f"file://{tmp_path}" if protocol == "file" else f"memory://w-{uuid.uuid4().hex}"
+    folder = f"{base}/run/checkpoints/step_000000001"
+    fs, path = fsspec.core.url_to_fs(folder)
+    seen = []
+    save_shards(model_state(0), folder, {}, one_rank_group,
+                on_write=lambda: seen.append(fs.exists(path) and bool(fs.find(path))))
+    assert seen == [False] and fs.find(path)
+
+
+def test_a_checkpointer_reports_its_persist_writing(store, one_rank_group):
+    storage, root = store
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    assert not ck.writing.is_set()
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    first = ck.writing
+    assert first.is_set() and ck.drain()[0].committed
+    ck.save(20, 160, model_state(0), {})
+    ck.wait()
+    assert ck.writing is not first and ck.writing.is_set() and ck.drain()[0].committed  # one event per persist
+
+
+def test_a_persist_waits_for_its_groups_fence_within_its_bound(store, one_rank_group):
+    """The fence of a group formed during an outage lands late: a persist asks again while the
+    answer is "not yet" and commits once it lands; past the bound it writes nothing."""
+    storage, root = store
+    answers = [(None, "not landed"), (None, "not landed"), (True, "")]
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
+                           may_write=lambda: answers.pop(0) if len(answers) > 1 else answers[0], wait_timeout_s=30)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert res.committed and answers == [(True, "")]
+    never = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
+                              may_write=lambda: (None, "not landed"), wait_timeout_s=0.2)
+    never.save(20, 160, model_state(0), {})
+    never.wait()
+    (res,) = never.drain()
+    assert not res.committed and res.error.startswith("fenced: rank 0: not landed")
+    assert [c.step for c in committed_checkpoints(storage, root)] == [10]

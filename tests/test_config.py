@@ -29,6 +29,7 @@ def test_valid_job_parses():
     ({"scaling": {"num_wrkers": 2}}, "scaling.num_wrkers"),
     ({"bogus": 1}, "bogus"),
     ({"run": {"name": "has space"}}, "run.name"),
+    ({"chaos": [{"action": "kill_node", "rank": 1, "at_step": 2, "during_upload": "often"}]}, "chaos.0.during_upload"),
 ])
 def test_errors_name_the_field(over, field):
     with pytest.raises(ConfigError) as e:

@@ -225,3 +225,30 @@ def test_workers_wanted_to_grow_the_world_are_not_calibrated_first():
     assert g.spare_starts[1:] and not any(g.calibrated_starts[1:])
     drive(c)
     assert isinstance(c.state, Finished) and len(g.members) == 3
+
+
+def test_a_recovery_from_memory_does_not_wait_for_a_storage_that_hangs(monkeypatch):
+    """An outage and a lost machine at once: the survivors' memory needs no storage, so the
+    controller's look at the committed checkpoints and the new generation's fence wait at most
+    3 x ping_timeout_s each; the fence lands once storage is back."""
+    import threading
+
+    from elastic.fencing import current_generation
+    c, g, clock = make(failure={"ping_timeout_s": 0.2})
+    drive(c, lambda c: c.step >= 10)
+    step = c.step
+    back = threading.Event()
+    for op in ("list_dir", "sizes", "read_bytes", "write_bytes", "exists"):
+        real = getattr(c.storage, op)
+        monkeypatch.setattr(c.storage, op, lambda *a, _real=real, **kw: (back.wait(), _real(*a, **kw))[1])
+    g.freeze(1)
+    drive(c, lambda c: kinds(c, "recovered"))
+    (unanswered,) = kinds(c, "storage_unanswered")
+    assert unanswered["op"] == "list committed checkpoints"
+    assert [e["generation"] for e in kinds(c, "fence_not_written")] == [2]
+    assert calls(g, "restore_from_peer") == [0] and kinds(c, "restored")[-1]["step"] == step
+    assert not back.is_set()  # all of it while storage still hangs
+    back.set()
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    assert c.fence.announce(2, wait_s=10) and current_generation(c.storage, c.root) == 2

@@ -31,7 +31,7 @@ import ray
 from elastic import metrics as run_metrics
 from elastic.checkpoint import abandon_after, checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
-from elastic.fencing import write_fence
+from elastic.fencing import FenceWriter
 from elastic.controller.states import (
     TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, RunWatch, Starting, State,
     Swapping)
@@ -39,7 +39,7 @@ from elastic.policies.failure import (
     FailureObservation, FromPeer, FromShards, FromStorage, LostRank, Raise, choose_restore, decide_failure,
     decide_silence, detect_hang)
 from elastic.policies.straggler import Drop, Report, StragglerState, Swap, decide_straggler, observe
-from elastic.storage import Storage, join
+from elastic.storage import Storage, call_within, join
 from elastic.strategies import STRATEGIES
 from elastic.telemetry import EventLog
 from elastic.topology import Layout, grow_to, reassign, shrink_to, stage_sources
@@ -65,6 +65,7 @@ class Controller:
         # the progress of each poll and each straggler window, which are not events.
         self.metrics = run_metrics.for_run(self.job.run.name, clock=self.now)
         self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event)
+        self.fence = FenceWriter(self.storage, self.root)
         self.group = group or WorkerGroup(self.job, job_json, self.root, ray.get_runtime_context().current_actor,
                                           runtime_env)
         self.state: State = Starting()
@@ -151,13 +152,13 @@ class Controller:
         return generation == self.generation and not isinstance(self.state, TERMINAL)
 
     def report_fault(self, fault: dict, rank: int, step: int, t: float, pid: int | None = None,
-                     generation: int | None = None) -> None:
+                     generation: int | None = None, uploading: bool | None = None) -> None:
         with self._fault_lock:
             if fault in self.pending_faults:
                 self.pending_faults.remove(fault)
         self.last_fault = {"action": fault["action"], "rank": rank, "step": step, "t": t}
         self.events.emit("fault_injected", action=fault["action"], rank=rank, step=step, fault_t=t, pid=pid,
-                         generation=generation, thaw_after_s=fault.get("thaw_after_s"))
+                         generation=generation, thaw_after_s=fault.get("thaw_after_s"), uploading=uploading)
 
     # ---------------------------------------------------------------- states
     def _set_state(self, new: State) -> None:
@@ -405,9 +406,17 @@ class Controller:
         cfg = self.job.failure
         self.resizing = None  # a planned resize cut short by a failure: the recovery decides the size
         fault = self.last_fault
-        # Storage, not what polls happened to report before the fault, says what is committed.
-        latest = latest_committed(self.storage, self.root)
-        self.last_committed = latest.uri if latest else None
+        # Storage, not what polls happened to report before the fault, says what is committed,
+        # when it answers: an outage at the same time must not hold up a recovery that may not
+        # need storage at all (from the survivors' memory). Else the last commit reported stands.
+        bound_s = cfg.ping_timeout_s * 3
+        answered, latest, error = call_within(lambda: latest_committed(self.storage, self.root), bound_s)
+        if answered and error is None:
+            self.last_committed = latest.uri if latest else None
+        else:
+            self.events.emit("storage_unanswered", op="list committed checkpoints", waited_s=bound_s,
+                             error=str(error)[:300] if error else None,
+                             using=f"the last commit reported: {self.last_committed or 'none'}")
         obs = FailureObservation(st.lost, len(self.group.members), self.failures, st.user_error, self.last_committed)
         decision, reason = decide_failure(obs, cfg, self.wall())
         self.events.emit("failure_detected", lost=[x.__dict__ for x in st.lost], step=self.step,
@@ -590,13 +599,17 @@ class Controller:
 
     def _write_fence(self) -> None:
         """The fence: the newest generation, in storage beside the checkpoints. A worker may write
-        checkpoints only while it is not older than this (a frozen worker that comes back finds
-        itself fenced off). Best effort: a failed write is logged and fencing is weaker until the
-        next formation; a storage that hangs holds up this formation for as long (never a step)."""
-        try:
-            write_fence(self.storage, self.root, self.generation)
-        except Exception as e:  # noqa: BLE001 - storage may be out; the next formation writes it again
-            self.events.emit("fence_not_written", generation=self.generation, error=str(e)[:300])
+        checkpoints only while the fence shows its own generation (a frozen worker that comes back
+        finds itself fenced off). Written before the group forms when storage answers within 3 x
+        ping_timeout_s; else (an outage) the group forms anyway, the write goes on in the
+        background until it lands, and until then this generation writes no checkpoint."""
+        wait_s = self.job.failure.ping_timeout_s * 3
+        if not self.fence.announce(self.generation, wait_s):
+            why = f"failed: {self.fence.last_error}" if self.fence.last_error else "no answer"
+            self.events.emit("fence_not_written", generation=self.generation,
+                             error=f"storage did not take the fence within {wait_s:.1f} s ({why})"[:300],
+                             then="written in the background until it lands; no checkpoint of this "
+                                  "generation is written before")
 
     def _write_metrics(self) -> None:
         """metrics.json: the loss of every step and the world size it ran at (redone steps: the
