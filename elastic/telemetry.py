@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from elastic.storage import Storage, StorageError, join
+from elastic.storage import Storage, StorageError, call_within, join
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,9 @@ class EventLog:
         """Write everything now (end of run); gives up after timeout_s if storage does not answer."""
         if self.uri is None:
             return
-        done = threading.Thread(target=self._write, daemon=True)
-        done.start()
-        done.join(timeout_s)
+        _, _, error = call_within(self._write, timeout_s)
+        if error is not None:
+            log.warning("event log not flushed: %s", error)
 
     def _write(self) -> None:
         with self._write_lock:

@@ -160,6 +160,12 @@ class Controller:
         self.events.emit("fault_injected", action=fault["action"], rank=rank, step=step, fault_t=t, pid=pid,
                          generation=generation, thaw_after_s=fault.get("thaw_after_s"), uploading=uploading)
 
+    @property
+    def _grace_s(self) -> float:
+        """How long an answer that should come at once may take (a rank leaving its group, a stop
+        reaching every rank, storage during a recovery) before the controller goes on without it."""
+        return self.job.failure.ping_timeout_s * 3
+
     # ---------------------------------------------------------------- states
     def _set_state(self, new: State) -> None:
         if type(new) is not type(self.state) or isinstance(new, Recovering):
@@ -236,7 +242,7 @@ class Controller:
         self.offers = {}
         if any(cause_of(w) != "error" for w in e.ranks.values()):
             return self._lost_from(e, "re-shard")
-        bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
+        bad = self.group.leave_all(self._grace_s)
         if bad:
             return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), self.wall())
         if self.resizing is not None:
@@ -409,12 +415,11 @@ class Controller:
         # Storage, not what polls happened to report before the fault, says what is committed,
         # when it answers: an outage at the same time must not hold up a recovery that may not
         # need storage at all (from the survivors' memory). Else the last commit reported stands.
-        bound_s = cfg.ping_timeout_s * 3
-        answered, latest, error = call_within(lambda: latest_committed(self.storage, self.root), bound_s)
+        answered, latest, error = call_within(lambda: latest_committed(self.storage, self.root), self._grace_s)
         if answered and error is None:
             self.last_committed = latest.uri if latest else None
         else:
-            self.events.emit("storage_unanswered", op="list committed checkpoints", waited_s=bound_s,
+            self.events.emit("storage_unanswered", op="list committed checkpoints", waited_s=self._grace_s,
                              error=str(error)[:300] if error else None,
                              using=f"the last commit reported: {self.last_committed or 'none'}")
         obs = FailureObservation(st.lost, len(self.group.members), self.failures, st.user_error, self.last_committed)
@@ -443,7 +448,7 @@ class Controller:
         # A survivor blocked in a collective on a silent peer never sees an error of its own: abort
         # its collectives (a stale abort is ignored), so run() returns with the state of its last
         # completed step. One that still does not return cannot safely join a new group: replace it.
-        grace_s = cfg.ping_timeout_s * 3
+        grace_s = self._grace_s
         unanswered = self.group.abort_all(self.generation, grace_s)
         stuck = self.group.wait_runs(self.run_refs, grace_s)
         stuck.update(self.group.leave_all(grace_s))
@@ -526,7 +531,7 @@ class Controller:
         """Ask every rank to stop at a common step boundary. False when a rank cannot be asked:
         it is failing anyway, and the failure path takes over."""
         try:
-            self.group.request_stop(self.generation, self.job.failure.ping_timeout_s * 3)
+            self.group.request_stop(self.generation, self._grace_s)
         except GroupError:
             return False
         return True
@@ -569,7 +574,7 @@ class Controller:
             if late:
                 return Recovering(tuple(LostRank(r, "unresponsive", "did not offer its shards") for r in late),
                                   self.wall())
-        bad = self.group.leave_all(self.job.failure.ping_timeout_s * 3)
+        bad = self.group.leave_all(self._grace_s)
         if bad:
             return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in bad.items()), self.wall())
         return None
@@ -603,7 +608,7 @@ class Controller:
         finds itself fenced off). Written before the group forms when storage answers within 3 x
         ping_timeout_s; else (an outage) the group forms anyway, the write goes on in the
         background until it lands, and until then this generation writes no checkpoint."""
-        wait_s = self.job.failure.ping_timeout_s * 3
+        wait_s = self._grace_s
         if not self.fence.announce(self.generation, wait_s):
             why = f"failed: {self.fence.last_error}" if self.fence.last_error else "no answer"
             self.events.emit("fence_not_written", generation=self.generation,
