@@ -22,6 +22,8 @@ part of a checkpoint.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import queue
@@ -184,11 +186,16 @@ def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
 
 # ---------------------------------------------------------------- shards (collective)
 
+class UploadCut(Exception):
+    """The upload was cut short on purpose: its group failed, so the persist could never commit."""
+
+
 def save_shards(state: dict, folder: str, storage_options: dict, process_group,
-                on_write: Callable[[], None] | None = None):
+                on_write: Callable[[], None] | None = None, cancel: threading.Event | None = None):
     """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
     `on_write` is called when this rank starts writing to `folder` itself (after the collective
-    planning; for a remote folder, when the upload of the staged files begins).
+    planning; for a remote folder, when the upload of the staged files begins). `cancel` set
+    during the upload cuts it short (`UploadCut`; see `upload`).
     A save into an existing folder overwrites files of the same name and leaves the others.
 
     Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
@@ -215,7 +222,9 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
             if on_write:
                 on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
-            fs.put(stage.rstrip("/") + "/", path.rstrip("/") + "/", recursive=True)
+            upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel)
+        except UploadCut:
+            raise  # the group is gone: nothing collective follows
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
             error = e
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
@@ -228,6 +237,28 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
         return metadata
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s: float = 0.05) -> None:
+    """`fs.put(src, dst, recursive=True)`, cut short within `poll_s` once `cancel` is set, on
+    an async filesystem (s3fs, gcsfs, adlfs): its coroutine is cancelled on fsspec's event loop,
+    which drops the connection mid-request. A synchronous filesystem uploads to the end.
+    A multipart upload cut short stays incomplete in the bucket, invisible to readers, until
+    the store's lifecycle rule for incomplete uploads removes it."""
+    if cancel is None or not getattr(fs, "async_impl", False):
+        fs.put(src, dst, recursive=True)
+        return
+    if cancel.is_set():
+        raise UploadCut(f"upload of {dst} not begun")
+    future = asyncio.run_coroutine_threadsafe(fs._put(src, dst, recursive=True), fs.loop)
+    while True:
+        try:
+            future.result(timeout=poll_s)
+            return
+        except concurrent.futures.TimeoutError:
+            if cancel.is_set():
+                future.cancel()
+                raise UploadCut(f"upload of {dst} cut short") from None
 
 
 class _NotifyingWriter(FsspecWriter):
@@ -343,6 +374,7 @@ class AsyncCheckpointer:
         self.results: "queue.Queue[PersistResult]" = queue.Queue()
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
+        self._aborted_at = 0.0
         self._staged = None  # the last snapshot: its buffers are reused once its persist is done
         self._after = list(after)
         self._wait_timeout_s = wait_timeout_s
@@ -350,7 +382,10 @@ class AsyncCheckpointer:
         self.writing = threading.Event()  # the persist last started writes its shards to storage
 
     def abort(self) -> None:
-        """The group is being torn down: an in-flight persist stops retrying and is never committed."""
+        """The group is being torn down: an in-flight persist stops retrying, its upload is cut
+        short (async filesystems: see `upload`), and it is never committed."""
+        if not self._abort.is_set():
+            self._aborted_at = time.monotonic()
         self._abort.set()
 
     def aborted(self) -> bool:
@@ -413,9 +448,14 @@ class AsyncCheckpointer:
         metadata, err, attempt = None, None, 0
         for attempt in range(1, self.retries + 2):
             try:
-                metadata = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set)
+                metadata = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set,
+                                       cancel=self._abort)
                 err = None
                 break
+            except UploadCut:
+                return report(attempts=attempt, error=f"abandoned: the group failed during the upload, cut "
+                                                      f"short {time.monotonic() - self._aborted_at:.2f} s after; "
+                                                      f"never committed")
             # DCP's CheckpointException is a BaseException, not an Exception.
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - storage and peer errors: retry or report
                 err = f"{type(e).__name__}: {e}"

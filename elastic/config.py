@@ -97,9 +97,12 @@ class StragglerConfig(_Strict):
     """Straggler detection and mitigation (see elastic/policies/straggler.py)."""
 
     enabled: bool = Field(False, description="Watch for stragglers and act on them.")
-    threshold: float = Field(1.5, gt=1, description="Slow = window-median compute above threshold x the others'.")
-    window_steps: int = Field(5, ge=1, description="Steps per window.")
-    consecutive_windows: int = Field(2, ge=1, description="Slow windows in a row before acting.")
+    threshold: float = Field(1.5, gt=1, description="A rank's step is slow when its compute time is above "
+                                                     "threshold x the other ranks' median at that step.")
+    window_steps: int = Field(5, ge=1, description="Act on a rank slow in more than half of its last window_steps "
+                                                   "steps...")
+    consecutive_windows: int = Field(2, ge=1, description="...and more than half of its last window_steps x "
+                                                          "consecutive_windows steps (the window slides by one step).")
     cooldown_s: float = Field(30.0, ge=0, description="No new action this soon after the last one.")
 
 

@@ -4,7 +4,8 @@ A machine that stops and comes back (a thawed freeze, a healed partition)
 resumes exactly where it was: in the middle of a persist, say, about to write
 a commit marker for a group that no longer exists. The controller bumps the
 group generation at every formation and writes it beside the checkpoints
-(`<run>/checkpoints/GENERATION`) before the new group forms; a worker checks
+(`<run>/checkpoints/GENERATION`) before the new group forms (a resubmitted run
+numbers on from the fence an earlier submission left); a worker checks
 it before it writes shards and again right before the commit marker, and
 gives up if the run has moved past its generation.
 

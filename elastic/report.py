@@ -34,6 +34,8 @@ def describe_event(ev: dict) -> str:
         return f"CHECKPOINT step {ev['step']} abandoned on rank {ev['rank']}: {ev['reason']}"
     if k == "storage_unanswered":
         return f"STORAGE no answer in {ev['waited_s']:.1f}s to '{ev['op']}'; going on with {ev['using']}"
+    if k == "generations_continued":
+        return f"FENCE an earlier submission reached generation {ev['after']}; this run's groups start at {ev['after'] + 1}"
     if k == "fence_not_written":
         return f"FENCE generation {ev['generation']} not written yet: {ev['error']}"
     if k == "checkpoint_failed":

@@ -179,7 +179,7 @@ def _walk(events: list[dict]) -> tuple[dict[int, list[Span]], list[Mark]]:
         elif k == "swapped" and e.get("rank") is not None:
             marks.append(Mark(t, int(e["rank"]), "swapped", str(e.get("how", ""))))
         elif k == "slow_window":
-            for r in map(int, (e.get("consecutive") or {})):
+            for r in map(int, (e.get("slow_steps") or e.get("consecutive") or {})):
                 marks.append(Mark(t, r, "slow", f"x{(e.get('ratios') or {}).get(str(r))} at step {e.get('step')}"))
         elif k == "decision" and e.get("decision") == "Drop":
             for r in map(int, e.get("ranks", [])):

@@ -244,8 +244,9 @@ def test_node_kill_with_checkpoints_on_s3(cluster, baseline, tmp_path, s3_server
 
 
 def test_straggler_is_swapped_for_a_spare_and_the_run_stays_exact(cluster, baseline, tmp_path):  # noqa: F811
-    """Rank 1 computes 5x slower from step 5: flagged after two slow windows of 5 steps,
-    swapped for the warm spare at a step boundary, nothing redone, bit-identical.
+    """Rank 1 computes 5x slower from step 5: flagged once slow in 6 of its last 10 steps (a
+    window sliding by one step), swapped for the warm spare at a step boundary, nothing redone,
+    bit-identical.
     5x, not 3x: here three ranks and a spare share 2 cores, and a 3x slowdown measured from
     1.6x to 3.4x the others' median in a window (runs of this test), sometimes under the 1.5x
     threshold, which reset the count; the test is about the swap, not the detection margin."""
@@ -255,11 +256,11 @@ def test_straggler_is_swapped_for_a_spare_and_the_run_stays_exact(cluster, basel
     result = Trainer(j).fit(progress=False)
     assert all(d == baseline for d in result.digests.values())
     (swap,) = [d for d in result.events_of("decision") if d["decision"] == "Swap"]
-    assert swap["ranks"] == [1] and "2 consecutive windows" in swap["reason"]
-    # One noisy window may find any rank slow, rank 1 too, before its slowdown began (on a loaded
-    # 2-core machine it does); hysteresis ignores it. Rank 1 is flagged (2 slow windows in a row)
-    # only at a window that holds its slow steps (those after step 5).
-    flagged_1 = [w["step"] for w in result.events_of("slow_window") if w["consecutive"].get("1", 0) >= 2]
+    assert swap["ranks"] == [1] and "rank 1 slow in" in swap["reason"] and "of its last 10 steps" in swap["reason"]
+    # A noisy step may find any rank slow, rank 1 too, before its slowdown began (on a loaded
+    # 2-core machine it does); the majority rule ignores it. Rank 1 is logged slow in most of a
+    # span only in windows that hold its slow steps (those after step 5).
+    flagged_1 = [w["step"] for w in result.events_of("slow_window") if w["slow_steps"].get("1", 0) > 5]
     assert flagged_1 and all(step > 5 for step in flagged_1)
     (swapped,) = result.events_of("swapped")
     assert swapped["rank"] == 1 and swapped["how"] == "warm spare"
@@ -355,8 +356,9 @@ def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline,
     never commit:
     they leave their group without waiting for it (they used to wait past the controller's grace
     and were replaced, their state lost, the run restarted from step 0), restore from their own
-    memory, redo nothing and end bit-identical. Their next persist waits for the abandoned upload
-    before writing; every checkpoint committed is whole."""
+    memory, redo nothing and end bit-identical. Their uploads are cut short when the group fails
+    (they used to run on beside the new group, and its next persist waited for them before
+    writing), so nothing is left running; every checkpoint committed is whole."""
     from elastic.checkpoint import committed_checkpoints, validate
     from elastic.testing.slow_link import SlowLink
 
@@ -369,8 +371,11 @@ def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline,
         result = Trainer(j).fit(progress=False)
     assert result.events_of("fault_injected")[0]["uploading"] is True
     assert not result.events_of("worker_replaced"), result.events_of("worker_replaced")
-    abandoned = result.events_of("persist_abandoned")
-    assert {e["rank"] for e in abandoned} == {0, 2} and {e["step"] for e in abandoned} == {EVERY}, abandoned
+    failed = result.events_of("checkpoint_failed")
+    cut = [e for e in failed if "cut short" in e["error"]]
+    assert sorted(e["rank"] for e in cut) == [0, 2] and {e["step"] for e in cut} == {EVERY}, failed
+    assert not result.events_of("persist_abandoned"), result.events_of("persist_abandoned")
+    assert not [e for e in failed if e["error"].startswith("skipped:")], failed
     assert_recovered_bit_identical(result, baseline, "kill_node")
     assert result.events_of("workers_replaced")[0]["how"] == {"1": "started on demand"}
     storage = Storage(uri, s3_server.storage_options)

@@ -1,6 +1,7 @@
 """The commit protocol, retention and background persist, on memory:// (and a flaky variant)."""
 import json
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -567,3 +568,52 @@ def test_a_persist_waits_for_its_groups_fence_within_its_bound(store, one_rank_g
     (res,) = never.drain()
     assert not res.committed and res.error.startswith("fenced: rank 0: not landed")
     assert [c.step for c in committed_checkpoints(storage, root)] == [10]
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_on_s3_an_upload_whose_group_failed_is_cut_short_and_never_committed(s3_server, one_rank_group):
+    """A survivor's persist can never commit once its group failed. Its upload is cut short
+    (the coroutine on fsspec's loop is cancelled) instead of running on beside the new group: here
+    it would take about 40 s through a 200 kB/s link; the persist ends within 15 s of the abort.
+    The slow link's relay closes with it; a later checkpoint of the same folder commits whole."""
+    from elastic.testing.slow_link import SlowLink
+    host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
+    root = f"{s3_server.uri}/cut-{uuid.uuid4().hex[:8]}/run/checkpoints"
+    state = {"model": {"weight": torch.arange(2_000_000, dtype=torch.float32)}}  # 8 MB
+    with SlowLink(host, int(port), bytes_per_s=200_000) as link:
+        storage = Storage(root, {**s3_server.storage_options, "endpoint_url": link.url})
+        ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0,
+                               num_to_keep=2)
+        ck.save(10, 80, state, {})
+        assert ck.writing.wait(30)
+        time.sleep(1.0)  # well into the upload
+        ck.abort()
+        ck.wait(timeout_s=15)
+        assert not ck.in_flight(), "the abandoned upload ran on"
+        (res,) = ck.drain()
+    assert not res.committed and res.error.startswith("abandoned: the group failed during the upload, cut short")
+    storage = Storage(root, s3_server.storage_options)
+    assert latest_committed(storage, root) is None
+    again = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2)
+    again.save(10, 80, state, {})
+    again.wait()
+    (res,) = again.drain()
+    assert res.committed, res.error
+    restored = {"model": {"weight": torch.zeros(2_000_000)}}
+    load_shards(restored, latest_committed(storage, root).uri, s3_server.storage_options, one_rank_group)
+    assert torch.equal(restored["model"]["weight"], state["model"]["weight"])
+
+
+def test_an_upload_on_a_synchronous_filesystem_is_not_cut_and_one_not_cancelled_completes(tmp_path):
+    import fsspec
+
+    from elastic.checkpoint import upload
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a").write_bytes(b"x" * 10)
+    cancel = threading.Event()
+    cancel.set()
+    mem = fsspec.filesystem("memory")
+    dst = f"/up-{uuid.uuid4().hex}/"
+    upload(mem, f"{tmp_path}/src/", dst, cancel)  # memory:// is synchronous: uploads to the end
+    assert mem.cat(dst + "a") == b"x" * 10

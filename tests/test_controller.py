@@ -15,7 +15,7 @@ from elastic.testing.fake_group import FakeClock, FakeGroup
 pytestmark = pytest.mark.timeout(60)
 
 
-def make(num_steps=40, scaling=None, failure=None, **group_kw):
+def make(num_steps=40, scaling=None, failure=None, stragglers=None, **group_kw):
     clock = FakeClock()
     job = JobConfig.model_validate({
         "run": {"name": "ctl", "num_steps": num_steps},
@@ -23,6 +23,7 @@ def make(num_steps=40, scaling=None, failure=None, **group_kw):
         "failure": {"max_failures": 3, "hang_floor_s": 5, **(failure or {})},
         "checkpoint": {"storage_uri": f"memory://ctl-{uuid.uuid4().hex[:8]}"},
         "train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 48},
+        "stragglers": stragglers or {},
     })
     group = FakeGroup(clock, **group_kw)
     return Controller(job.model_dump_json(), group=group, clock=clock, wall=clock), group, clock
@@ -252,3 +253,53 @@ def test_a_recovery_from_memory_does_not_wait_for_a_storage_that_hangs(monkeypat
     drive(c)
     assert isinstance(c.state, Finished) and c.step == 40
     assert c.fence.announce(2, wait_s=10) and current_generation(c.storage, c.root) == 2
+
+
+def test_a_resubmitted_run_numbers_its_generations_on_from_the_fence_an_earlier_one_left():
+    """A zombie of an earlier submission (generation 5, say) must be older than every group of
+    the resubmitted run, or it would pass the fence once the new run reached generation 5."""
+    from elastic.fencing import current_generation, may_write, write_fence
+    c, g, clock = make()
+    write_fence(c.storage, c.root, 5)  # what the earlier submission left
+    drive(c, lambda c: c.step >= 10)
+    (cont,) = kinds(c, "generations_continued")
+    assert cont["after"] == 5 and kinds(c, "group_formed")[0]["generation"] == 6
+    g.freeze(1)
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    assert [e["generation"] for e in kinds(c, "group_formed")] == [6, 7]
+    assert c.fence.announce(7, wait_s=10) and current_generation(c.storage, c.root) == 7
+    allowed, why = may_write(c.storage, c.root, 5)
+    assert allowed is False and "generation 7" in why
+
+
+def test_a_first_run_starts_at_generation_1():
+    c, g, clock = make(num_steps=5)
+    drive(c)
+    assert isinstance(c.state, Finished)
+    assert not kinds(c, "generations_continued") and kinds(c, "group_formed")[0]["generation"] == 1
+
+
+def test_a_straggler_is_swapped_six_slow_steps_after_its_slowdown_wherever_it_begins():
+    """The controller folds in every step as soon as all ranks reported it (the policy's window
+    slides by one step): the swap is decided once rank 1 was slow in 6 of its last 10 steps,
+    whatever the step its slowdown began at; a 4-step blip on rank 2 never triggers anything."""
+    for after in (20, 22, 24):
+        c, g, clock = make(num_steps=60, scaling={"num_spares": 1},
+                           stragglers={"enabled": True, "window_steps": 5, "consecutive_windows": 2,
+                                       "cooldown_s": 0},
+                           report_compute=True)
+        drive(c, lambda c: c.step >= 5)
+        g.slow_down(2, 10, 4.0, steps=4)  # steps 11-14: most of the window ending at 15
+        g.slow_down(1, after, 4.0)
+        drive(c, lambda c: kinds(c, "decision"))
+        (decision,) = kinds(c, "decision")
+        assert decision["decision"] == "Swap" and decision["ranks"] == [1], decision
+        assert "rank 1 slow in 6 of its last 10 steps" in decision["reason"]
+        assert decision["step"] == after + 6  # decided on the 6th slow step, not a window later
+        windows = kinds(c, "slow_window")  # logged every 5 steps; rank 2's blip is logged, not acted on
+        assert [(w["step"], w["slow_steps"]) for w in windows if w["step"] < after] == [(15, {"2": 4})], windows
+        assert all(list(w["slow_steps"]) == ["1"] for w in windows if w["step"] > after), windows
+        drive(c)
+        assert isinstance(c.state, Finished) and c.step == 60
+        assert [e["rank"] for e in kinds(c, "swapped")] == [1]

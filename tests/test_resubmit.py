@@ -224,6 +224,13 @@ def test_whole_cluster_killed_mid_run_then_resubmitted_resumes_bit_identical(tmp
 
     ev = events(run_dir)
     assert sum(e["kind"] == "run_started" for e in ev) == 2, "the resubmitted run appends to the first run's log"
+    # Its groups number on from the first run's (the fence it left), so a zombie of the first run
+    # holds an older generation than every group of the second.
+    gens = [e["generation"] for e in ev if e["kind"] == "group_formed"]
+    starts = [i for i, e in enumerate(ev) if e["kind"] == "run_started"]
+    first_gens = [e["generation"] for e in ev[:starts[1]] if e["kind"] == "group_formed"]
+    (cont,) = [e for e in ev if e["kind"] == "generations_continued"]
+    assert cont["after"] == max(first_gens) and gens == sorted(set(gens)), (cont, gens)
     restored = [e for e in ev if e["kind"] == "restored"]
     assert restored[-1]["step"] == latest and restored[-1]["source"] == "storage", restored[-1]
     assert restored[-1]["uri"].endswith(f"step_{latest:09d}"), restored[-1]

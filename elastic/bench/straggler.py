@@ -69,6 +69,9 @@ def main(args) -> int:
                 rec = {"bench": "straggler", "system": "elastic", "mitigation": config, "rep": rep,
                        "steps_per_s": rates[config], "num_swaps": len(swaps),
                        "swap_after_steps": (result.events_of("restored")[-1]["step"] - SLOW_STEP) if swaps else None,
+                       # the last step the policy had seen when it decided (the rest is the planned stop)
+                       "decided_after_steps": next((d["step"] - SLOW_STEP for d in result.events_of("decision")
+                                                    if d["decision"] == "Swap" and d.get("step") is not None), None),
                        "factor": FACTOR, "slow_from_step": SLOW_STEP, "num_steps": NUM_STEPS,
                        "global_batch": GLOBAL_BATCH, "replicas_identical": len(set(result.digests.values())) == 1}
                 if config != "no-slowdown":
@@ -79,7 +82,7 @@ def main(args) -> int:
                 records.append(rec)
                 emit(rec)
     slowed = [r for r in records if r["mitigation"] != "no-slowdown"]
-    metrics = ["straggler_ratio", "steady_ratio_after_swap", "steps_per_s", "swap_after_steps"]
+    metrics = ["straggler_ratio", "steady_ratio_after_swap", "steps_per_s", "decided_after_steps", "swap_after_steps"]
     med = medians(slowed, metrics, key="mitigation")
     base = medians([r for r in records if r["mitigation"] == "no-slowdown"], ["steps_per_s"], key="mitigation")
     notes = [f"rank 1 computes {FACTOR:g}x slower from step {SLOW_STEP} of {NUM_STEPS}; {NUM_WORKERS} workers + 1 "
@@ -87,6 +90,7 @@ def main(args) -> int:
              f"no-slowdown median {base['no-slowdown']['steps_per_s']:.2f} steps/s; "
              "straggler_ratio = whole-run steps/s / no-slowdown steps/s of the same repetition; "
              "steady_ratio_after_swap = the same from the swapped-in group's first step to the end; "
+             "decided_after_steps = slow steps the policy had seen when it decided; "
              "swap_after_steps = steps run slow before the swap"]
     table = markdown_table(med, metrics, "straggler (mitigation on vs off)", notes)
     print(table)

@@ -31,14 +31,15 @@ import ray
 from elastic import metrics as run_metrics
 from elastic.checkpoint import abandon_after, checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
-from elastic.fencing import FenceWriter
+from elastic.fencing import FenceWriter, current_generation
 from elastic.controller.states import (
     TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, RunWatch, Starting, State,
     Swapping)
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromShards, FromStorage, LostRank, Raise, choose_restore, decide_failure,
     decide_silence, detect_hang)
-from elastic.policies.straggler import Drop, Report, StragglerState, Swap, decide_straggler, observe
+from elastic.policies.straggler import (Drop, Report, StragglerState, Swap, decide_straggler, flagged, observe,
+                                        slow_steps, span, window_ratios)
 from elastic.storage import Storage, call_within, join
 from elastic.strategies import STRATEGIES
 from elastic.telemetry import EventLog
@@ -88,7 +89,7 @@ class Controller:
         self.stragglers = StragglerState()
         self.compute_log: dict[int, dict[int, float]] = {}  # rank -> {step: own compute seconds}
         self.loss_curve: dict[int, tuple[float, int]] = {}  # step -> (global mean loss, world size)
-        self.next_window_end = 0
+        self.next_straggler_step = 0  # the next step to fold into the straggler state
         self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
         # Where ranks sit (elastic.topology): ddp and fsdp are (pp=1, dp=world); a pipeline's layout
         # walks the chain below `top` (replicas dropped, then stages) as capacity comes and goes.
@@ -173,6 +174,7 @@ class Controller:
         self.state = new
 
     def _on_starting(self, _: Starting) -> State:
+        self._continue_generations()
         n = self.job.scaling.num_workers
         try:
             self.group.start(list(range(n)), self.job.failure.replacement_timeout_s)
@@ -266,8 +268,8 @@ class Controller:
         if self.awaiting_first_step is not None:
             self.awaiting_first_step["resumed_step"] = r0["step"]
         self.compute_log = {}
-        self.stragglers.slow_windows.clear()
-        self.next_window_end = r0["step"] + self.job.stragglers.window_steps
+        self.stragglers.clear()
+        self.next_straggler_step = r0["step"] + 1
         # Keep num_spares warm: replace the ones just used, drop extras started on demand, except
         # those that can bring a shrunk world back up (they wait for capacity, then we grow).
         headroom = self.job.scaling.max_size - self.world_size
@@ -484,40 +486,45 @@ class Controller:
         return Forming()
 
     def _check_stragglers(self) -> Swapping | None:
-        """Fold every complete window of compute times into the straggler state; on a Swap
-        decision, ask all ranks to stop at a common step boundary a few steps ahead."""
+        """Fold every step all ranks have reported into the straggler state, one at a time (the
+        policy's window slides by one step); log the window every `window_steps` steps; on a
+        Swap decision, ask all ranks to stop at a common step boundary a few steps ahead."""
         sc = self.job.stragglers
         ranks = list(self.group.members)
-        while all(self.next_window_end in self.compute_log.get(r, {}) for r in ranks):
-            w_end = self.next_window_end
-            window = {r: [self.compute_log[r][s] for s in range(w_end - sc.window_steps + 1, w_end + 1)
-                          if s in self.compute_log[r]] for r in ranks}
-            self.next_window_end += sc.window_steps
-            for r in ranks:  # a window is folded in once: drop its steps
-                self.compute_log[r] = {st: v for st, v in self.compute_log[r].items() if st > w_end}
-            ratios = observe(self.stragglers, window, sc)
-            self.metrics.on_window(ratios)
-            slow = {r: round(x, 2) for r, x in ratios.items() if x > sc.threshold}
-            if slow:
-                self.events.emit("slow_window", step=w_end, ratios={r: round(x, 2) for r, x in ratios.items()},
-                                 consecutive={r: self.stragglers.slow_windows[r] for r in slow})
-            healthy = [statistics.median(window[r]) for r in ranks if r not in slow and window[r]]
+        while all(self.next_straggler_step in self.compute_log.get(r, {}) for r in ranks):
+            step = self.next_straggler_step
+            self.next_straggler_step += 1
+            observe(self.stragglers, {r: self.compute_log[r].pop(step) for r in ranks}, sc)  # folded in once
+            if step % sc.window_steps == 0:
+                ratios = window_ratios(self.stragglers, sc)
+                self.metrics.on_window(ratios)
+                recent = slow_steps(self.stragglers, sc, sc.window_steps)
+                slow = [r for r in ranks if 2 * recent.get(r, 0) > sc.window_steps]
+                if slow:
+                    total = slow_steps(self.stragglers, sc)
+                    self.events.emit("slow_window", step=step, ratios={r: round(x, 2) for r, x in ratios.items()},
+                                     slow_steps={r: total[r] for r in slow}, of=span(sc))
+            suspects = flagged(self.stragglers, sc)
+            if not suspects:
+                continue
+            healthy = [statistics.median(list(self.stragglers.compute_s[r])) for r in ranks
+                       if r not in suspects and self.stragglers.compute_s.get(r)]
             healthy_s = statistics.median(healthy) if healthy else 0.0
             self.group.refresh_spares()
-            if slow:  # a spare started on demand for a recovery and kept has not been calibrated yet
-                # Six computes of a rank's share; a spare that needs more than ten healthy ones is no use for a swap.
-                self.group.lost_spares += self.group.calibrate_spares(
-                    max(self.job.failure.ping_timeout_s * 5, 10 * healthy_s))
+            # A spare started on demand for a recovery and kept has not been calibrated yet: six
+            # computes of a rank's share; a spare that needs more than ten healthy ones is no use.
+            self.group.lost_spares += self.group.calibrate_spares(
+                max(self.job.failure.ping_timeout_s * 5, 10 * healthy_s))
             decision, reason = decide_straggler(self.stragglers, sc, self.now(),
                                                 [m.calib_s for m in self.group.ready_spares if m.calib_s],
                                                 healthy_s, may_shrink=self.world_size > self.job.scaling.min_size)
             if isinstance(decision, Report) and decision.rank not in self.stragglers.reported:
                 self.stragglers.reported.add(decision.rank)
-                self.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason)
+                self.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason, step=step)
             if isinstance(decision, (Swap, Drop)):
                 self.stragglers.last_action_t = self.now()
                 self.events.emit("decision", decision=type(decision).__name__, ranks=[decision.rank],
-                                 reason=reason, healthy_compute_s=healthy_s)
+                                 reason=reason, healthy_compute_s=healthy_s, step=step)
                 if not self._request_stop():
                     return None
                 if isinstance(decision, Swap):
@@ -601,6 +608,21 @@ class Controller:
                          new_node=self.group.members[st.rank].node_id[:12], swap_s=self.now() - t0,
                          spare_calib_s=spare.calib_s if spare else None)
         return Forming()
+
+    def _continue_generations(self) -> None:
+        """A resubmitted run (same name: a new `ray job submit`, or the driver rerun after a head
+        loss) numbers its generations on from the fence an earlier submission left, so a zombie
+        of that submission (a frozen node that comes back) holds an older generation than every
+        group of this one and can never pass the fence."""
+        answered, prior, error = call_within(lambda: current_generation(self.storage, self.root), self._grace_s)
+        if not answered or error is not None:
+            self.events.emit("storage_unanswered", op="read the fence", waited_s=self._grace_s,
+                             error=str(error)[:300] if error else None,
+                             using="generation 1 (an earlier submission's zombie is then fenced only "
+                                   "until this run reaches its generation)")
+        elif prior:
+            self.generation = prior
+            self.events.emit("generations_continued", after=prior)
 
     def _write_fence(self) -> None:
         """The fence: the newest generation, in storage beside the checkpoints. A worker may write
@@ -850,9 +872,10 @@ class Controller:
                     self.events.emit("checkpoint_failed", rank=rank, step=p["step"], error=p["error"][:300])
             for step in a.get("abandoned", []):
                 self.events.emit("persist_abandoned", rank=rank, step=step,
-                                 reason="its group failed, so it can never commit, and its upload cannot be cut "
-                                        "short: the rank left it to end on its own, and its next persist waits "
-                                        "for it before writing")
+                                 reason="its group failed, so it can never commit, and its write could not be "
+                                        "cut short (a synchronous filesystem, or a file still being written): "
+                                        "the rank left it to end on its own, and its next persist waits for it "
+                                        "before writing")
         for step, why in sorted({(s, w) for a in answers.values() for s, w in a.get("skipped", [])}):
             if self.skipped.get(step) != why:
                 self.skipped[step] = why

@@ -43,6 +43,8 @@ class FakeRank:
     run_out: dict | None = None  # what its run() returned, once it returned
     running: bool = False
     stop: bool = False
+    logged: int = 0  # the last step whose compute time it reported
+    slow: tuple[int, float, float] | None = None  # (after step, factor, for steps): computes that much slower
 
 
 @dataclass
@@ -66,6 +68,7 @@ class FakeGroup:
     self_s: float = 0.0  # real seconds spent inside this fake (to subtract from controller timings)
     persisting: bool = False  # every rank reports a checkpoint persist in flight
     commits: list = field(default_factory=list)  # checkpoint uris rank 0 reports committed at its next answer
+    report_compute: bool = False  # answers carry each step's compute time (for the straggler policy)
 
     def __post_init__(self):
         self._pending: list[float] = []  # fake times at which pending spares become ready
@@ -81,6 +84,11 @@ class FakeGroup:
 
     def freeze(self, rank: int) -> None:
         self.members[rank].frozen_at = self.clock()
+
+    def slow_down(self, rank: int, after_step: int, factor: float, steps: float = float("inf")) -> None:
+        """The process holding `rank` computes `factor` x slower for `steps` steps after
+        `after_step` (a process that replaces it does not)."""
+        self.members[rank].slow = (after_step, factor, steps)
 
     def kill_process(self, rank: int) -> None:
         self.members[rank].dead = True
@@ -206,7 +214,7 @@ class FakeGroup:
 
     def _restored(self, step: int, source: str) -> dict[int, dict]:
         for m in self.members.values():
-            m.step = step
+            m.step = m.logged = step
         return {r: {"step": step, "uri": None, "skipped": [], "restore_s": 0.01, "source": source}
                 for r in self.members}
 
@@ -273,9 +281,12 @@ class FakeGroup:
             persists = [{"committed": True, "uri": u, "step": m.step, "persist_s": 1.0, "attempts": 1, "metrics": {}}
                         for u in self.commits]
             self.commits = []
+        compute_log = [(s, self.step_s / 2 * (m.slow[1] if m.slow and 0 < s - m.slow[0] <= m.slow[2] else 1.0), 1.0)
+                       for s in range(m.logged + 1, m.step + 1)] if self.report_compute else []
+        m.logged = m.step
         return {"step": m.step, "status": "running" if m.running else "idle", "loss": 1.0, "step_s": self.step_s,
                 "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": persists,
-                "persisting": self.persisting, "compute_log": [], "ledger": [], "deferred": []}
+                "persisting": self.persisting, "compute_log": compute_log, "ledger": [], "deferred": []}
 
     def poll_nowait(self, ping_timeout_s: float):
         t0 = time.perf_counter()
