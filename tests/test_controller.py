@@ -303,3 +303,19 @@ def test_a_straggler_is_swapped_six_slow_steps_after_its_slowdown_wherever_it_be
         drive(c)
         assert isinstance(c.state, Finished) and c.step == 60
         assert [e["rank"] for e in kinds(c, "swapped")] == [1]
+
+
+def test_a_resize_counts_the_steps_a_rank_reported_with_its_fault_as_reached():
+    # Polls lag training by up to a poll interval; a chaos fault is reported by the rank itself,
+    # at the step it reached, just before the fault. The shrink's lost steps start from there.
+    c, g, clock = make(num_steps=400, scaling={"min_workers": 2, "shrink_after_s": 1, "grow_check_s": 1000})
+    drive(c, lambda c: c.step >= 10)
+    g.members[1].step += 3  # rank 1 trained on since the last poll answer anyone gave
+    reached = g.members[1].step
+    c.report_fault({"action": "kill_node", "rank": 1, "at_step": reached}, 1, reached, clock())
+    g.kill_process(1)
+    g.fail_promote = 1
+    drive(c, lambda c: kinds(c, "resize_completed"))
+    (done,) = kinds(c, "resize_completed")
+    assert (done["old_world_size"], done["new_world_size"]) == (3, 2)
+    assert done["reached_step"] == reached and done["lost_steps"] == reached - done["resumed_step"] > 0

@@ -158,6 +158,9 @@ class Controller:
             if fault in self.pending_faults:
                 self.pending_faults.remove(fault)
         self.last_fault = {"action": fault["action"], "rank": rank, "step": step, "t": t}
+        # The rank's own word on the step it reached, as good as a poll answer, and often newer
+        # than the last poll: a resize measures its lost steps from the furthest step seen.
+        self.max_step_seen = max(self.max_step_seen, step)
         self.events.emit("fault_injected", action=fault["action"], rank=rank, step=step, fault_t=t, pid=pid,
                          generation=generation, thaw_after_s=fault.get("thaw_after_s"), uploading=uploading)
 
