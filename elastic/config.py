@@ -91,6 +91,11 @@ class CheckpointConfig(_Strict):
     num_to_keep: int = Field(3, ge=1, description="Committed checkpoints kept; the newest is never removed.")
     persist_retries: int = Field(5, ge=0, description="Retries of a background persist on storage errors.")
     persist_retry_backoff_s: float = Field(1.0, ge=0, description="First backoff between persist retries (doubles).")
+    final_wait_s: float = Field(
+        300.0, ge=0, description="If the run's last checkpoint did not commit (storage out longer than the persist's "
+                                 "retries, a fence not landed yet), the ranks save the final state again until it "
+                                 "commits, for at most this long; past it the run fails, naming the newest "
+                                 "committed checkpoint. 0: no second try.")
 
 
 class StragglerConfig(_Strict):

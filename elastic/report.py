@@ -38,6 +38,14 @@ def describe_event(ev: dict) -> str:
         return f"FENCE an earlier submission reached generation {ev['after']}; this run's groups start at {ev['after'] + 1}"
     if k == "fence_not_written":
         return f"FENCE generation {ev['generation']} not written yet: {ev['error']}"
+    if k == "final_checkpoint_retry":
+        return (f"FINAL CHECKPOINT step {ev['step']} not committed: saving it again (try {ev['attempt']}, "
+                f"{ev['left_s']:.0f}s left; newest committed: {ev['newest'] or 'none'})")
+    if k == "final_checkpoint_committed":
+        return f"FINAL CHECKPOINT step {ev['step']} committed after {ev['attempts']} more save(s), {ev['waited_s']:.1f}s"
+    if k == "final_checkpoint_missing":
+        return (f"FINAL CHECKPOINT step {ev['step']} never committed ({ev['attempts']} more save(s), "
+                f"{ev['waited_s']:.0f}s); newest committed: {ev['newest'] or 'none'}")
     if k == "checkpoint_failed":
         return f"CHECKPOINT step {ev['step']} not committed: {ev['error']}"
     if k == "user_error":
@@ -94,6 +102,12 @@ def summarize(result) -> str:
             lines.append(f"    re-shard in memory failed, state from storage instead: {e['error'][:120]}")
         elif k == "swapped":
             lines.append(f"    swapped rank {e['rank']} for a {e['how']} in {_f(e['swap_s'], 2)}s")
+        elif k == "final_checkpoint_committed":
+            lines.append(f"  final checkpoint: not committed at first (storage), committed after "
+                         f"{e['attempts']} more save(s), {_f(e['waited_s'], 1)}s")
+        elif k == "final_checkpoint_missing":
+            lines.append(f"  final checkpoint: NEVER committed ({e['attempts']} more save(s), "
+                         f"{_f(e['waited_s'], 0)}s); newest committed: {e['newest'] or 'none'}")
         elif k == "recovered":
             lines.append(f"    detected in {_f(e['detect_s'], 2)}s, recovered in {_f(e['recover_s'], 2)}s "
                          f"(fault -> first step done), resumed at step {e['resumed_step']}, "

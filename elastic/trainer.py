@@ -7,11 +7,12 @@ measured, unwritable storage, or a resume that would change the sample order.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -20,6 +21,8 @@ from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.controller import Controller
 from elastic.prefetch import check_data_workers
 from elastic.storage import Storage, StorageError, join
+
+log = logging.getLogger(__name__)
 
 
 class TrainingFailed(RuntimeError):
@@ -79,7 +82,10 @@ class Trainer:
             raise ConfigError(f"checkpoint.storage_uri: {e}") from None
         _check_resume(storage, self.job, num_samples)
 
-    def fit(self, progress: bool = True) -> Result:
+    def fit(self, progress: bool = True, on_event: Callable[[dict], None] | None = None) -> Result:
+        """Run the job to its end. `progress` draws a bar on the driver; `on_event`, if given, is
+        called on the driver with every event (docs/events.md) as it arrives, about twice a
+        second, in order (an exception it raises is logged and the run goes on)."""
         _connect_or_start_ray(self.job)
         controller = ray.remote(Controller).options(
             num_cpus=0, max_concurrency=8,
@@ -103,6 +109,11 @@ class Trainer:
             if p:
                 events.extend(p["events"])
                 last = p
+                for ev in p["events"] if on_event else ():
+                    try:
+                        on_event(ev)
+                    except Exception:  # noqa: BLE001 - the caller's hook must not end the run
+                        log.exception("on_event raised on %s", ev.get("kind"))
             if ready:
                 break
         try:

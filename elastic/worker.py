@@ -529,6 +529,15 @@ class Worker:
         self._set(status="done")
         return {"status": "done", "step": self.step, "digest": self.state_digest(), "generation": generation}
 
+    def save_again(self) -> dict:
+        """The run's last checkpoint did not commit: save the final state again (every rank at
+        once, as at any checkpoint step; its group is still formed) and wait for the persist.
+        Its result reaches the controller with the next poll, like any other."""
+        self._save(self.job.train)
+        self._wait_persist()
+        self._collect_persists()
+        return {"step": self.step}
+
     def _wait_persist(self) -> None:
         """Wait for the persist in flight. While storage holds us up, say so: the controller must
         not take a stall that storage causes for a hang."""

@@ -95,6 +95,7 @@ class WorkerGroup:
         )
         self.members: dict[int, Member] = {}
         self._polls: dict[int, tuple["ray.ObjectRef", float]] = {}  # rank -> (poll in flight, sent at)
+        self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
         # Spares: started and warmed (model built) before they are needed; not in the group.
         self._pending_spares: dict["ray.ObjectRef", "ray.actor.ActorHandle"] = {}
         self._on_demand: set["ray.ObjectRef"] = set()  # pending spares started by promote() itself
@@ -509,9 +510,10 @@ class WorkerGroup:
         answers, silent = {}, {}
         for ref in ready:
             r = refs[ref]
-            del self._polls[r]
+            _, sent = self._polls.pop(r)
             try:
                 answers[r] = ray.get(ref)
+                self.slowest_poll_answer_s = max(self.slowest_poll_answer_s, now - sent)
             except RayActorError as e:
                 silent[r] = death_cause(e)
             except Exception as e:  # noqa: BLE001
@@ -520,6 +522,12 @@ class WorkerGroup:
             if now - sent > ping_timeout_s:
                 silent[r] = "unresponsive"
         return answers, silent
+
+    def unanswered_s(self) -> dict[int, float]:
+        """For each member with a poll in flight, how long ago it was sent: since its last answer,
+        within one run-loop iteration (the next poll goes out as soon as an answer is taken)."""
+        now = time.monotonic()
+        return {r: now - sent for r, (_, sent) in self._polls.items()}
 
     def poll(self, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
         """(answers by rank, {rank: why not} for those that died or did not answer in time)."""
@@ -543,6 +551,12 @@ class WorkerGroup:
         """Wait for members' run() calls to return; {rank: why} for those that did not."""
         live = {r: ref for r, ref in refs.items() if r in self.members}
         _, bad = self._gather(live, timeout_s)
+        return bad
+
+    def save_again(self, timeout_s: float) -> dict[int, str]:
+        """Every member saves its final state again and waits for the persist; {rank: why} for
+        those that did not return within timeout_s."""
+        _, bad = self._gather({r: m.handle.save_again.remote() for r, m in self.members.items()}, timeout_s)
         return bad
 
     def leave_all(self, timeout_s: float) -> dict[int, str]:

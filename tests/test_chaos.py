@@ -421,6 +421,47 @@ def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waitin
         validate(storage, c.uri)
 
 
+@pytest.mark.s3
+def test_a_final_checkpoint_lost_to_a_storage_outage_is_saved_again_once_storage_is_back(
+        cluster, baseline, tmp_path, s3_server):  # noqa: F811
+    """The storage endpoint goes down (connections refused: requests fail at once) after the
+    step-10 commit, so the step-20 and final step-30 persists fail within their one retry. The run
+    has trained every step and its ranks still hold the final state: they save it again, and once
+    storage is back (at the first retry) the final checkpoint commits, whole and bit-identical.
+    Before, the run ended "finished" with step 10 as its newest checkpoint."""
+    from elastic.checkpoint import committed_checkpoints, validate
+    from elastic.testing.slow_link import SlowLink
+
+    host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
+    with SlowLink(host, int(port), bytes_per_s=None) as link:
+        options = {**s3_server.storage_options, "endpoint_url": link.url}
+        uri = f"{s3_server.uri}/final-{uuid.uuid4().hex[:6]}"
+        j = job(tmp_path, storage_uri=uri, storage_options=options,
+                checkpoint={"persist_retries": 1, "persist_retry_backoff_s": 0.2})
+        j["train"]["micro_batch_size"] = 8  # slower steps: the cut lands long before step 30
+
+        def on_event(e):
+            if e["kind"] == "checkpoint_committed" and e["step"] == EVERY:
+                link.cut()
+            elif e["kind"] == "final_checkpoint_retry":
+                link.mend()
+
+        result = Trainer(j).fit(progress=False, on_event=on_event)
+    assert result.metrics["step"] == NUM_STEPS and all(d == baseline for d in result.digests.values())
+    failed = {e["step"] for e in result.events_of("checkpoint_failed")}
+    assert NUM_STEPS in failed, result.events_of("checkpoint_failed")
+    retries = result.events_of("final_checkpoint_retry")
+    (done,) = result.events_of("final_checkpoint_committed")
+    assert retries and done["attempts"] == len(retries) and done["step"] == NUM_STEPS
+    assert result.checkpoint == done["uri"] and result.checkpoint.endswith(f"step_{NUM_STEPS:09d}")
+    assert not result.events_of("failure_detected") and not result.events_of("final_checkpoint_missing")
+    storage = Storage(uri, s3_server.storage_options)
+    committed = committed_checkpoints(storage, join(uri, j["run"]["name"], "checkpoints"))
+    assert committed[0].step == NUM_STEPS
+    for c in committed:
+        validate(storage, c.uri)
+
+
 FEATURES = {"scheduler": "elastic.testing.faulty:warmup_cosine", "clip_grad_norm": 0.5, "precision": "bf16"}
 
 

@@ -9,19 +9,19 @@ import pytest
 
 from elastic.config import JobConfig
 from elastic.controller.controller import Controller
-from elastic.controller.states import TERMINAL, Finished, Recovering
+from elastic.controller.states import TERMINAL, Errored, Finished, Recovering
 from elastic.testing.fake_group import FakeClock, FakeGroup
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def make(num_steps=40, scaling=None, failure=None, stragglers=None, **group_kw):
+def make(num_steps=40, scaling=None, failure=None, stragglers=None, checkpoint=None, **group_kw):
     clock = FakeClock()
     job = JobConfig.model_validate({
         "run": {"name": "ctl", "num_steps": num_steps},
         "scaling": {"num_workers": 3, **(scaling or {})},
         "failure": {"max_failures": 3, "hang_floor_s": 5, **(failure or {})},
-        "checkpoint": {"storage_uri": f"memory://ctl-{uuid.uuid4().hex[:8]}"},
+        "checkpoint": {"storage_uri": f"memory://ctl-{uuid.uuid4().hex[:8]}", **(checkpoint or {})},
         "train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 48},
         "stragglers": stragglers or {},
     })
@@ -319,3 +319,64 @@ def test_a_resize_counts_the_steps_a_rank_reported_with_its_fault_as_reached():
     (done,) = kinds(c, "resize_completed")
     assert (done["old_world_size"], done["new_world_size"]) == (3, 2)
     assert done["reached_step"] == reached and done["lost_steps"] == reached - done["resumed_step"] > 0
+
+
+def test_a_rank_slow_to_answer_inside_a_long_stall_is_kept_and_a_stopped_one_is_found():
+    # 2.5 s steps (a large model): the silence bound is 2 x 2.5 = 5 s. A checkpoint stalls the
+    # group for 12 s and keeps rank 2 from answering for 3.5 s of it: not lost. Later rank 1
+    # stops for good: found once its silence passes the bound, within a step and a poll of it.
+    c, g, clock = make(num_steps=30, step_s=2.5)
+    drive(c, lambda c: c.step >= 8)
+    g.stalled_until = clock() + 12.0
+    drive(c, lambda c: clock() >= g.stalled_until - 6.0)
+    g.freeze(2)
+    drive(c, lambda c: clock() >= g.stalled_until - 2.5)
+    g.thaw(2)
+    drive(c, lambda c: c.step >= 15)
+    assert not kinds(c, "silence_detected") and not kinds(c, "failure_detected")
+    g.freeze(1)
+    frozen_at = clock()
+    drive(c, lambda c: isinstance(c.state, Recovering))
+    (silence,) = kinds(c, "silence_detected")
+    assert silence["ranks"] == [1] and silence["unanswered_s"]["1"] >= 5.0
+    assert clock() - frozen_at <= 5.0 + 2.5 + 0.5
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 30
+
+
+def test_a_final_checkpoint_that_did_not_commit_is_saved_again_until_it_commits():
+    # Storage was out at the end for longer than the persist's retries: the ranks still hold the
+    # final state, so they save it again; the second try commits.
+    c, g, clock = make(num_steps=30, final_commits=False, commit_on_save_again=2)
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 30
+    assert [e["attempt"] for e in kinds(c, "final_checkpoint_retry")] == [1, 2]
+    (done,) = kinds(c, "final_checkpoint_committed")
+    assert done["attempts"] == 2 and done["step"] == 30 and c.last_committed.endswith("step_000000030")
+    assert not kinds(c, "final_checkpoint_missing")
+
+
+def test_a_final_checkpoint_that_never_commits_fails_the_run_naming_the_newest_committed():
+    c, g, clock = make(num_steps=30, checkpoint={"final_wait_s": 100}, final_commits=False, commit_on_save_again=0)
+    g.commits.append("memory://fake/step_000000020")  # an earlier checkpoint that did commit
+    drive(c)
+    assert isinstance(c.state, Errored)
+    assert "final checkpoint did not commit" in c.state.error and "step_000000020" in c.state.error
+    assert "checkpoint.final_wait_s" in c.state.error
+    (missing,) = kinds(c, "final_checkpoint_missing")
+    assert missing["newest"].endswith("step_000000020")
+    assert calls(g, "save_again") == [1, 2, 3, 4]  # 30 s each, the 4th cut at 100 s
+
+
+def test_final_wait_s_0_fails_the_run_at_once_without_saving_again():
+    c, g, clock = make(num_steps=30, checkpoint={"final_wait_s": 0}, final_commits=False)
+    drive(c)
+    assert isinstance(c.state, Errored) and not calls(g, "save_again")
+    assert [e["attempts"] for e in kinds(c, "final_checkpoint_missing")] == [0]
+
+
+def test_a_committed_final_checkpoint_is_not_saved_again():
+    c, g, clock = make(num_steps=30)
+    drive(c)
+    assert isinstance(c.state, Finished) and not calls(g, "save_again")
+    assert not kinds(c, "final_checkpoint_retry")

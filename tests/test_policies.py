@@ -84,8 +84,19 @@ def test_a_late_answer_inside_a_long_step_is_not_silence_but_a_stopped_group_is(
     steps = [2.5] * 10
     # Seen with 100 M parameters and S3: rank 1 answered a poll late at the first checkpoint (its
     # writes into s3fs buffers hold the GIL), 3.9 s after the last step: not a stopped machine.
-    assert decide_silence({1: "unresponsive"}, 3.9, cfg, steps) is None
-    ranks, why = decide_silence({1: "unresponsive"}, 5.5, cfg, steps)
-    assert ranks == (1,) and "5.5s" in why and "silence_factor=2" in why
-    assert decide_silence({1: "unresponsive"}, 1.2, cfg, [0.02] * 10)[0] == (1,)  # small steps: as fast as before
-    assert decide_silence({1: "dead"}, 9.0, cfg, steps) is None  # Ray's own verdicts are handled elsewhere
+    assert decide_silence({1: "unresponsive"}, {1: 3.9}, 3.9, cfg, steps) is None
+    ranks, why = decide_silence({1: "unresponsive"}, {1: 5.4}, 5.5, cfg, steps)
+    assert ranks == (1,) and "5.4s or more" in why and "5.5s" in why and "silence_factor=2" in why
+    assert decide_silence({1: "unresponsive"}, {1: 1.1}, 1.2, cfg, [0.02] * 10)[0] == (1,)  # small steps: as fast as before
+    assert decide_silence({1: "dead"}, {}, 9.0, cfg, steps) is None  # Ray's own verdicts are handled elsewhere
+
+
+def test_a_rank_silent_for_less_than_the_bound_inside_a_longer_stall_is_not_lost():
+    # Seen at 1.08 GB on starved one-CPU nodes: a checkpoint stalled the group for 9-12 s (more
+    # than 2 x the median step) and a healthy rank answered no poll for a while inside it. Its
+    # silence, not only the group's, must outlast the bound.
+    cfg = FailureConfig(ping_timeout_s=1.0, silence_factor=2.0)
+    steps = [2.5] * 10  # bound 5 s
+    assert decide_silence({1: "unresponsive"}, {1: 4.0}, 11.0, cfg, steps) is None
+    assert decide_silence({1: "unresponsive", 2: "unresponsive"}, {1: 4.0, 2: 6.0}, 11.0, cfg, steps)[0] == (2,)
+    assert decide_silence({1: "unresponsive"}, {1: 6.0}, 4.0, cfg, steps) is None  # the group still progressed

@@ -81,6 +81,7 @@ class Controller:
         self.last_progress_at = self.now()
         self.awaiting_first_step: dict | None = None  # recovery in progress until a step completes
         self.last_committed: str | None = None
+        self.committed_steps: set[int] = set()  # steps whose checkpoint a rank reported committed
         self.run_refs: dict = {}
         self.restore_plan: FromPeer | FromShards | FromStorage = FromStorage()
         self.sharded = STRATEGIES[self.job.train.strategy].sharded
@@ -128,7 +129,7 @@ class Controller:
         st = self.state
         self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",
                          step=self.step, loss=self.loss, error=getattr(st, "error", None),
-                         checkpoint=self.last_committed)
+                         checkpoint=self.last_committed, slowest_poll_answer_s=round(self.group.slowest_poll_answer_s, 2))
         self.events.flush()
         return {"status": "finished" if isinstance(st, Finished) else "error",
                 "error": getattr(st, "error", None), "step": self.step, "loss": self.loss,
@@ -321,12 +322,15 @@ class Controller:
             if why != "unresponsive" and r not in w.lost:  # Ray says it is dead: no need to wait
                 w.lost[r] = LostRank(r, cause_of(why), why)
         if w.failing_since is None:
-            decision = decide_silence(silent, self.now() - self.last_progress_at, cfg, list(self.step_times))
+            unanswered = self.group.unanswered_s()
+            decision = decide_silence(silent, unanswered, self.now() - self.last_progress_at, cfg,
+                                      list(self.step_times))
             if decision is not None:
                 # Silence while the others wait: a stopped or cut-off machine. Its peers are blocked on
                 # it and will never see an error of their own; the recovery aborts their collectives.
                 quiet, why = decision
-                self.events.emit("silence_detected", ranks=list(quiet), reason=why)
+                self.events.emit("silence_detected", ranks=list(quiet), reason=why,
+                                 unanswered_s={r: round(unanswered[r], 2) for r in quiet})
                 for r in quiet:
                     w.lost[r] = LostRank(r, "unresponsive", why)
                 return Recovering(tuple(w.lost[r] for r in sorted(w.lost)), self.wall())
@@ -387,6 +391,7 @@ class Controller:
         before = [c for c in committed_checkpoints(self.storage, self.root) if c.step < first]
         to_step = before[0].step if before else 0
         abandoned = abandon_after(self.storage, self.root, to_step)
+        self.committed_steps = {st for st in self.committed_steps if st <= to_step}
         self.skip_steps |= set(range(to_step + 1, last + 1))
         self.events.emit("rolled_back", to_step=to_step, bad_steps=bad_steps, skip_from=to_step + 1, skip_to=last,
                          abandoned=abandoned,
@@ -404,14 +409,50 @@ class Controller:
         self.step = max(o["step"] for o in done.values())
         if self.job.run.sample_ledger:
             self._write_ledger()
-        latest = latest_committed(self.storage, self.root)
-        self.last_committed = latest.uri if latest else self.last_committed
+        missing = self._final_checkpoint()
         digests = {r: o["digest"] for r, o in done.items()}
         # Replicas of the same stage hold the same state (ddp: every rank; a pipeline: per stage).
         by_stage = {s: {d for r, d in digests.items() if self.layout.stage_of(r) == s} for s in range(self.layout.pp)}
         self.events.emit("final_state", step=self.step, digests=digests,
                          replicas_identical=all(len(ds) <= 1 for ds in by_stage.values()))
-        return Finished(digests)
+        return Errored(missing) if missing else Finished(digests)
+
+    def _final_checkpoint(self) -> str | None:
+        """The run's last checkpoint is what a user takes away: if it did not commit (storage out
+        for longer than the persist's retries, or the new generation's fence not landed after a
+        recovery), the ranks still hold the final state, so they save it again until it commits,
+        within checkpoint.final_wait_s. Returns None once it is committed, else why not."""
+        cfg = self.job.checkpoint
+        t0 = self.now()
+        attempts = 0
+        while True:
+            answered, latest, error = call_within(lambda: latest_committed(self.storage, self.root), self._grace_s)
+            if answered and error is None and latest is not None:
+                self.last_committed = latest.uri
+            if self.step in self.committed_steps or (answered and latest is not None and latest.step >= self.step):
+                if attempts:
+                    self.events.emit("final_checkpoint_committed", step=self.step, attempts=attempts,
+                                     waited_s=round(self.now() - t0, 2), uri=self.last_committed)
+                return None
+            left = cfg.final_wait_s - (self.now() - t0)
+            if left <= 0:
+                why = (f"trained all {self.step} steps, but the final checkpoint did not commit "
+                       f"({attempts} more save(s) in {self.now() - t0:.0f} s, checkpoint.final_wait_s="
+                       f"{cfg.final_wait_s:g}); the newest committed checkpoint is "
+                       f"{self.last_committed or 'none'}: resume from it once storage answers, or raise "
+                       f"checkpoint.final_wait_s")
+                self.events.emit("final_checkpoint_missing", step=self.step, attempts=attempts,
+                                 waited_s=round(self.now() - t0, 2), newest=self.last_committed)
+                return why
+            attempts += 1
+            self.events.emit("final_checkpoint_retry", step=self.step, attempt=attempts,
+                             newest=self.last_committed, left_s=round(left, 1))
+            bad = self.group.save_again(left)
+            self._collect_reports()
+            if bad and self.now() - t0 < cfg.final_wait_s:  # else: the time ran out during the save
+                return (f"trained all {self.step} steps, but the final checkpoint did not commit, and rank(s) "
+                        f"{sorted(bad)} did not finish saving it again ({'; '.join(set(bad.values()))[:300]}); "
+                        f"the newest committed checkpoint is {self.last_committed or 'none'}")
 
     def _on_recovering(self, st: Recovering) -> State:
         cfg = self.job.failure
@@ -868,6 +909,7 @@ class Controller:
             for p in a.get("persists", []):
                 if p["committed"]:
                     self.last_committed = p["uri"]
+                    self.committed_steps.add(p["step"])
                     self.events.emit("checkpoint_committed", step=p["step"], uri=p["uri"],
                                      persist_s=p["persist_s"], stall_s=p.get("stall_s"), attempts=p["attempts"],
                                      loss=p["metrics"].get("loss"))

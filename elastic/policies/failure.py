@@ -116,19 +116,27 @@ def silence_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
     return max(cfg.ping_timeout_s, cfg.silence_factor * statistics.median(step_times_s))
 
 
-def decide_silence(silent: dict[int, str], idle_s: float, cfg: FailureConfig,
+def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_s: float, cfg: FailureConfig,
                    step_times_s: list[float] = ()) -> tuple[tuple[int, ...], str] | None:
     """A machine that stops (power, kernel panic, partition) closes no socket: its peers wait on it
-    and never see an error. The sign is silence: ranks whose poll has been unanswered for
-    ping_timeout_s ("unresponsive") while the group completed no step for `silence_bound_s`.
-    Returns (those ranks, reason), or None. A rank slow to answer while others still make progress
-    is not lost: it is not holding anyone up."""
-    quiet = tuple(sorted(r for r, why in silent.items() if why == "unresponsive"))
+    and never see an error. The sign is silence: ranks whose poll has been unanswered
+    ("unresponsive", for `unanswered_s` seconds) for longer than `silence_bound_s`, while the group
+    completed no step for that long either. Returns (those ranks, reason), or None.
+
+    Both clocks must pass the same bound. A stopped machine's last poll went out about when it
+    stopped, so its silence grows with the group's idle time and it is found as soon as before,
+    at most a step and a poll later. A healthy rank that a long stall (a 1 GB checkpoint on a
+    starved node) keeps from answering for a while still answers within the bound, and is left
+    alone. A rank slow to answer while others still make progress is not lost either: it is not
+    holding anyone up."""
     bound = silence_bound_s(list(step_times_s), cfg)
+    quiet = tuple(sorted(r for r, why in silent.items()
+                         if why == "unresponsive" and unanswered_s.get(r, 0.0) > bound))
     if not quiet or idle_s <= bound:
         return None
-    return quiet, (f"answered no poll for {cfg.ping_timeout_s:g}s (failure.ping_timeout_s) while the group made "
-                   f"no progress for {idle_s:.1f}s (> {bound:.1f}s: the longer of ping_timeout_s and "
+    least = min(unanswered_s[r] for r in quiet)
+    return quiet, (f"answered no poll for {least:.1f}s or more while the group made no progress for {idle_s:.1f}s "
+                   f"(both > {bound:.1f}s: the longer of failure.ping_timeout_s={cfg.ping_timeout_s:g}s and "
                    f"failure.silence_factor={cfg.silence_factor:g} x the median step)")
 
 

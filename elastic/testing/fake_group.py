@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from elastic.worker_group import GroupError
 
 
+def calls_of(calls: list, name: str) -> list:
+    return [args for n, args in calls if n == name]
+
+
 class FakeClock:
     def __init__(self, t: float = 1000.0):
         self.t = t
@@ -69,6 +73,11 @@ class FakeGroup:
     persisting: bool = False  # every rank reports a checkpoint persist in flight
     commits: list = field(default_factory=list)  # checkpoint uris rank 0 reports committed at its next answer
     report_compute: bool = False  # answers carry each step's compute time (for the straggler policy)
+    slowest_poll_answer_s: float = 0.0
+    final_commits: bool = True  # the run's last checkpoint commits (False: storage was out at the end)
+    commit_on_save_again: int = 1  # the final state saved again commits at this try (0: never)
+    save_again_s: float = 30.0  # fake seconds one more save of the final state takes
+    stalled_until: float = 0.0  # no rank completes a step before this fake time (a long checkpoint)
 
     def __post_init__(self):
         self._pending: list[float] = []  # fake times at which pending spares become ready
@@ -90,6 +99,12 @@ class FakeGroup:
         `after_step` (a process that replaces it does not)."""
         self.members[rank].slow = (after_step, factor, steps)
 
+    def thaw(self, rank: int) -> None:
+        """A rank that was only slow to answer answers again (it was never lost)."""
+        m = self.members[rank]
+        self.slowest_poll_answer_s = max(self.slowest_poll_answer_s, self.clock() - m.frozen_at)
+        m.frozen_at = None
+
     def kill_process(self, rank: int) -> None:
         self.members[rank].dead = True
 
@@ -98,6 +113,9 @@ class FakeGroup:
         now = self.clock()
         live = [m for m in self.members.values() if m.running]
         blocked = any(m.frozen_at is not None or m.dead for m in self.members.values())
+        if now < self.stalled_until:
+            self._last_advance = now
+            return
         while now - self._last_advance >= self.step_s:
             self._last_advance += self.step_s
             if blocked or not live or len(live) != len(self.members):
@@ -108,6 +126,8 @@ class FakeGroup:
                 if m.step >= self._num_steps:
                     m.running, m.run_out = False, {"status": "done", "step": m.step, "digest": "d",
                                                    "generation": m.generation}
+                    if m.rank == 0 and self.final_commits:  # the run's last checkpoint
+                        self.commits.append(f"memory://fake/step_{m.step:09d}")
                 elif stop:
                     m.running, m.stop = False, False
                     m.run_out = {"status": "stopped", "step": m.step, "generation": m.generation}
@@ -304,6 +324,10 @@ class FakeGroup:
         self.self_s += time.perf_counter() - t0
         return answers, silent
 
+    def unanswered_s(self) -> dict[int, float]:
+        now = self.clock()
+        return {r: now - m.frozen_at for r, m in self.members.items() if m.frozen_at is not None and not m.dead}
+
     def poll(self, timeout_s: float):
         answers, silent = self.poll_nowait(0.0)
         return answers, {r: w for r, w in silent.items()}
@@ -326,6 +350,17 @@ class FakeGroup:
 
     def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]:
         return {r: "unresponsive" for r in refs if r in self.members and self.members[r].running}
+
+    def save_again(self, timeout_s: float) -> dict[int, str]:
+        self.calls.append(("save_again", len(calls_of(self.calls, "save_again")) + 1))
+        tries = len(calls_of(self.calls, "save_again"))
+        if self.save_again_s > timeout_s:
+            self.clock.advance(timeout_s)
+            return {r: "unresponsive" for r in self.members}
+        self.clock.advance(self.save_again_s)
+        if self.commit_on_save_again and tries >= self.commit_on_save_again:
+            self.commits.append(f"memory://fake/step_{self.members[0].step:09d}")
+        return {}
 
     def leave_all(self, timeout_s: float) -> dict[int, str]:
         return {}

@@ -3,7 +3,11 @@ client sends at most `bytes_per_s` per connection, and the server's replies at f
 
 Put in front of the S3 endpoint, it makes a checkpoint upload as slow as a gigabyte's is on a
 busy cluster while small requests (listing, the fence, a commit marker) still answer at once:
-the storage is slow, not down.
+the storage is slow, not down. `bytes_per_s=None` passes everything at full speed.
+
+`cut()` takes the storage down the way a lost route or a dead load balancer does: every open
+connection is shut and new ones are closed as soon as they are accepted, so requests fail at
+once (unlike a paused server, where they hang); `mend()` brings it back.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import time
 
 
 class SlowLink:
-    def __init__(self, host: str, port: int, bytes_per_s: float):
+    def __init__(self, host: str, port: int, bytes_per_s: float | None):
         self.target = (host, port)
         self.bytes_per_s = bytes_per_s
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -21,15 +25,26 @@ class SlowLink:
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._down = False
         threading.Thread(target=self._accept, name="slow-link", daemon=True).start()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def cut(self) -> None:
+        self._down = True
+        self._shut_open()
+
+    def mend(self) -> None:
+        self._down = False
+
     def close(self) -> None:
         self._closed = True
         self._server.close()
+        self._shut_open()
+
+    def _shut_open(self) -> None:
         with self._lock:
             for s in self._open:
                 try:
@@ -37,6 +52,7 @@ class SlowLink:
                 except OSError:
                     pass
                 s.close()
+            self._open = []
 
     def __enter__(self) -> "SlowLink":
         return self
@@ -50,6 +66,9 @@ class SlowLink:
                 client, _ = self._server.accept()
             except OSError:  # closed
                 return
+            if self._down:
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.target)
             except OSError:  # the server is down: so is the link
