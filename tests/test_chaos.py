@@ -258,10 +258,13 @@ def test_straggler_is_swapped_for_a_spare_and_the_run_stays_exact(cluster, basel
     (swap,) = [d for d in result.events_of("decision") if d["decision"] == "Swap"]
     assert swap["ranks"] == [1] and "rank 1 slow in" in swap["reason"] and "of its last 10 steps" in swap["reason"]
     # A noisy step may find any rank slow, rank 1 too, before its slowdown began (on a loaded
-    # 2-core machine it does); the majority rule ignores it. Rank 1 is logged slow in most of a
-    # span only in windows that hold its slow steps (those after step 5).
-    flagged_1 = [w["step"] for w in result.events_of("slow_window") if w["slow_steps"].get("1", 0) > 5]
-    assert flagged_1 and all(step > 5 for step in flagged_1)
+    # 2-core machine it does); the majority rule ignores it. A window logs rank 1 (slow in most of
+    # its last 5 steps) only once it holds its slow steps, after step 5. (The swap can come before
+    # any logged window shows more than 5 slow steps: decided at step 11, the window of step 10
+    # shows 5.)
+    logged_1 = [w["step"] for w in result.events_of("slow_window") if "1" in w["slow_steps"]]
+    assert logged_1 and all(step > 5 for step in logged_1), result.events_of("slow_window")
+    assert swap["step"] > 5
     (swapped,) = result.events_of("swapped")
     assert swapped["rank"] == 1 and swapped["how"] == "warm spare"
     assert swapped["old_node"] != swapped["new_node"]
@@ -423,33 +426,38 @@ def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waitin
 
 @pytest.mark.s3
 def test_a_final_checkpoint_lost_to_a_storage_outage_is_saved_again_once_storage_is_back(
-        cluster, baseline, tmp_path, s3_server):  # noqa: F811
-    """The storage endpoint goes down (connections refused: requests fail at once) after the
-    step-10 commit, so the step-20 and final step-30 persists fail within their one retry. The run
+        cluster, tmp_path, s3_server):  # noqa: F811
+    """The storage endpoint goes down (connections refused: requests fail at once) as training
+    begins, so every persist fails within its one retry, the final step 30's too. The run
     has trained every step and its ranks still hold the final state: they save it again, and once
-    storage is back (at the first retry) the final checkpoint commits, whole and bit-identical.
-    Before, the run ended "finished" with step 10 as its newest checkpoint."""
+    storage is back (at the first retry) the final checkpoint commits, whole, every rank's state
+    identical. Before, the run ended "finished" without a checkpoint."""
     from elastic.checkpoint import committed_checkpoints, validate
     from elastic.testing.slow_link import SlowLink
 
     host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
     with SlowLink(host, int(port), bytes_per_s=None) as link:
-        options = {**s3_server.storage_options, "endpoint_url": link.url}
+        # One botocore attempt per s3fs try: a refused connection fails in seconds, not minutes.
+        options = {**s3_server.storage_options, "endpoint_url": link.url,
+                   "config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10}}
         uri = f"{s3_server.uri}/final-{uuid.uuid4().hex[:6]}"
         j = job(tmp_path, storage_uri=uri, storage_options=options,
                 checkpoint={"persist_retries": 1, "persist_retry_backoff_s": 0.2})
-        j["train"]["micro_batch_size"] = 8  # slower steps: the cut lands long before step 30
+        # 24 micro-batches a step: slow enough that the cut, on the driver half a second after
+        # training begins at most, lands long before step 30.
+        j["train"]["micro_batch_size"] = 2
 
         def on_event(e):
-            if e["kind"] == "checkpoint_committed" and e["step"] == EVERY:
+            if e["kind"] == "state" and e["new"] == "Running":  # restored, fence written: training begins
                 link.cut()
             elif e["kind"] == "final_checkpoint_retry":
                 link.mend()
 
         result = Trainer(j).fit(progress=False, on_event=on_event)
-    assert result.metrics["step"] == NUM_STEPS and all(d == baseline for d in result.digests.values())
+    # Micro-batches sum gradients in another order than the baseline: every rank agrees instead.
+    assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
     failed = {e["step"] for e in result.events_of("checkpoint_failed")}
-    assert NUM_STEPS in failed, result.events_of("checkpoint_failed")
+    assert NUM_STEPS in failed, [(e["kind"], e.get("step"), e.get("error") or e.get("reason")) for e in result.events]
     retries = result.events_of("final_checkpoint_retry")
     (done,) = result.events_of("final_checkpoint_committed")
     assert retries and done["attempts"] == len(retries) and done["step"] == NUM_STEPS

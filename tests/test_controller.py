@@ -380,3 +380,40 @@ def test_a_committed_final_checkpoint_is_not_saved_again():
     drive(c)
     assert isinstance(c.state, Finished) and not calls(g, "save_again")
     assert not kinds(c, "final_checkpoint_retry")
+
+
+def test_a_restore_from_storage_waits_out_a_storage_outage(monkeypatch):
+    from elastic.controller import controller as ctl
+    from elastic.storage import StorageError
+    real, failures = ctl.committed_checkpoints, [2]
+
+    def flaky(*a, **kw):
+        if failures[0]:
+            failures[0] -= 1
+            raise StorageError("list s3://b/run/checkpoints failed: ConnectionClosedError")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ctl, "committed_checkpoints", flaky)
+    c, g, clock = make(num_steps=20)
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 20
+    waits = kinds(c, "storage_unanswered")
+    assert [w["op"] for w in waits] == ["list committed checkpoints to restore from"] * 2
+    assert "ConnectionClosedError" in waits[0]["error"]
+
+
+def test_a_restore_from_storage_that_never_answers_fails_the_run_saying_so(monkeypatch):
+    from elastic.controller import controller as ctl
+    from elastic.storage import StorageError
+
+    def down(*a, **kw):
+        raise StorageError("list s3://b/run/checkpoints failed: ConnectionClosedError")
+
+    monkeypatch.setattr(ctl, "committed_checkpoints", down)
+    c, g, clock = make(num_steps=20, failure={"collective_timeout_s": 30})
+    drive(c)
+    assert isinstance(c.state, Errored)
+    assert "must be restored from storage, which did not answer for 30 s" in c.state.error
+    assert "failure.collective_timeout_s" in c.state.error and "ConnectionClosedError" in c.state.error
+    # Unanswered at 0, 1, 3, 7 and 15 s (the backoff doubles up to 15 s); given up at 30 s.
+    assert [w["waited_s"] for w in kinds(c, "storage_unanswered")] == [0.0, 1.0, 3.0, 7.0, 15.0]

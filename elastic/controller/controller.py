@@ -57,6 +57,7 @@ class Controller:
         worker group and a fake clock drive the controller without Ray."""
         self.now = clock or time.monotonic
         self.wall = wall or time.time
+        self._sleep = getattr(clock, "advance", None) or time.sleep  # a fake clock moves instead
         self.job = JobConfig.model_validate_json(job_json)
         ck = self.job.checkpoint
         self.storage = Storage(ck.storage_uri, ck.storage_options)
@@ -226,7 +227,9 @@ class Controller:
                 return self._lost_from(e, "restore from peer")
             return self._restored(out)
         skipped: list[tuple[str, str]] = []
-        candidates = committed_checkpoints(self.storage, self.root, on_skip=lambda u, r: skipped.append((u, r)))
+        candidates = self._committed_for_restore(skipped)
+        if isinstance(candidates, str):
+            return Errored(candidates)
         if plan.max_step is not None:  # a rollback: nothing from the abandoned timeline
             candidates = [c for c in candidates if c.step <= plan.max_step]
         for uri, why in skipped:
@@ -240,6 +243,33 @@ class Controller:
         if out[0]["uri"]:
             self.last_committed = out[0]["uri"]
         return self._restored(out)
+
+    def _committed_for_restore(self, skipped: list) -> list | str:
+        """The committed checkpoints a restore from storage may load, newest first. The state
+        can come from nowhere else, so a storage outage is waited out (`storage_unanswered`, with
+        backoff), for at most failure.collective_timeout_s; then why not, for the run's error."""
+        limit = self.job.failure.collective_timeout_s
+        t0, delay = self.now(), 1.0
+        while True:
+            found: list = []
+            left = limit - (self.now() - t0)
+            answered, out, error = call_within(
+                lambda: committed_checkpoints(self.storage, self.root, on_skip=lambda u, r: found.append((u, r))),
+                max(left, self._grace_s))
+            if answered and error is None:
+                skipped.extend(found)
+                return out
+            waited = self.now() - t0
+            if waited >= limit:
+                return (f"the state must be restored from storage, which did not answer for {waited:.0f} s "
+                        f"(failure.collective_timeout_s): {str(error)[:300] if error else 'no answer'}; the newest "
+                        f"committed checkpoint reported is {self.last_committed or 'none'}: run the job again "
+                        f"once storage answers, to resume from it")
+            self.events.emit("storage_unanswered", op="list committed checkpoints to restore from",
+                             waited_s=round(waited, 1), error=str(error)[:300] if error else None,
+                             using=f"nothing: the state can only come from storage; asking again in {delay:.0f} s")
+            self._sleep(min(delay, max(0.0, limit - waited)))
+            delay = min(2 * delay, 15.0)
 
     def _reshard_failed(self, e: GroupError) -> State:
         """The in-memory re-shard could not read every part (a holder's node died) or a rank
