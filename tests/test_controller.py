@@ -417,3 +417,13 @@ def test_a_restore_from_storage_that_never_answers_fails_the_run_saying_so(monke
     assert "failure.collective_timeout_s" in c.state.error and "ConnectionClosedError" in c.state.error
     # Unanswered at 0, 1, 3, 7 and 15 s (the backoff doubles up to 15 s); given up at 30 s.
     assert [w["waited_s"] for w in kinds(c, "storage_unanswered")] == [0.0, 1.0, 3.0, 7.0, 15.0]
+
+
+def test_a_last_commit_that_waits_for_storage_after_the_other_ranks_returned_is_no_hang():
+    # DDP's rank 0 commits the last checkpoint alone, after the other ranks' part of the persist
+    # ended and their run() returned: its 20 s wait for storage is not a hang (5 s bound here).
+    c, g, clock = make(num_steps=30, final_persist_s={0: 20.0})
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 30
+    assert not kinds(c, "hang_detected") and not kinds(c, "failure_detected")
+    assert kinds(c, "storage_wait")

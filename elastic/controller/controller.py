@@ -396,7 +396,10 @@ class Controller:
             w.planned = self._check_stragglers()
         if w.planned is None:
             w.planned = self._check_growth()
-        if members and all(self.rank_status.get(r) == "storage_wait" for r in members):
+        # Ranks that are done are waiting for nobody: at the last step DDP's rank 0 commits alone,
+        # after the others' part of the persist ended and they returned.
+        waiting = members - set(w.done)
+        if waiting and all(self.rank_status.get(r) == "storage_wait" for r in waiting):
             # Every rank waits for a persist (storage slow or down): not a hang. Persists retry with
             # backoff and then fail, reported; training never pays for storage with a step.
             if not w.storage_wait_logged:

@@ -49,6 +49,7 @@ class FakeRank:
     stop: bool = False
     logged: int = 0  # the last step whose compute time it reported
     slow: tuple[int, float, float] | None = None  # (after step, factor, for steps): computes that much slower
+    finish_at: float | None = None  # its last persist ends then (until then it reports storage_wait)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class FakeGroup:
     final_commits: bool = True  # the run's last checkpoint commits (False: storage was out at the end)
     commit_on_save_again: int = 1  # the final state saved again commits at this try (0: never)
     save_again_s: float = 30.0  # fake seconds one more save of the final state takes
+    final_persist_s: dict = field(default_factory=dict)  # rank -> fake seconds its last persist outlasts the others'
     stalled_until: float = 0.0  # no rank completes a step before this fake time (a long checkpoint)
 
     def __post_init__(self):
@@ -126,6 +128,8 @@ class FakeGroup:
                 if m.step >= self._num_steps:
                     m.running, m.run_out = False, {"status": "done", "step": m.step, "digest": "d",
                                                    "generation": m.generation}
+                    if m.rank in self.final_persist_s:  # still waiting for storage, then done
+                        m.finish_at, m.run_out = now + self.final_persist_s[m.rank], None
                     if m.rank == 0 and self.final_commits:  # the run's last checkpoint
                         self.commits.append(f"memory://fake/step_{m.step:09d}")
                 elif stop:
@@ -289,7 +293,10 @@ class FakeGroup:
             if m.dead:
                 died[r] = ("process_died", "killed")
                 del refs[r]
-            elif m.run_out is not None:
+            elif m.finish_at is not None and self.clock() >= m.finish_at:
+                m.finish_at, m.run_out = None, {"status": "done", "step": m.step, "digest": "d",
+                                                "generation": m.generation}
+            if m.run_out is not None:
                 results[r] = m.run_out
                 del refs[r]
         self.self_s += time.perf_counter() - t0
@@ -304,7 +311,8 @@ class FakeGroup:
         compute_log = [(s, self.step_s / 2 * (m.slow[1] if m.slow and 0 < s - m.slow[0] <= m.slow[2] else 1.0), 1.0)
                        for s in range(m.logged + 1, m.step + 1)] if self.report_compute else []
         m.logged = m.step
-        return {"step": m.step, "status": "running" if m.running else "idle", "loss": 1.0, "step_s": self.step_s,
+        status = "storage_wait" if m.finish_at is not None else "running" if m.running else "idle"
+        return {"step": m.step, "status": status, "loss": 1.0, "step_s": self.step_s,
                 "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": persists,
                 "persisting": self.persisting, "compute_log": compute_log, "ledger": [], "deferred": []}
 
