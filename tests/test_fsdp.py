@@ -115,7 +115,9 @@ def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, referenc
     # are done again); the planned grow re-shards in memory at the step training stopped at.
     assert done[0]["reached_step"] >= FAULT_STEP
     assert done[0]["lost_steps"] == done[0]["reached_step"] - done[0]["resumed_step"] <= EVERY
-    assert done[1]["lost_steps"] == 0 and done[1]["resumed_step"] == done[1]["reached_step"] > FAULT_STEP
+    # When the new node is up decides where the grow lands: after the shrunk group trained on from
+    # its restore (CI saw it at step 19, before it had redone the fault step 20, and at later steps).
+    assert done[1]["lost_steps"] == 0 and done[1]["resumed_step"] == done[1]["reached_step"] > done[0]["resumed_step"]
     assert result.metrics["step"] == NUM_STEPS
 
     # The whole state, gathered from the final sharded checkpoint of each run.

@@ -18,11 +18,12 @@ with seaweedfs_server() as s3, local_cluster(num_worker_nodes=NUM_WORKERS + 1, c
     t0 = time.time()
     result = Trainer(job).fit(progress=False)
     keep = {"fault_injected", "failure_detected", "recovered", "checkpoint_committed", "checkpoint_failed",
-            "persist_abandoned", "checkpoint_deferred", "restored", "run_finished", "worker_replaced"}
+            "persist_abandoned", "checkpoint_deferred", "restored", "run_finished", "worker_replaced",
+            "silence_detected", "hang_detected"}
     evs = [dict(e, t_rel=round(e["t"] - t0, 2)) for e in result.events if e["kind"] in keep]
     with open(out, "w") as f:
         for e in evs:
             f.write(json.dumps(e) + "\n")
     for e in evs:
-        print(e["t_rel"], e["kind"], {k: v for k, v in e.items() if k in ("rank", "step", "persist_s", "error", "recover_s", "source", "lost_steps", "uploading")})
+        print(e["t_rel"], e["kind"], {k: v for k, v in e.items() if k in ("rank", "step", "persist_s", "error", "recover_s", "source", "lost_steps", "uploading", "ranks", "unanswered_s", "slowest_poll_answer_s")})
     print("total_s", round(time.time() - t0, 1), "params", params)
