@@ -17,10 +17,6 @@ from dataclasses import dataclass, field
 from elastic.worker_group import GroupError
 
 
-def calls_of(calls: list, name: str) -> list:
-    return [args for n, args in calls if n == name]
-
-
 class FakeClock:
     def __init__(self, t: float = 1000.0):
         self.t = t
@@ -126,10 +122,11 @@ class FakeGroup:
             for m in live:
                 m.step += 1
                 if m.step >= self._num_steps:
-                    m.running, m.run_out = False, {"status": "done", "step": m.step, "digest": "d",
-                                                   "generation": m.generation}
+                    m.running = False
                     if m.rank in self.final_persist_s:  # still waiting for storage, then done
-                        m.finish_at, m.run_out = now + self.final_persist_s[m.rank], None
+                        m.finish_at = now + self.final_persist_s[m.rank]
+                    else:
+                        m.run_out = self._done(m)
                     if m.rank == 0 and self.final_commits:  # the run's last checkpoint
                         self.commits.append(f"memory://fake/step_{m.step:09d}")
                 elif stop:
@@ -294,13 +291,16 @@ class FakeGroup:
                 died[r] = ("process_died", "killed")
                 del refs[r]
             elif m.finish_at is not None and self.clock() >= m.finish_at:
-                m.finish_at, m.run_out = None, {"status": "done", "step": m.step, "digest": "d",
-                                                "generation": m.generation}
+                m.finish_at, m.run_out = None, self._done(m)
             if m.run_out is not None:
                 results[r] = m.run_out
                 del refs[r]
         self.self_s += time.perf_counter() - t0
         return results, died
+
+    @staticmethod
+    def _done(m: FakeRank) -> dict:
+        return {"status": "done", "step": m.step, "digest": "d", "generation": m.generation}
 
     def _answer(self, m: FakeRank) -> dict:
         persists = []
@@ -360,8 +360,8 @@ class FakeGroup:
         return {r: "unresponsive" for r in refs if r in self.members and self.members[r].running}
 
     def save_again(self, timeout_s: float) -> dict[int, str]:
-        self.calls.append(("save_again", len(calls_of(self.calls, "save_again")) + 1))
-        tries = len(calls_of(self.calls, "save_again"))
+        tries = 1 + sum(name == "save_again" for name, _ in self.calls)
+        self.calls.append(("save_again", tries))
         if self.save_again_s > timeout_s:
             self.clock.advance(timeout_s)
             return {r: "unresponsive" for r in self.members}
