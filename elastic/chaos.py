@@ -1,4 +1,5 @@
-"""Fault injection keyed by (rank, step): kill or freeze a node, kill or freeze a process, hang.
+"""Fault injection keyed by (rank, step): kill or freeze a node, kill or freeze a process, hang,
+hold a process's Python (the GIL).
 
 Users run these against their own clusters as drills (the `chaos:` section of
 a job), tests and benchmarks use the same code. Faults are executed by the
@@ -102,6 +103,16 @@ def busy_wait(seconds: float) -> None:
     x = 0
     while time.perf_counter() < end:
         x += 1
+
+
+def hold_gil(seconds: float) -> None:
+    """Hold this process's Python for `seconds` in one C call that keeps the GIL, as a C
+    extension may (ctypes.PyDLL does not release it): no other thread of the process, the one
+    answering the controller's polls included, runs meanwhile. The process sleeps in the kernel
+    (state S) and its machine is up."""
+    import ctypes
+
+    ctypes.PyDLL(None).poll(None, 0, int(seconds * 1000))
 
 
 ACTIONS = {"kill_node": kill_own_node, "kill_process": kill_own_process, "hang": hang_own_process,

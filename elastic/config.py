@@ -72,6 +72,12 @@ class FailureConfig(_Strict):
                                "step time, when that is longer than ping_timeout_s: a rank busy in a long step "
                                "(a large model, a checkpoint's first snapshot) may answer a poll late without "
                                "being lost.")
+    heartbeat: bool = Field(
+        True, description="Run a small heartbeat process beside each worker that answers the controller over UDP "
+                          "with the worker process's state, from outside its Python: a rank whose Python is held "
+                          "(a C extension keeping the GIL) is then kept, and a stopped machine or process is found "
+                          "after ping_timeout_s whatever the step time. Needs Linux and UDP from the driver to "
+                          "the workers' nodes; without an answer a rank is judged by its polls alone.")
     rendezvous_timeout_s: float = Field(
         60.0, gt=0, description="Process-group formation timeout (the rendezvous store and connecting the ranks).")
     collective_timeout_s: float = Field(
@@ -124,13 +130,17 @@ class ChaosFault(_Strict):
     """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
     when it has completed `at_step` steps and before it starts the next one."""
 
-    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow"]
+    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow", "hold_gil"]
     rank: int = Field(ge=0)
     at_step: int = Field(ge=0)
     factor: float = Field(3.0, gt=1, description="slow only: the process computes this many times slower from then on")
     thaw_after_s: float | None = Field(
         None, gt=0, description="freeze_node / freeze_process only: resume (SIGCONT) the frozen processes this "
                                 "many seconds later, as a machine back from a partition; default never")
+    hold_s: float | None = Field(
+        None, gt=0, le=3600, description="hold_gil only: the rank's Python is held this many seconds by one C call "
+                                         "that keeps the GIL (as a C extension may): its polls go unanswered while "
+                                         "its process sleeps; it then trains on")
     during_upload: bool = Field(
         False, description="at at_step, first wait until this rank's checkpoint is being written to storage, then "
                            "fire: the drill for a machine lost mid-upload. Waits at most "
@@ -141,6 +151,9 @@ class ChaosFault(_Strict):
     def _check_thaw(self) -> "ChaosFault":
         if self.thaw_after_s is not None and self.action not in ("freeze_node", "freeze_process"):
             raise ValueError(f"thaw_after_s is for freeze_node and freeze_process, not {self.action}")
+        if (self.hold_s is None) != (self.action != "hold_gil"):
+            raise ValueError("hold_gil needs hold_s (seconds the rank's Python is held)" if self.hold_s is None
+                             else f"hold_s is for hold_gil, not {self.action}")
         return self
 
 

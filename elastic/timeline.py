@@ -156,7 +156,7 @@ def _walk(events: list[dict]) -> tuple[dict[int, list[Span]], list[Mark]]:
         elif k == "fault_injected" and e.get("rank") is not None:
             r = int(e["rank"])
             marks.append(Mark(t, r, "fault", f"{e.get('action')} after step {e.get('step')}"))
-            if e.get("action") != "slow":  # a slowed rank keeps training
+            if e.get("action") not in ("slow", "hold_gil"):  # a slowed or held rank keeps training
                 fault_t[r] = t
         elif k == "failure_detected":
             for x in e.get("lost", []):

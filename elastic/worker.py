@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
-from elastic import chaos, collectives, fencing, priority, resharding
+from elastic import chaos, collectives, fencing, heartbeat, priority, resharding
 from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
@@ -122,12 +122,18 @@ class Worker:
         self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
         self._kept_offer: dict | None = None  # this rank's part, kept for a rank-to-rank re-shard
         self._micro = 0  # this run's per-rank micro-batch (0: the rank's whole share at once)
+        self._sidecar: heartbeat.Sidecar | None | bool = None  # started by info(); False: could not run
 
     # ---------------------------------------------------------------- identity
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "actor_id": ctx.get_actor_id()}
+        ip = ray.util.get_node_ip_address()
+        if self._sidecar is None and self.job.failure.heartbeat:
+            # Answers the controller's heartbeat from outside this process (elastic/heartbeat.py);
+            # None where it cannot run, and the controller then judges this rank by its polls.
+            self._sidecar = heartbeat.start_sidecar(os.getpid(), ip) or False
+        return {"node_id": ctx.get_node_id(), "ip": ip, "pid": os.getpid(), "actor_id": ctx.get_actor_id(),
+                "hb_port": self._sidecar.port if self._sidecar else None}
 
     def ping(self) -> bool:
         return True
@@ -725,6 +731,9 @@ class Worker:
                                                         self.generation, uploading))
         if fault["action"] == "slow":
             self.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
+            return
+        if fault["action"] == "hold_gil":
+            chaos.hold_gil(fault["hold_s"])  # then trains on: a busy rank, not a lost one
             return
         chaos.inject(fault["action"], fault.get("thaw_after_s"))
 

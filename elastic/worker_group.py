@@ -15,6 +15,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic import priority
+from elastic.heartbeat import Heartbeats
 from elastic.worker import Worker
 
 
@@ -35,6 +36,7 @@ class Member:
     pid: int
     calib_s: float | None = None  # spares: measured compute time of one rank's share of a step
     on_demand: bool = False  # spares: started for a recovery in progress, not ahead of time
+    hb_port: int | None = None  # its heartbeat sidecar's UDP port on `ip` (elastic/heartbeat.py); None: none
 
 
 def cause_of(why: str) -> str:
@@ -95,6 +97,7 @@ class WorkerGroup:
         )
         self.members: dict[int, Member] = {}
         self._polls: dict[int, tuple["ray.ObjectRef", float]] = {}  # rank -> (poll in flight, sent at)
+        self.heartbeats = Heartbeats()
         self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
         # Spares: started and warmed (model built) before they are needed; not in the group.
         self._pending_spares: dict["ray.ObjectRef", "ray.actor.ActorHandle"] = {}
@@ -173,7 +176,8 @@ class WorkerGroup:
             raise GroupError(f"could not start workers for ranks {sorted(bad)} within {timeout_s:.0f}s: "
                              f"{bad}; is there a free slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", bad)
         for r, info in infos.items():
-            self.members[r] = Member(r, handles[r], info["node_id"], info["ip"], info["pid"])
+            self.members[r] = Member(r, handles[r], info["node_id"], info["ip"], info["pid"],
+                                     hb_port=info.get("hb_port"))
 
     # ---------------------------------------------------------------- spares
     def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
@@ -224,7 +228,7 @@ class WorkerGroup:
                 ray.kill(h, no_restart=True)
                 continue
             self.ready_spares.append(Member(-1, h, info["node_id"], info["ip"], info["pid"], info.get("calib_s"),
-                                            on_demand))
+                                            on_demand, info.get("hb_port")))
             self.newly_ready.append((info["node_id"][:12], info["pid"], bool(info.get("started_low"))))
         return lost
 
@@ -310,7 +314,7 @@ class WorkerGroup:
 
     def _assign(self, rank: int, spare: Member) -> None:
         self.ready_spares.remove(spare)
-        self.members[rank] = Member(rank, spare.handle, spare.node_id, spare.ip, spare.pid, spare.calib_s)
+        self.members[rank] = replace(spare, rank=rank, on_demand=False)
 
     def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]:
         """Fill `ranks` with spares: live warm ones first, then ones still warming (waited for), then
@@ -528,6 +532,13 @@ class WorkerGroup:
         within one run-loop iteration (the next poll goes out as soon as an answer is taken)."""
         now = time.monotonic()
         return {r: now - sent for r, (_, sent) in self._polls.items()}
+
+    def beats(self) -> dict:
+        """{rank: Beat} from the members' heartbeat sidecars (elastic/heartbeat.py), pinging them
+        as due; a rank whose sidecar never answered is left out."""
+        self.heartbeats.watch({r: (m.ip, m.hb_port) for r, m in self.members.items() if m.hb_port})
+        self.heartbeats.tick()
+        return self.heartbeats.beats()
 
     def poll(self, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
         """(answers by rank, {rank: why not} for those that died or did not answer in time)."""

@@ -139,6 +139,38 @@ def _assert_silence_recovery(result, baseline, action, rank=1):
     (aborted,) = result.events_of("collectives_aborted")
     assert sorted(aborted["ranks"]) == sorted({0, 1, 2} - {rank}) and not aborted["unanswered"]
     assert list(result.events_of("workers_replaced")[0]["how"]) == [str(rank)]
+    # Found through the node's heartbeat (elastic/heartbeat.py), which runs outside the rank's Python:
+    # a stopped process is reported stopped by it; a stopped node's heartbeat is silent too.
+    (silence,) = result.events_of("silence_detected")
+    beat = silence["heartbeat"][str(rank)]
+    assert beat is not None, silence
+    if action == "freeze_node":
+        assert beat["age_s"] > 1.0, beat
+    else:
+        assert beat["state"] == "T", beat
+    assert result.events_of("run_finished")[0]["heartbeat_ranks"] == [0, 1, 2]
+
+
+def test_a_rank_whose_python_is_held_is_kept_by_its_heartbeat(cluster, baseline, tmp_path):  # noqa: F811
+    """Rank 1's Python is held for 5 s by one C call that keeps the GIL (as a C extension may): it
+    answers no poll and the others wait on it, for far longer than the silence bound (1 s here).
+    Its node's heartbeat says the process sleeps: no recovery, the run goes on and ends
+    bit-identical. Without the heartbeat the same hold is taken for a stopped machine."""
+    fault = {"action": "hold_gil", "rank": 1, "at_step": FAULT_STEP, "hold_s": 5}
+    result = Trainer(job(tmp_path, [fault], failure={"hang_floor_s": 20})).fit(progress=False)
+    assert len(result.digests) == 3 and set(result.digests.values()) == {baseline}
+    assert not result.events_of("silence_detected") and not result.events_of("failure_detected")
+    (excused,) = result.events_of("silence_excused")
+    assert excused["rank"] == 1 and excused["state"] == "S" and excused["unanswered_s"] > 1.0
+    (fault_ev,) = result.events_of("fault_injected")
+    assert fault_ev["hold_s"] == 5 and excused["t"] > fault_ev["fault_t"]
+    assert result.events_of("run_finished")[0]["heartbeat_ranks"] == [0, 1, 2]
+
+    off = Trainer(job(tmp_path, [fault], failure={"hang_floor_s": 20, "heartbeat": False})).fit(progress=False)
+    assert set(off.digests.values()) == {baseline}
+    (silence,) = off.events_of("silence_detected")
+    assert silence["ranks"] == [1] and silence["heartbeat"] == {"1": None}
+    assert off.events_of("run_finished")[0]["heartbeat_ranks"] == []
 
 
 def test_frozen_node_survivors_keep_their_state(cluster, baseline, tmp_path):  # noqa: F811

@@ -30,6 +30,8 @@ def test_valid_job_parses():
     ({"bogus": 1}, "bogus"),
     ({"run": {"name": "has space"}}, "run.name"),
     ({"chaos": [{"action": "kill_node", "rank": 1, "at_step": 2, "during_upload": "often"}]}, "chaos.0.during_upload"),
+    ({"chaos": [{"action": "hold_gil", "rank": 1, "at_step": 2, "hold_s": -1}]}, "chaos.0.hold_s"),
+    ({"failure": {"heartbeat": "maybe"}}, "failure.heartbeat"),
 ])
 def test_errors_name_the_field(over, field):
     with pytest.raises(ConfigError) as e:
@@ -150,3 +152,11 @@ def test_fsdp_blocks_are_checked_before_any_worker_starts(tmp_path):
             checkpoint={"storage_uri": str(tmp_path)})
     with pytest.raises(ConfigError, match=r"train.fsdp.blocks=\['TransformerBlock'\].*Linear"):
         Trainer(j)
+
+
+def test_hold_gil_needs_its_duration_and_nothing_else_takes_one():
+    with pytest.raises(ConfigError, match="hold_gil needs hold_s"):
+        parse_job(job(chaos=[{"action": "hold_gil", "rank": 1, "at_step": 2}]))
+    with pytest.raises(ConfigError, match="hold_s is for hold_gil, not kill_node"):
+        parse_job(job(chaos=[{"action": "kill_node", "rank": 1, "at_step": 2, "hold_s": 3}]))
+    assert parse_job(job(chaos=[{"action": "hold_gil", "rank": 1, "at_step": 2, "hold_s": 3}])).chaos[0].hold_s == 3

@@ -344,6 +344,45 @@ def test_a_rank_slow_to_answer_inside_a_long_stall_is_kept_and_a_stopped_one_is_
     assert isinstance(c.state, Finished) and c.step == 30
 
 
+def test_a_rank_whose_python_is_held_is_kept_by_its_heartbeat_and_only_by_it():
+    # 2.5 s steps: the poll-only bound is 5 s. Rank 1's Python is held for 12 s (a C call keeping
+    # the GIL): its polls go unanswered and the group waits on it, but its node's heartbeat says
+    # the process sleeps. Kept, named once as excused, and the run goes on without a recovery.
+    for heartbeats in (True, False):
+        c, g, clock = make(num_steps=30, step_s=2.5, heartbeats=heartbeats)
+        drive(c, lambda c: c.step >= 8)
+        g.freeze(1, how="held")
+        held_until = clock() + 12.0
+        drive(c, lambda c: clock() >= held_until or isinstance(c.state, Recovering))
+        if heartbeats:
+            assert not kinds(c, "silence_detected") and not isinstance(c.state, Recovering)
+            (excused,) = kinds(c, "silence_excused")
+            assert excused["rank"] == 1 and excused["state"] == "S" and excused["unanswered_s"] >= 5.0
+            g.thaw(1)
+            drive(c)
+            assert isinstance(c.state, Finished) and c.step == 30 and not kinds(c, "failure_detected")
+            assert c._heartbeat_ranks == [0, 1, 2]  # what run_finished reports as heartbeat_ranks
+        else:  # the same hold without a heartbeat is taken for a stopped machine
+            (silence,) = kinds(c, "silence_detected")
+            assert silence["ranks"] == [1] and silence["heartbeat"] == {"1": None}
+
+
+def test_a_heartbeat_finds_a_stopped_machine_or_process_after_ping_timeout_not_two_steps():
+    # 2.5 s steps: polls alone would wait 5 s. With the node's heartbeat silent (a stopped machine)
+    # or saying the process is stopped (SIGSTOP), ping_timeout_s (1 s) and a poll suffice.
+    for how, state in (("machine", "R"), ("process", "T")):
+        c, g, clock = make(num_steps=30, step_s=2.5, heartbeats=True)
+        drive(c, lambda c: c.step >= 8)
+        g.freeze(1, how=how)
+        frozen_at = clock()
+        drive(c, lambda c: isinstance(c.state, Recovering))
+        (silence,) = kinds(c, "silence_detected")
+        assert silence["ranks"] == [1] and silence["heartbeat"]["1"]["state"] == state
+        assert clock() - frozen_at <= c.job.failure.ping_timeout_s + 0.5
+        drive(c)
+        assert isinstance(c.state, Finished) and c.step == 30
+
+
 def test_a_final_checkpoint_that_did_not_commit_is_saved_again_until_it_commits():
     # Storage was out at the end for longer than the persist's retries: the ranks still hold the
     # final state, so they save it again; the second try commits.

@@ -2,7 +2,8 @@
 from elastic.config import FailureConfig
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromStorage, LostRank, Raise, Restart, choose_restore, decide_failure, decide_silence,
-    detect_hang, hang_bound_s, silence_bound_s)
+    detect_hang, excused_by_heartbeat, hang_bound_s, silence_bound_s)
+from elastic.heartbeat import Beat
 
 CFG = FailureConfig(max_failures=2, hang_factor=10, hang_floor_s=5)
 
@@ -100,3 +101,31 @@ def test_a_rank_silent_for_less_than_the_bound_inside_a_longer_stall_is_not_lost
     assert decide_silence({1: "unresponsive"}, {1: 4.0}, 11.0, cfg, steps) is None
     assert decide_silence({1: "unresponsive", 2: "unresponsive"}, {1: 4.0, 2: 6.0}, 11.0, cfg, steps)[0] == (2,)
     assert decide_silence({1: "unresponsive"}, {1: 6.0}, 4.0, cfg, steps) is None  # the group still progressed
+
+
+def test_a_heartbeat_keeps_a_rank_whose_python_is_held_and_finds_a_stopped_one_in_ping_timeout():
+    cfg = FailureConfig(ping_timeout_s=1.0, silence_factor=2.0)
+    steps = [2.5] * 10  # poll-only bound: 5 s
+    # Its Python is held (a C call keeping the GIL) for 30 s; its node says the process sleeps: kept,
+    # however long, and named as excused once the poll-only rule would have taken it.
+    held = {1: Beat(0.1, "S")}
+    assert decide_silence({1: "unresponsive"}, {1: 30.0}, 30.0, cfg, steps, held) is None
+    assert excused_by_heartbeat({1: "unresponsive"}, {1: 30.0}, 30.0, cfg, steps, held) == {1: "S"}
+    assert excused_by_heartbeat({1: "unresponsive"}, {1: 4.0}, 30.0, cfg, steps, held) == {}  # not past the bound yet
+    # The node answers, the process is stopped (SIGSTOP): lost after ping_timeout_s, not 2 steps.
+    ranks, why = decide_silence({1: "unresponsive"}, {1: 1.2}, 1.3, cfg, steps, {1: Beat(0.0, "T")})
+    assert ranks == (1,) and "stopped" in why and "state T" in why
+    assert decide_silence({1: "unresponsive"}, {1: 0.9}, 1.3, cfg, steps, {1: Beat(0.0, "T")}) is None
+    # The node is silent too: a stopped machine, found after ping_timeout_s.
+    ranks, why = decide_silence({1: "unresponsive"}, {1: 1.2}, 1.3, cfg, steps, {1: Beat(1.1, "R")})
+    assert ranks == (1,) and "heartbeat" in why and "ping_timeout_s=1" in why
+    assert decide_silence({1: "unresponsive"}, {1: 1.2}, 1.3, cfg, steps, {1: Beat(0.9, "R")}) is None
+    # ...but never while the group still makes progress: it is holding nobody up.
+    assert decide_silence({1: "unresponsive"}, {1: 3.0}, 0.5, cfg, steps, {1: Beat(3.0, "R")}) is None
+    # A rank without a heartbeat beside one with: each by its own rule.
+    ranks, why = decide_silence({1: "unresponsive", 2: "unresponsive"}, {1: 5.5, 2: 1.5}, 5.6, cfg, steps,
+                                {2: Beat(1.4, "R")})
+    assert ranks == (1, 2) and "no heartbeat" in why
+    ranks, _ = decide_silence({1: "unresponsive", 2: "unresponsive"}, {1: 4.0, 2: 1.5}, 4.1, cfg, steps,
+                              {2: Beat(1.4, "R")})
+    assert ranks == (2,)

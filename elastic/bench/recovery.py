@@ -98,8 +98,10 @@ ELASTIC_SYSTEMS = {
     "elastic-storage": ({"num_workers": NUM_WORKERS}, {"peer_restore": False}),  # reload from storage
     "elastic": ({"num_workers": NUM_WORKERS}, {}),  # survivors' memory + a worker started on demand
     "elastic-spare": ({"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True}, {}),  # warm spare
+    # Opt-in: `elastic` judged by its polls alone (no heartbeat sidecar, elastic/heartbeat.py)
+    "elastic-no-heartbeat": ({"num_workers": NUM_WORKERS}, {"heartbeat": False}),
 }
-SYSTEMS = [*ELASTIC_SYSTEMS, "ray-train"]
+SYSTEMS = ["elastic-storage", "elastic", "elastic-spare", "ray-train"]  # the default run
 # Opt-in (`--systems ...,ray-train-torchft`): needs torchft (`pip install -c constraints.txt -e '.[bench]'`)
 # and a cluster of its own whose head has a CPU for torchft's lighthouse.
 TORCHFT = "ray-train-torchft"
@@ -139,7 +141,16 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
             "replicas_identical": len(set(result.digests.values())) == 1, "run_dir": result.run_dir,
             # Survivors replaced instead of kept (their state lost), and persists they left running.
             "survivors_replaced": len(result.events_of("worker_replaced")),
-            "persists_abandoned": len(result.events_of("persist_abandoned"))}
+            "persists_abandoned": len(result.events_of("persist_abandoned")),
+            # Found through the heartbeat or by polls alone, and how long the silence took to decide.
+            "heartbeat": job["failure"].get("heartbeat", True),
+            "silence_lag_s": _silence_lag(result), "silence_excused": len(result.events_of("silence_excused"))}
+
+
+def _silence_lag(result) -> float | None:
+    """Fault -> silence_detected, seconds (None: the fault was not found by silence)."""
+    fault, silence = result.events_of("fault_injected"), result.events_of("silence_detected")
+    return round(silence[0]["t"] - fault[0]["fault_t"], 3) if fault and silence else None
 
 
 def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_workers: int = NUM_WORKERS,
@@ -167,7 +178,7 @@ def main(args) -> int:
             return 2
     world, fault_rank = layout["num_workers"], layout["fault_rank"]
     systems = parse_systems("recovery", args.systems or ",".join(layout["systems"]),
-                            layout["systems"] if gpu else [*SYSTEMS, TORCHFT])
+                            layout["systems"] if gpu else [*SYSTEMS, "elastic-no-heartbeat", TORCHFT])
     if systems is None:
         return 2
     if TORCHFT in systems:

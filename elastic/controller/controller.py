@@ -37,7 +37,7 @@ from elastic.controller.states import (
     Swapping)
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromShards, FromStorage, LostRank, Raise, choose_restore, decide_failure,
-    decide_silence, detect_hang)
+    decide_silence, detect_hang, excused_by_heartbeat)
 from elastic.policies.straggler import (Drop, Report, StragglerState, Swap, decide_straggler, flagged, observe,
                                         slow_steps, span, window_ratios)
 from elastic.storage import Storage, call_within, join
@@ -75,6 +75,8 @@ class Controller:
         self.pending_faults = [f.model_dump() for f in self.job.chaos]
         self._fault_lock = threading.Lock()
         self.last_fault: dict | None = None  # set by report_fault, consumed by recovery bookkeeping
+        self._excused: set[int] = set()  # silent ranks kept alive by their heartbeat, this silent spell
+        self._heartbeat_ranks: list[int] = []  # ranks whose heartbeat had answered, at the last look
         self.step = 0
         self.max_step_seen = 0
         self.loss: float | None = None
@@ -130,7 +132,8 @@ class Controller:
         st = self.state
         self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",
                          step=self.step, loss=self.loss, error=getattr(st, "error", None),
-                         checkpoint=self.last_committed, slowest_poll_answer_s=round(self.group.slowest_poll_answer_s, 2))
+                         checkpoint=self.last_committed, slowest_poll_answer_s=round(self.group.slowest_poll_answer_s, 2),
+                         heartbeat_ranks=self._heartbeat_ranks)
         self.events.flush()
         return {"status": "finished" if isinstance(st, Finished) else "error",
                 "error": getattr(st, "error", None), "step": self.step, "loss": self.loss,
@@ -164,7 +167,8 @@ class Controller:
         # than the last poll: a resize measures its lost steps from the furthest step seen.
         self.max_step_seen = max(self.max_step_seen, step)
         self.events.emit("fault_injected", action=fault["action"], rank=rank, step=step, fault_t=t, pid=pid,
-                         generation=generation, thaw_after_s=fault.get("thaw_after_s"), uploading=uploading)
+                         generation=generation, thaw_after_s=fault.get("thaw_after_s"), uploading=uploading,
+                         hold_s=fault.get("hold_s"))
 
     @property
     def _grace_s(self) -> float:
@@ -353,14 +357,19 @@ class Controller:
                 w.lost[r] = LostRank(r, cause_of(why), why)
         if w.failing_since is None:
             unanswered = self.group.unanswered_s()
-            decision = decide_silence(silent, unanswered, self.now() - self.last_progress_at, cfg,
-                                      list(self.step_times))
+            beats = self.group.beats() if cfg.heartbeat else {}
+            self._heartbeat_ranks = sorted(beats)
+            idle = self.now() - self.last_progress_at
+            decision = decide_silence(silent, unanswered, idle, cfg, list(self.step_times), beats)
+            self._note_excused(silent, unanswered, idle, beats)
             if decision is not None:
                 # Silence while the others wait: a stopped or cut-off machine. Its peers are blocked on
                 # it and will never see an error of their own; the recovery aborts their collectives.
                 quiet, why = decision
                 self.events.emit("silence_detected", ranks=list(quiet), reason=why,
-                                 unanswered_s={r: round(unanswered[r], 2) for r in quiet})
+                                 unanswered_s={r: round(unanswered[r], 2) for r in quiet},
+                                 heartbeat={r: ({"age_s": round(beats[r].age_s, 2), "state": beats[r].state}
+                                                if r in beats else None) for r in quiet})
                 for r in quiet:
                     w.lost[r] = LostRank(r, "unresponsive", why)
                 return Recovering(tuple(w.lost[r] for r in sorted(w.lost)), self.wall())
@@ -413,6 +422,17 @@ class Controller:
             self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
             return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), self.wall())
         return None
+
+    def _note_excused(self, silent: dict[int, str], unanswered: dict[int, float], idle: float, beats: dict) -> None:
+        """Once per silent spell: a rank the poll-only rule would have called lost, kept because its
+        heartbeat says the process runs (its Python is held, its machine is up)."""
+        self._excused &= {r for r, why in silent.items() if why == "unresponsive"}
+        excused = excused_by_heartbeat(silent, unanswered, idle, self.job.failure, list(self.step_times), beats)
+        for r, state in sorted(excused.items()):
+            if r not in self._excused:
+                self._excused.add(r)
+                self.events.emit("silence_excused", rank=r, step=self.step, unanswered_s=round(unanswered[r], 2),
+                                 idle_s=round(idle, 2), state=state, heartbeat_age_s=round(beats[r].age_s, 2))
 
     def _rollback(self, bad_steps: list[int]) -> State:
         """train.bad_step=rollback: bad_step_limit steps in a row made no update. Every rank stopped

@@ -5,6 +5,7 @@ import statistics
 from dataclasses import dataclass
 
 from elastic.config import FailureConfig
+from elastic.heartbeat import STOPPED_STATES
 from elastic.topology import Layout, stage_sources
 
 
@@ -117,27 +118,68 @@ def silence_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
 
 
 def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_s: float, cfg: FailureConfig,
-                   step_times_s: list[float] = ()) -> tuple[tuple[int, ...], str] | None:
+                   step_times_s: list[float] = (), beats: dict | None = None) -> tuple[tuple[int, ...], str] | None:
     """A machine that stops (power, kernel panic, partition) closes no socket: its peers wait on it
     and never see an error. The sign is silence: ranks whose poll has been unanswered
-    ("unresponsive", for `unanswered_s` seconds) for longer than `silence_bound_s`, while the group
-    completed no step for that long either. Returns (those ranks, reason), or None.
+    ("unresponsive", for `unanswered_s` seconds) while the group completed no step either.
+    Returns (those ranks, reason), or None.
 
-    Both clocks must pass the same bound. A stopped machine's last poll went out about when it
-    stopped, so its silence grows with the group's idle time and it is found as soon as before,
-    at most a step and a poll later. A healthy rank that a long stall (a 1 GB checkpoint on a
-    starved node) keeps from answering for a while still answers within the bound, and is left
-    alone. A rank slow to answer while others still make progress is not lost either: it is not
-    holding anyone up."""
+    `beats` (rank -> `elastic.heartbeat.Beat`) is what each rank's node says from outside the
+    rank's Python process; it decides where present:
+      * its sidecar silent for longer than ping_timeout_s too: the machine stopped or is cut off;
+      * it reports the process stopped or gone (SIGSTOP, a zombie): lost, after ping_timeout_s;
+      * it reports the process running or sleeping: the rank is busy (its Python held), not lost,
+        however long its poll waits; a rank that never comes back is the hang bound's to find.
+    A rank whose sidecar never answered is judged by its poll alone, against `silence_bound_s`:
+    both clocks must pass it. A stopped machine's last poll went out about when it stopped, so its
+    silence grows with the group's idle time; a healthy rank that a long stall keeps from
+    answering for a while still answers within the bound. A rank slow to answer while others
+    still make progress is never lost: it is not holding anyone up."""
+    beats = beats or {}
     bound = silence_bound_s(list(step_times_s), cfg)
-    quiet = tuple(sorted(r for r, why in silent.items()
-                         if why == "unresponsive" and unanswered_s.get(r, 0.0) > bound))
-    if not quiet or idle_s <= bound:
+    ping = cfg.ping_timeout_s
+    by_poll, by_beat = [], []
+    for r in sorted(r for r, why in silent.items() if why == "unresponsive"):
+        waited, beat = unanswered_s.get(r, 0.0), beats.get(r)
+        if beat is None:
+            if waited > bound and idle_s > bound:
+                by_poll.append(r)
+        elif (beat.age_s > ping or beat.state in STOPPED_STATES) and waited > ping and idle_s > ping:
+            by_beat.append((r, beat))
+    if not by_poll and not by_beat:
         return None
-    least = min(unanswered_s[r] for r in quiet)
-    return quiet, (f"answered no poll for {least:.1f}s or more while the group made no progress for {idle_s:.1f}s "
-                   f"(both > {bound:.1f}s: the longer of failure.ping_timeout_s={cfg.ping_timeout_s:g}s and "
-                   f"failure.silence_factor={cfg.silence_factor:g} x the median step)")
+    reasons = []
+    if by_beat:
+        node_silent = [r for r, b in by_beat if b.age_s > ping]
+        stopped = [(r, b.state) for r, b in by_beat if b.age_s <= ping]
+        if node_silent:
+            reasons.append(f"ranks {node_silent}: neither the rank nor its node's heartbeat answered for "
+                           f"{min(unanswered_s[r] for r in node_silent):.1f}s / "
+                           f"{min(b.age_s for r, b in by_beat if r in node_silent):.1f}s or more")
+        if stopped:
+            reasons.append("ranks " + str([r for r, _ in stopped]) + ": the heartbeat says the process is stopped "
+                           f"or gone (state {','.join(sorted({s for _, s in stopped}))})")
+        reasons.append(f"while the group made no progress for {idle_s:.1f}s (all > failure.ping_timeout_s="
+                       f"{ping:g}s)")
+    if by_poll:
+        least = min(unanswered_s[r] for r in by_poll)
+        reasons.append(f"ranks {by_poll} (no heartbeat): answered no poll for {least:.1f}s or more while the group "
+                       f"made no progress for {idle_s:.1f}s (both > {bound:.1f}s: the longer of "
+                       f"failure.ping_timeout_s={ping:g}s and failure.silence_factor={cfg.silence_factor:g} x the "
+                       f"median step)")
+    return tuple(sorted(by_poll + [r for r, _ in by_beat])), "; ".join(reasons)
+
+
+def excused_by_heartbeat(silent: dict[int, str], unanswered_s: dict[int, float], idle_s: float,
+                         cfg: FailureConfig, step_times_s: list[float], beats: dict) -> dict[int, str]:
+    """Ranks that the poll-only rule would call lost (both clocks past `silence_bound_s`) but whose
+    heartbeat says the process runs: {rank: its state}. Only for the event log."""
+    bound = silence_bound_s(list(step_times_s), cfg)
+    if idle_s <= bound:
+        return {}
+    return {r: beats[r].state for r, why in silent.items()
+            if why == "unresponsive" and r in beats and unanswered_s.get(r, 0.0) > bound
+            and beats[r].age_s <= cfg.ping_timeout_s and beats[r].state not in STOPPED_STATES}
 
 
 def hang_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:

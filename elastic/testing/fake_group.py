@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from elastic.heartbeat import Beat
 from elastic.worker_group import GroupError
 
 
@@ -39,6 +40,7 @@ class FakeRank:
     step: int = 0
     generation: int = 0
     frozen_at: float | None = None  # silent from then on (a stopped machine)
+    frozen_how: str = "machine"  # its heartbeat: "machine" silent too, "process" says stopped (T), "held" says S
     dead: bool = False  # Ray reports it dead
     run_out: dict | None = None  # what its run() returned, once it returned
     running: bool = False
@@ -76,6 +78,7 @@ class FakeGroup:
     save_again_s: float = 30.0  # fake seconds one more save of the final state takes
     final_persist_s: dict = field(default_factory=dict)  # rank -> fake seconds its last persist outlasts the others'
     stalled_until: float = 0.0  # no rank completes a step before this fake time (a long checkpoint)
+    heartbeats: bool = False  # each rank has a heartbeat sidecar (else the controller judges by polls alone)
 
     def __post_init__(self):
         self._pending: list[float] = []  # fake times at which pending spares become ready
@@ -89,8 +92,12 @@ class FakeGroup:
         self._next_pid += 1
         return FakeRank(rank, f"node{self._next_pid:06d}" + "0" * 44, self._next_pid, on_demand=on_demand)
 
-    def freeze(self, rank: int) -> None:
-        self.members[rank].frozen_at = self.clock()
+    def freeze(self, rank: int, how: str = "machine") -> None:
+        """`rank` answers no poll from now on: its machine stopped ("machine": its heartbeat is
+        silent too), its process was stopped ("process": the heartbeat says T), or its Python is
+        held ("held": the heartbeat says S; `thaw` lets it go)."""
+        m = self.members[rank]
+        m.frozen_at, m.frozen_how = self.clock(), how
 
     def slow_down(self, rank: int, after_step: int, factor: float, steps: float = float("inf")) -> None:
         """The process holding `rank` computes `factor` x slower for `steps` steps after
@@ -335,6 +342,19 @@ class FakeGroup:
     def unanswered_s(self) -> dict[int, float]:
         now = self.clock()
         return {r: now - m.frozen_at for r, m in self.members.items() if m.frozen_at is not None and not m.dead}
+
+    def beats(self) -> dict:
+        if not self.heartbeats:
+            return {}
+        now, out = self.clock(), {}
+        for r, m in self.members.items():
+            if m.frozen_at is None:
+                out[r] = Beat(0.0, "R")
+            elif m.frozen_how == "machine":
+                out[r] = Beat(now - m.frozen_at, "R")  # its last answer, from before it stopped
+            elif not m.dead:
+                out[r] = Beat(0.0, "T" if m.frozen_how == "process" else "S")
+        return out
 
     def poll(self, timeout_s: float):
         answers, silent = self.poll_nowait(0.0)

@@ -1,0 +1,222 @@
+"""A heartbeat from outside the worker's Python process: tells a busy rank from a stopped machine.
+
+The controller's polls are answered by the worker's Python, so a rank whose Python is held (user
+code in a C extension that keeps the GIL, a checkpoint's writes on a starved node) answers late,
+exactly like a machine that stopped. Beside each worker runs a sidecar: a separate small process
+(no torch, no Ray, a few MB) that answers UDP pings from the controller with the worker process's
+state as the kernel sees it (`/proc/<pid>/stat`: R running, S sleeping, D in I/O, T stopped).
+
+What the controller can then tell apart (`elastic.policies.failure.decide_silence`):
+  * sidecar answers, process running or sleeping: the machine is up and the rank is busy. It is
+    not replaced for silence; the hang bound still applies.
+  * sidecar answers, process stopped (SIGSTOP) or gone: the rank is lost, after ping_timeout_s.
+  * sidecar silent too: the machine stopped or is cut off; lost after ping_timeout_s, however
+    long the steps are (a poll alone must wait silence_factor x the median step).
+  * sidecar never answered (not Linux, UDP filtered between driver and nodes): no evidence, and
+    the poll-only rule applies as before.
+
+The sidecar exits when the worker does (its stdin pipe closes, or it is re-parented). It leaves
+SCHED_IDLE if it was started from a spare warming at low priority (elastic/priority.py): a
+heartbeat that starves would be taken for a stopped machine.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the process runs no more code
+
+# Run with `python -I -S -c`: stdlib built-ins only, so it starts in milliseconds and never
+# imports elastic (whose import would lower a background spare's priority again).
+_SIDECAR = r"""
+import os, select, socket, sys
+pid, family = int(sys.argv[1]), socket.AF_INET6 if sys.argv[2] == "6" else socket.AF_INET
+if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(0) == os.SCHED_IDLE:
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass
+parent = os.getppid()
+s = socket.socket(family, socket.SOCK_DGRAM)
+s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+sys.stdout.write(f"{s.getsockname()[1]}\n")
+sys.stdout.flush()
+
+def stat():
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return b"X 0"
+    rest = data[data.rindex(b")") + 2:].split()
+    return rest[0] + b" " + str(int(rest[11]) + int(rest[12])).encode()  # state, utime + stime
+
+while True:
+    ready, _, _ = select.select([s, 0], [], [], 2.0)
+    if 0 in ready and not os.read(0, 64):
+        break  # the worker closed our stdin: it exited
+    if s in ready:
+        try:
+            data, addr = s.recvfrom(128)
+            s.sendto(data + b" " + stat(), addr)
+        except OSError:
+            pass
+    if os.getppid() != parent:
+        break  # the worker died and we were re-parented
+"""
+
+
+def _family(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in ip else socket.AF_INET
+
+
+class Sidecar:
+    """The heartbeat process of one worker (started by the worker, for its own pid)."""
+
+    def __init__(self, pid: int, ip: str, start_timeout_s: float = 10.0):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _SIDECAR, str(pid), "6" if _family(ip) == socket.AF_INET6 else "4"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout_s)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"heartbeat sidecar did not start within {start_timeout_s:.0f}s "
+                               f"(exit code {self.proc.poll()})")
+        self.port = int(line)
+
+    def close(self) -> None:
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+def start_sidecar(pid: int, ip: str) -> Sidecar | None:
+    """A sidecar for `pid`, or None where none can run (not Linux, or it failed to start: the
+    controller then has no heartbeat for this rank and judges it by its polls alone)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return Sidecar(pid, ip)
+    except (OSError, RuntimeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What a rank's sidecar last said. `age_s`: how long its oldest unanswered ping has waited
+    (0 when none is waiting); `state`: the worker process's state in its last answer."""
+
+    age_s: float
+    state: str
+    cpu_ticks: int = 0
+
+
+class Heartbeats:
+    """Controller side: pings each rank's sidecar every `interval_s`, without blocking, from
+    whatever loop calls `tick()`. Ages count only pings sent: a controller busy elsewhere (a
+    restore) sends none, so its own pause never looks like a node's silence."""
+
+    def __init__(self, interval_s: float = 0.2, clock=time.monotonic):
+        self.interval_s, self.clock = interval_s, clock
+        self._socks: dict[int, socket.socket] = {}
+        self._targets: dict[int, tuple[str, int]] = {}  # rank -> (ip, port)
+        self._token: dict[tuple[str, int], bytes] = {}  # sidecar address -> the token it echoes
+        self._seq = 0  # numbers both sidecars (tokens) and pings
+        self._last_sent = float("-inf")
+        # token -> (sent at, ping number) of its oldest ping not answered by it or a later one
+        self._pending_since: dict[bytes, tuple[float, int]] = {}
+        self._last: dict[bytes, tuple[int, str, int]] = {}  # token -> (ping number, state, cpu ticks), newest answer
+
+    def watch(self, targets: dict[int, tuple[str, int]]) -> None:
+        """The ranks to watch now and their sidecars' (ip, port); others are forgotten. A sidecar
+        keeps its history when its rank is renumbered."""
+        if targets == self._targets:
+            return
+        for addr in targets.values():
+            if addr not in self._token:
+                self._seq += 1
+                self._token[addr] = f"{self._seq}".encode()
+        self._targets = dict(targets)
+        self._token = {a: t for a, t in self._token.items() if a in set(targets.values())}
+        live = set(self._token.values())
+        self._pending_since = {t: v for t, v in self._pending_since.items() if t in live}
+        self._last = {t: v for t, v in self._last.items() if t in live}
+
+    def _sock(self, family: socket.AddressFamily) -> socket.socket:
+        if family not in self._socks:
+            s = socket.socket(family, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            self._socks[family] = s
+        return self._socks[family]
+
+    def tick(self) -> None:
+        self._drain()
+        now = self.clock()
+        if now - self._last_sent < self.interval_s:
+            return
+        self._last_sent = now
+        self._seq += 1
+        for ip, port in set(self._targets.values()):
+            token = self._token[(ip, port)]
+            try:
+                self._sock(_family(ip)).sendto(token + b":" + str(self._seq).encode(), (ip, port))
+            except OSError as e:  # unreachable now (a partition): the ping simply goes unanswered
+                if e.errno not in (errno.EAGAIN, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED,
+                                   errno.EPERM, errno.ENOBUFS):
+                    raise
+            self._pending_since.setdefault(token, (now, self._seq))
+
+    def _drain(self) -> None:
+        for s in self._socks.values():
+            while True:
+                try:
+                    data = s.recv(256)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:  # an ICMP error from an earlier ping (port closed): that ping is lost
+                    continue
+                try:
+                    ping, state, ticks = data.split()
+                    token, seq = ping.rsplit(b":", 1)
+                    seq, ticks = int(seq), int(ticks)
+                except ValueError:
+                    continue
+                if token not in self._pending_since and token not in self._last:
+                    continue  # a stale answer for a sidecar no longer watched
+                if seq >= self._pending_since.get(token, (0.0, seq))[1]:
+                    self._pending_since.pop(token, None)  # answered that ping or a later one
+                if seq >= self._last.get(token, (0,))[0]:
+                    self._last[token] = (seq, state.decode(errors="replace"), ticks)
+
+    def beats(self) -> dict[int, Beat]:
+        """For each watched rank whose sidecar has answered at least once: its Beat."""
+        self._drain()
+        now = self.clock()
+        out = {}
+        for r, addr in self._targets.items():
+            token = self._token[addr]
+            if token in self._last:
+                _, state, ticks = self._last[token]
+                pending = self._pending_since.get(token)
+                out[r] = Beat(0.0 if pending is None else now - pending[0], state, ticks)
+        return out
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close()
+        self._socks.clear()
