@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic import priority
 from elastic.heartbeat import Heartbeats
+from elastic.policies.failure import formation_silent
 from elastic.worker import Worker
 
 
@@ -59,14 +60,6 @@ def death_cause(e: BaseException) -> str:
     if "its node has died" in text or "node has died" in text or "because its node" in text:
         return "node_died"
     return "process_died"
-
-
-# During a group's formation there is no step time to weigh silence against (the run loop waits
-# silence_factor x the median step): a member is lost when it answers no ping for this many times
-# failure.ping_timeout_s. A 90 M-parameter job on a busy 2-core machine once answered its first
-# formation's ping after more than 1 s and was replaced as "unresponsive", which cost 55 s; a
-# stopped machine is still found 12x sooner than the rendezvous timeout would find it.
-FORMATION_SILENCE = 5
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -359,7 +352,7 @@ class WorkerGroup:
         `generation`. A member that dies or stops answering fails the formation at once: the
         others' joins are aborted, and they come back with their state as survivors (a join
         that failed because of a peer is the peer's failure, reported as "peer failed").
-        "Stops answering" here is FORMATION_SILENCE x ping_timeout_s without an answer to a ping.
+        "Stops answering" is `formation_silent`'s verdict on its unanswered ping and its heartbeat.
         Returns the slowest ping answer seen (seconds), for the group_formed event."""
         world = len(self.members)
         assert sorted(self.members) == list(range(world)), f"ranks must be 0..{world - 1}: {sorted(self.members)}"
@@ -386,6 +379,7 @@ class WorkerGroup:
             # A member that stops answering (its machine stopped) would hold everyone for the whole
             # rendezvous timeout: watch them all, as the run loop does.
             now = time.monotonic()
+            beats = self.beats() if self.job.failure.heartbeat else {}
             for r, m in self.members.items():
                 if r in bad or r not in {*pending.values()}:
                     continue
@@ -401,7 +395,7 @@ class WorkerGroup:
                         slowest = max(slowest, now - ref_sent[1])
                     except RayActorError as e:
                         bad[r] = death_cause(e)
-                elif now - ref_sent[1] > ping_timeout_s * FORMATION_SILENCE:
+                elif formation_silent(now - ref_sent[1], beats.get(r), ping_timeout_s):
                     bad[r] = "unresponsive"
             if any(cause_of(w) != "error" for w in bad.values()):
                 break  # someone is gone: the rest cannot complete; cut their rendezvous

@@ -2,7 +2,7 @@
 from elastic.config import FailureConfig
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromStorage, LostRank, Raise, Restart, choose_restore, decide_failure, decide_silence,
-    detect_hang, excused_by_heartbeat, hang_bound_s, silence_bound_s)
+    detect_hang, excused_by_heartbeat, formation_silent, hang_bound_s, silence_bound_s)
 from elastic.heartbeat import Beat
 
 CFG = FailureConfig(max_failures=2, hang_factor=10, hang_floor_s=5)
@@ -129,3 +129,10 @@ def test_a_heartbeat_keeps_a_rank_whose_python_is_held_and_finds_a_stopped_one_i
     ranks, _ = decide_silence({1: "unresponsive", 2: "unresponsive"}, {1: 4.0, 2: 1.5}, 4.1, cfg, steps,
                               {2: Beat(1.4, "R")})
     assert ranks == (2,)
+
+
+def test_a_forming_group_waits_for_a_member_whose_node_says_it_runs():
+    assert formation_silent(2.6, None, 0.5) and not formation_silent(2.4, None, 0.5)  # polls alone: 5 x
+    assert not formation_silent(60.0, Beat(0.1, "S"), 0.5)  # busy, its node up: the rendezvous timeout decides
+    assert formation_silent(0.6, Beat(0.0, "T"), 0.5) and not formation_silent(0.4, Beat(0.0, "T"), 0.5)
+    assert formation_silent(0.6, Beat(0.6, "R"), 0.5)  # its node silent too

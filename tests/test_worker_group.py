@@ -2,11 +2,15 @@
 
 The members here speak the worker's formation protocol (free_port, join, ping, abort) without a
 process group behind it, so the test can choose how late each one answers. What is checked is
-WorkerGroup.form's rule: a member is lost only after FORMATION_SILENCE x ping_timeout_s without
-an answer, and then the others' joins are cut at once (not left to the rendezvous timeout)."""
+WorkerGroup.form's rule: a member without a heartbeat is lost only after FORMATION_SILENCE x
+ping_timeout_s without an answer; one with a heartbeat sidecar (elastic/heartbeat.py, a real one
+watching the member's process here) is kept while its node says it runs, and lost after
+ping_timeout_s once the node says it is stopped. Then the others' joins are cut at once (not left
+to the rendezvous timeout)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -17,7 +21,9 @@ import ray
 from ray import cloudpickle
 
 from elastic.config import JobConfig
-from elastic.worker_group import FORMATION_SILENCE, GroupError, Member, WorkerGroup
+from elastic.heartbeat import Sidecar
+from elastic.policies.failure import FORMATION_SILENCE
+from elastic.worker_group import GroupError, Member, WorkerGroup
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,6 +104,42 @@ def test_a_silent_member_fails_formation_and_the_others_are_cut_loose(local_ray)
     g = group_of((0.0, 600.0), (600.0, 600.0))
     with pytest.raises(GroupError) as e:
         g.form(generation=1, timeout_s=60, ping_timeout_s=PING_TIMEOUT_S)
+    assert e.value.ranks == {1: "unresponsive", 0: "error: peer failed during formation"}
+
+
+def with_heartbeat(g: WorkerGroup, rank: int) -> Sidecar:
+    m = g.members[rank]
+    side = Sidecar(m.pid, m.ip)
+    m.hb_port = side.port
+    return side
+
+
+def test_a_member_that_never_answers_a_ping_but_whose_node_says_it_runs_forms_the_group(local_ray):
+    # Rank 1's pings wait 600 s (its Python busy) but it joins after 4 s, past the 5 x 0.5 s
+    # poll-only bound: its heartbeat says the process sleeps, so it is waited for.
+    assert 4.0 > PING_TIMEOUT_S * FORMATION_SILENCE
+    g = group_of((0.0, 4.0), (600.0, 4.0))
+    side = with_heartbeat(g, 1)
+    try:
+        g.form(generation=1, timeout_s=60, ping_timeout_s=PING_TIMEOUT_S)
+    finally:
+        side.close()
+
+
+def test_a_stopped_member_is_found_by_its_heartbeat_after_ping_timeout(local_ray):
+    # ping_timeout_s 2 s and a 8 s rendezvous: polls alone would need 5 x 2 s, so the rendezvous
+    # would time out first and every pending rank would be "unresponsive". The node's heartbeat
+    # says rank 1 is stopped (state T), so it alone is lost after 2 s and rank 0's join is cut.
+    g = group_of((0.0, 600.0), (600.0, 600.0))
+    side = with_heartbeat(g, 1)
+    os.kill(g.members[1].pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(GroupError) as e:
+            g.form(generation=1, timeout_s=8.0, ping_timeout_s=2.0)
+    finally:
+        os.kill(g.members[1].pid, signal.SIGKILL)
+        side.close()
+    assert 8.0 < 2.0 * FORMATION_SILENCE
     assert e.value.ranks == {1: "unresponsive", 0: "error: peer failed during formation"}
 
 

@@ -6,6 +6,8 @@ def add_bench_args(p) -> None:
     p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline", "overhead", "checkpoint"],
                    help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
+    p.add_argument("--reps-large", type=int, default=1,
+                   help="recovery: repetitions per system at 50 M parameters and more, where one run takes minutes")
     p.add_argument("--out", default=None, help="also write results.jsonl, results.md and a plot here")
     p.add_argument("--systems", default=None,
                    help="recovery, resize, churn, pipeline: comma-separated systems to compare "

@@ -222,8 +222,8 @@ def main(args) -> int:
             hidden, params = model_size(size)
             if hidden:  # every process of every system builds this width (elastic.bench.workload)
                 _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
-            # From LARGE_PARAMS on a step takes seconds here and a checkpoint a gigabyte: one repetition.
-            for rep in range(1 if params >= LARGE_PARAMS else args.reps):
+            # From LARGE_PARAMS on a step takes seconds here and a checkpoint a gigabyte: --reps-large (1).
+            for rep in range(getattr(args, "reps_large", 1) if params >= LARGE_PARAMS else args.reps):
                 at_step = fault_step(rep)
                 for fault in faults:
                     for system in [s for s in systems if s != TORCHFT]:  # interleaved: drift hits all alike
@@ -239,7 +239,7 @@ def main(args) -> int:
                         records.append(rec)
                         emit(rec)
     if TORCHFT in systems:  # after the shared cluster is gone: one cluster at a time
-        records += run_torchft_all(sizes, faults, args.reps, work)
+        records += run_torchft_all(sizes, faults, args.reps, work, getattr(args, "reps_large", 1))
     for size in sizes:
         _, params = model_size(size)
         for fault in faults:
@@ -269,7 +269,8 @@ def main(args) -> int:
     return 0
 
 
-def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work: str) -> list[dict]:
+def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work: str,
+                    reps_large: int = 1) -> list[dict]:
     """The torchft peer, each run on a fresh cluster whose head has a CPU for the lighthouse. A run
     that fails or hangs is a record with recover_s None and the evidence, never a figure."""
     from elastic.bench.local_cluster import local_cluster
@@ -280,7 +281,7 @@ def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work:
     out = []
     for size in sizes:
         hidden, params = model_size(size)
-        for rep in range(1 if params >= LARGE_PARAMS else reps):
+        for rep in range(reps_large if params >= LARGE_PARAMS else reps):
             at_step = fault_step(rep)
             for fault in faults:
                 with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1, head_cpus=1) as cluster:

@@ -182,6 +182,27 @@ def excused_by_heartbeat(silent: dict[int, str], unanswered_s: dict[int, float],
             and beats[r].age_s <= cfg.ping_timeout_s and beats[r].state not in STOPPED_STATES}
 
 
+# During a group's formation there is no step time to weigh silence against (the run loop waits
+# silence_factor x the median step): a member without a heartbeat is lost when it answers no ping
+# for this many times failure.ping_timeout_s. A 90 M-parameter job on a busy 2-core machine once
+# answered its first formation's ping after more than 1 s and was replaced as "unresponsive", which
+# cost 55 s; a stopped machine is still found 12x sooner than the rendezvous timeout would find it.
+FORMATION_SILENCE = 5
+
+
+def formation_silent(unanswered_s: float, beat, ping_timeout_s: float) -> bool:
+    """Whether a member whose ping has waited `unanswered_s` while the group forms is lost. With a
+    heartbeat (`elastic.heartbeat.Beat`): as soon as its ping and its node's heartbeat have both
+    been silent for ping_timeout_s, or the node says the process is stopped; never while the node
+    says the process runs (a busy machine: the rendezvous timeout bounds the wait). Without one:
+    after FORMATION_SILENCE x ping_timeout_s."""
+    if beat is None:
+        return unanswered_s > ping_timeout_s * FORMATION_SILENCE
+    if beat.age_s > ping_timeout_s or beat.state in STOPPED_STATES:
+        return unanswered_s > ping_timeout_s
+    return False
+
+
 def hang_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
     """No progress for longer than this is a hang: hang_factor x the median step, never below the floor."""
     if not step_times_s:
