@@ -26,6 +26,9 @@ def describe_event(ev: dict) -> str:
         return f"HANG ranks {ev['ranks']}: {ev['reason']}"
     if k == "silence_detected":
         return f"SILENT ranks {ev['ranks']}: {ev['reason']}"
+    if k == "silence_excused":
+        return (f"BUSY rank {ev['rank']}: no poll answered for {ev['unanswered_s']:.1f}s, but its node's heartbeat "
+                f"says the process runs (state {ev['state']}): kept")
     if k == "checkpoint_deferred":
         return f"CHECKPOINT step {ev['step']} deferred: {ev['reason']}"
     if k == "workers_replaced":

@@ -260,7 +260,7 @@ class _Progress:
     log file with partial lines. Faults and recoveries are printed as they happen either way."""
 
     NOTABLE = {"fault_injected", "failure_detected", "decision", "recovered", "checkpoint_skipped",
-               "hang_detected", "user_error", "workers_replaced", "checkpoint_failed", "silence_detected",
+               "hang_detected", "user_error", "workers_replaced", "checkpoint_failed", "silence_detected", "silence_excused",
                "checkpoint_deferred", "persist_abandoned", "storage_unanswered", "fence_not_written"}
 
     def __init__(self, total: int, out=None, every_s: float = 10.0):

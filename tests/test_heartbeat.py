@@ -118,3 +118,13 @@ def test_a_sidecar_started_by_a_spare_at_low_priority_runs_at_normal_priority():
     if out[0] != "True":
         pytest.skip("this process may not leave SCHED_IDLE again, so it is never lowered")
     assert out == ["True", "True", "False"]
+
+
+def test_a_kept_rank_is_said_so_in_the_progress_lines():
+    from elastic.report import describe_event
+    from elastic.trainer import _Progress
+    ev = {"kind": "silence_excused", "rank": 1, "step": 15, "unanswered_s": 4.2, "idle_s": 4.3, "state": "S",
+          "heartbeat_age_s": 0.0}
+    assert "silence_excused" in _Progress.NOTABLE
+    assert describe_event(ev) == ("BUSY rank 1: no poll answered for 4.2s, but its node's heartbeat says the "
+                                  "process runs (state S): kept")

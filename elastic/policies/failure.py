@@ -152,15 +152,16 @@ def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_
     if by_beat:
         node_silent = [r for r, b in by_beat if b.age_s > ping]
         stopped = [(r, b.state) for r, b in by_beat if b.age_s <= ping]
+        seen = []
         if node_silent:
-            reasons.append(f"ranks {node_silent}: neither the rank nor its node's heartbeat answered for "
-                           f"{min(unanswered_s[r] for r in node_silent):.1f}s / "
-                           f"{min(b.age_s for r, b in by_beat if r in node_silent):.1f}s or more")
+            seen.append(f"ranks {node_silent}: neither the rank nor its node's heartbeat answered for "
+                        f"{min(unanswered_s[r] for r in node_silent):.1f}s / "
+                        f"{min(b.age_s for r, b in by_beat if r in node_silent):.1f}s or more")
         if stopped:
-            reasons.append("ranks " + str([r for r, _ in stopped]) + ": the heartbeat says the process is stopped "
-                           f"or gone (state {','.join(sorted({s for _, s in stopped}))})")
-        reasons.append(f"while the group made no progress for {idle_s:.1f}s (all > failure.ping_timeout_s="
-                       f"{ping:g}s)")
+            seen.append("ranks " + str([r for r, _ in stopped]) + ": the heartbeat says the process is stopped "
+                        f"or gone (state {','.join(sorted({s for _, s in stopped}))})")
+        reasons.append("; ".join(seen) + f", while the group made no progress for {idle_s:.1f}s (all > "
+                       f"failure.ping_timeout_s={ping:g}s)")
     if by_poll:
         least = min(unanswered_s[r] for r in by_poll)
         reasons.append(f"ranks {by_poll} (no heartbeat): answered no poll for {least:.1f}s or more while the group "
