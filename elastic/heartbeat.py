@@ -152,7 +152,8 @@ class Heartbeats:
                 self._seq += 1
                 self._token[addr] = f"{self._seq}".encode()
         self._targets = dict(targets)
-        self._token = {a: t for a, t in self._token.items() if a in set(targets.values())}
+        addrs = set(targets.values())
+        self._token = {a: t for a, t in self._token.items() if a in addrs}
         live = set(self._token.values())
         self._pending_since = {t: v for t, v in self._pending_since.items() if t in live}
         self._last = {t: v for t, v in self._last.items() if t in live}
