@@ -361,6 +361,13 @@ def test_a_rank_whose_python_is_held_is_kept_by_its_heartbeat_and_only_by_it():
             g.thaw(1)
             drive(c)
             assert isinstance(c.state, Finished) and c.step == 30 and not kinds(c, "failure_detected")
+            # Held for good, it is the hang bound's (25 s: 10 x 2.5 s steps) to find, and only it is named.
+            c, g, clock = make(num_steps=30, step_s=2.5, heartbeats=True)
+            drive(c, lambda c: c.step >= 8)
+            g.freeze(1, how="held")
+            drive(c, lambda c: isinstance(c.state, Recovering))
+            (hang,) = kinds(c, "hang_detected")
+            assert hang["ranks"] == [1] and hang["heartbeat"]["1"]["state"] == "S" and not kinds(c, "silence_detected")
             assert c._heartbeat_ranks == [0, 1, 2]  # what run_finished reports as heartbeat_ranks
         else:  # the same hold without a heartbeat is taken for a stopped machine
             (silence,) = kinds(c, "silence_detected")

@@ -419,7 +419,9 @@ class Controller:
         hung, reason = detect_hang(self.last_progress_at, list(self.step_times), cfg, self.now())
         if hung:
             culprits = silent or {r: "no progress" for r in members}
-            self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits))
+            self.events.emit("hang_detected", reason=reason, ranks=sorted(culprits),
+                             heartbeat={r: {"age_s": round(b.age_s, 2), "state": b.state, "cpu_ticks": b.cpu_ticks}
+                                        for r, b in sorted(beats.items()) if r in culprits})
             return Recovering(tuple(LostRank(r, "hang", reason) for r in culprits), self.wall())
         return None
 
