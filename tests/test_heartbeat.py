@@ -12,16 +12,40 @@ import pytest
 
 from elastic import priority
 from elastic.heartbeat import Heartbeats, Sidecar
+from elastic.testing.fake_group import FakeClock
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")]
 
 
-def settle(hb: Heartbeats, seconds: float) -> dict:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+INTERVAL_S = 0.05
+
+
+def rounds(hb: Heartbeats, clock: FakeClock, n: int) -> None:
+    """`n` rounds of pings, one interval of fake time apart, then a millisecond more: an
+    unanswered ping's age is then exact. Real time only lets datagrams travel."""
+    for _ in range(n):
+        clock.advance(INTERVAL_S)
         hb.tick()
+        time.sleep(0.005)
+    clock.advance(0.001)
+
+
+def answered(hb: Heartbeats, rank: int, limit_s: float = 10.0):
+    """`rank`'s beat once every ping sent has its answer (age 0). Real time bounds only the wait
+    for the datagrams; past it the beat is returned as it is, for the assertion to judge."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        beat = hb.beats().get(rank)
+        if (beat is not None and beat.age_s == 0.0) or time.monotonic() > deadline:
+            return beat
         time.sleep(0.01)
-    return hb.beats()
+
+
+def pinger(port: int, rank: int = 1) -> tuple[Heartbeats, FakeClock]:
+    clock = FakeClock()
+    hb = Heartbeats(interval_s=INTERVAL_S, clock=clock)
+    hb.watch({rank: ("127.0.0.1", port)})
+    return hb, clock
 
 
 @pytest.fixture
@@ -39,50 +63,56 @@ def worker():
 
 def test_the_sidecar_reports_the_worker_as_the_kernel_sees_it(worker):
     proc, side = worker
-    hb = Heartbeats(interval_s=0.05)
-    hb.watch({1: ("127.0.0.1", side.port)})
-    beat = settle(hb, 0.3)[1]
-    assert beat.state == "S" and beat.age_s < 0.2  # asleep in the kernel: alive
+    hb, clock = pinger(side.port)
+    rounds(hb, clock, 3)
+    beat = answered(hb, 1)
+    assert beat.state == "S" and beat.age_s == 0.0  # asleep in the kernel: alive
     os.kill(proc.pid, signal.SIGSTOP)
-    assert settle(hb, 0.3)[1].state == "T"  # stopped: the node says so at once
+    rounds(hb, clock, 1)
+    assert answered(hb, 1).state == "T"  # stopped: the node says so at its next answer
     os.kill(proc.pid, signal.SIGCONT)
-    assert settle(hb, 0.3)[1].state in ("S", "R")
+    rounds(hb, clock, 1)
+    assert answered(hb, 1).state in ("S", "R")
     proc.kill()
     proc.wait()
-    assert settle(hb, 0.3)[1].state == "X"  # gone
+    rounds(hb, clock, 1)
+    assert answered(hb, 1).state == "X"  # gone
 
 
 def test_a_silent_sidecar_ages_from_its_first_unanswered_ping_and_recovers(worker):
     _, side = worker
-    hb = Heartbeats(interval_s=0.05)
-    hb.watch({1: ("127.0.0.1", side.port)})
-    settle(hb, 0.2)
+    hb, clock = pinger(side.port)
+    rounds(hb, clock, 2)
+    assert answered(hb, 1).age_s == 0.0
     os.kill(side.proc.pid, signal.SIGSTOP)  # its node stops
-    assert 0.4 <= settle(hb, 0.6)[1].age_s <= 0.8
-    os.kill(side.proc.pid, signal.SIGCONT)
-    assert settle(hb, 0.3)[1].age_s < 0.2
+    rounds(hb, clock, 12)  # the first of these pings went out 11 intervals and a millisecond ago
+    assert hb.beats()[1].age_s == pytest.approx(11 * INTERVAL_S + 0.001)
+    os.kill(side.proc.pid, signal.SIGCONT)  # it answers the pings it was sent meanwhile
+    assert answered(hb, 1).age_s == 0.0
 
 
 def test_a_pause_of_the_controller_is_not_a_node_silence(worker):
     _, side = worker
-    hb = Heartbeats(interval_s=0.05)
-    hb.watch({1: ("127.0.0.1", side.port)})
-    settle(hb, 0.2)
-    time.sleep(1.0)  # the controller busy elsewhere (a restore): no ping goes out
-    assert hb.beats()[1].age_s < 0.1
+    hb, clock = pinger(side.port)
+    rounds(hb, clock, 2)
+    assert answered(hb, 1).age_s == 0.0
+    clock.advance(1.0)  # the controller busy elsewhere (a restore): no ping goes out
+    assert hb.beats()[1].age_s == 0.0
 
 
 def test_renumbering_keeps_a_sidecar_and_an_unknown_one_gives_no_evidence(worker):
     _, side = worker
-    hb = Heartbeats(interval_s=0.05)
-    hb.watch({1: ("127.0.0.1", side.port)})
-    settle(hb, 0.2)
+    hb, clock = pinger(side.port)
+    rounds(hb, clock, 2)
+    assert answered(hb, 1) is not None
     hb.watch({0: ("127.0.0.1", side.port)})  # rank 1 became rank 0
     assert set(hb.beats()) == {0}
     dead_port = Sidecar(os.getpid(), "127.0.0.1")
     dead_port.close()  # nothing listens on its port any more
     hb.watch({0: ("127.0.0.1", side.port), 2: ("127.0.0.1", dead_port.port)})
-    assert set(settle(hb, 0.3)) == {0}  # never answered: the controller falls back to polls
+    rounds(hb, clock, 6)
+    assert answered(hb, 0).age_s == 0.0
+    assert set(hb.beats()) == {0}  # never answered: the controller falls back to polls
 
 
 def test_the_sidecar_exits_with_its_worker():

@@ -76,7 +76,7 @@ class Controller:
         self._fault_lock = threading.Lock()
         self.last_fault: dict | None = None  # set by report_fault, consumed by recovery bookkeeping
         self._excused: set[int] = set()  # silent ranks kept alive by their heartbeat, this silent spell
-        self._heartbeat_ranks: list[int] = []  # ranks whose heartbeat had answered, at the last look
+        self._beats: dict = {}  # rank -> Beat at the run loop's last look (run_finished: heartbeat_ranks)
         self.step = 0
         self.max_step_seen = 0
         self.loss: float | None = None
@@ -133,7 +133,7 @@ class Controller:
         self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",
                          step=self.step, loss=self.loss, error=getattr(st, "error", None),
                          checkpoint=self.last_committed, slowest_poll_answer_s=round(self.group.slowest_poll_answer_s, 2),
-                         heartbeat_ranks=self._heartbeat_ranks)
+                         heartbeat_ranks=sorted(self._beats))
         self.events.flush()
         return {"status": "finished" if isinstance(st, Finished) else "error",
                 "error": getattr(st, "error", None), "step": self.step, "loss": self.loss,
@@ -357,8 +357,7 @@ class Controller:
                 w.lost[r] = LostRank(r, cause_of(why), why)
         if w.failing_since is None:
             unanswered = self.group.unanswered_s()
-            beats = self.group.beats() if cfg.heartbeat else {}
-            self._heartbeat_ranks = sorted(beats)
+            beats = self._beats = self.group.beats() if cfg.heartbeat else {}
             idle = self.now() - self.last_progress_at
             decision = decide_silence(silent, unanswered, idle, cfg, list(self.step_times), beats)
             self._note_excused(silent, unanswered, idle, beats)

@@ -117,6 +117,12 @@ def silence_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
     return max(cfg.ping_timeout_s, cfg.silence_factor * statistics.median(step_times_s))
 
 
+def node_says_running(beat, ping_timeout_s: float) -> bool:
+    """A rank's heartbeat (`elastic.heartbeat.Beat`) answered within ping_timeout_s and says its
+    process runs or sleeps: its machine is up and the rank is busy, not lost."""
+    return beat.age_s <= ping_timeout_s and beat.state not in STOPPED_STATES
+
+
 def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_s: float, cfg: FailureConfig,
                    step_times_s: list[float] = (), beats: dict | None = None) -> tuple[tuple[int, ...], str] | None:
     """A machine that stops (power, kernel panic, partition) closes no socket: its peers wait on it
@@ -144,7 +150,7 @@ def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_
         if beat is None:
             if waited > bound and idle_s > bound:
                 by_poll.append(r)
-        elif (beat.age_s > ping or beat.state in STOPPED_STATES) and waited > ping and idle_s > ping:
+        elif not node_says_running(beat, ping) and waited > ping and idle_s > ping:
             by_beat.append((r, beat))
     if not by_poll and not by_beat:
         return None
@@ -180,7 +186,7 @@ def excused_by_heartbeat(silent: dict[int, str], unanswered_s: dict[int, float],
         return {}
     return {r: beats[r].state for r, why in silent.items()
             if why == "unresponsive" and r in beats and unanswered_s.get(r, 0.0) > bound
-            and beats[r].age_s <= cfg.ping_timeout_s and beats[r].state not in STOPPED_STATES}
+            and node_says_running(beats[r], cfg.ping_timeout_s)}
 
 
 # During a group's formation there is no step time to weigh silence against (the run loop waits
@@ -199,9 +205,7 @@ def formation_silent(unanswered_s: float, beat, ping_timeout_s: float) -> bool:
     after FORMATION_SILENCE x ping_timeout_s."""
     if beat is None:
         return unanswered_s > ping_timeout_s * FORMATION_SILENCE
-    if beat.age_s > ping_timeout_s or beat.state in STOPPED_STATES:
-        return unanswered_s > ping_timeout_s
-    return False
+    return not node_says_running(beat, ping_timeout_s) and unanswered_s > ping_timeout_s
 
 
 def hang_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
