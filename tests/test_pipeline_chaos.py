@@ -102,6 +102,9 @@ def test_node_loss_without_capacity_repartitions_then_grows_back(cluster, baseli
     j = job(tmp_path, 3, 1, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], steps=steps,
             scaling={"min_workers": 2, "shrink_after_s": 2, "grow_check_s": 1})
     j["run"]["sample_ledger"] = True
+    # Steps at 2 stages are paced (0.4 s instead of 0.035 s) so the run cannot end before the
+    # worker queued for the returned capacity has warmed; the arithmetic is unchanged.
+    j["train"]["pipeline"]["loss"] = "elastic.testing.workloads:stage_loss_slower_while_shrunk"
     name = j["run"]["name"]
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))

@@ -1,5 +1,5 @@
-"""Variants of the bench workload that resize tests need: a model without kinks, and a loss that
-paces a shrunken run."""
+"""Variants of the workloads that resize tests need: a model without kinks, and losses that pace
+a shrunken run."""
 from __future__ import annotations
 
 import time
@@ -32,6 +32,24 @@ def loss_slower_while_shrunk(model, batch):
     loaded machine: the run ended with no grow to test). Slower steps at 2 ranks widen that
     window to SHRUNK_EXTRA_S x the remaining steps; the arithmetic is the workload's, and a run
     that never shrinks is not slowed at all."""
-    if dist.is_initialized() and dist.get_world_size() < 3:
-        time.sleep(SHRUNK_EXTRA_S)
+    _pace_while_shrunk(SHRUNK_EXTRA_S)
     return _loss_fn(model, batch)
+
+
+SHRUNK_STAGE_EXTRA_S = 0.1
+
+
+def stage_loss_slower_while_shrunk(logits, target):
+    """The GPT example's pipeline loss (examples.gpt:stage_loss), SHRUNK_STAGE_EXTRA_S slower per
+    micro-batch while the group has fewer than 3 ranks: the pipeline version of
+    loss_slower_while_shrunk. A 3-stage run re-partitioned onto 2 stages took 0.035 s a step here,
+    so its last 135 steps took under 5 s, and CI saw the run end before the returned capacity's
+    worker had warmed (no grow to test). Only the time changes, never the arithmetic."""
+    from examples.gpt import stage_loss
+    _pace_while_shrunk(SHRUNK_STAGE_EXTRA_S)
+    return stage_loss(logits, target)
+
+
+def _pace_while_shrunk(extra_s: float) -> None:
+    if dist.is_initialized() and dist.get_world_size() < 3:
+        time.sleep(extra_s)
