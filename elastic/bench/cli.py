@@ -3,14 +3,15 @@ from __future__ import annotations
 
 
 def add_bench_args(p) -> None:
-    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline", "overhead", "checkpoint"],
+    p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline", "overhead", "checkpoint",
+                                     "data"],
                    help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
     p.add_argument("--reps-large", type=int, default=1,
                    help="recovery: repetitions per system at 50 M parameters and more, where one run takes minutes")
     p.add_argument("--out", default=None, help="also write results.jsonl, results.md and a plot here")
     p.add_argument("--systems", default=None,
-                   help="recovery, resize, churn, pipeline: comma-separated systems to compare "
+                   help="recovery, resize, churn, pipeline, data (its modes): comma-separated systems to compare "
                         "(default: all of that benchmark's)")
     p.add_argument("--storage", choices=["file", "s3"], default="file", help="checkpoint storage under test")
     p.add_argument("--fault", default="kill_node",
@@ -31,15 +32,22 @@ def add_bench_args(p) -> None:
                    help="pipeline: the schedule every system runs")
     p.add_argument("--gpt", default="4,64,64",
                    help="pipeline: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (the model every system trains)")
+    p.add_argument("--latency-ms", default=None,
+                   help="data: milliseconds a relay adds to every S3 request, one setting each, comma-separated "
+                        "(0: loopback, no relay; default 0,15)")
     p.add_argument("--gpu", action="store_true",
                    help="overhead, recovery: train on GPUs with NCCL, one GPU per rank (world size: the smaller of "
                         "the CPU run's and the GPUs on this machine, as NCCL refuses two ranks on one GPU)")
     p.add_argument("--hidden", default=None,
                    help="overhead, checkpoint: hidden widths of the MLP, one model size each (1024: 1.3 M parameters, "
-                        "3072: 10.3 M, 10000: 102.7 M; default 1024,3072,10000 for overhead, 3072,10000 for checkpoint)")
+                        "3072: 10.3 M, 10000: 102.7 M; default 1024,3072,10000 for overhead, 3072,10000 for checkpoint, "
+                        "one width for data, default 3072)")
 
 
 def run_bench(args) -> int:
+    if args.name == "data":
+        from elastic.bench.data import main as data_main
+        return data_main(args)
     if args.name == "checkpoint":
         from elastic.bench.checkpoint import main as checkpoint_main
         return checkpoint_main(args)
