@@ -108,8 +108,8 @@ def busy_wait(seconds: float) -> None:
 def hold_gil(seconds: float) -> None:
     """Hold this process's Python for `seconds` in one C call that keeps the GIL, as a C
     extension may (ctypes.PyDLL does not release it): no other thread of the process, the one
-    answering the controller's polls included, runs meanwhile. The process sleeps in the kernel
-    (state S) and its machine is up."""
+    answering the controller's polls included, runs meanwhile. The calling thread sleeps in the
+    kernel and the machine is up."""
     import ctypes
 
     ctypes.PyDLL(None).poll(None, 0, int(seconds * 1000))

@@ -41,6 +41,17 @@ def answered(hb: Heartbeats, rank: int, limit_s: float = 10.0):
         time.sleep(0.01)
 
 
+def kernel_state(pid: int, states: str, limit_s: float = 10.0) -> None:
+    """Wait until the kernel shows `pid` in one of `states` (a signal takes effect when the
+    target next runs, not when kill() returns); real time bounds only that wait."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0].decode() in states:
+                return
+        time.sleep(0.005)
+
+
 def pinger(port: int, rank: int = 1) -> tuple[Heartbeats, FakeClock]:
     clock = FakeClock()
     hb = Heartbeats(interval_s=INTERVAL_S, clock=clock)
@@ -68,9 +79,14 @@ def test_the_sidecar_reports_the_worker_as_the_kernel_sees_it(worker):
     beat = answered(hb, 1)
     assert beat.state == "S" and beat.age_s == 0.0  # asleep in the kernel: alive
     os.kill(proc.pid, signal.SIGSTOP)
+    # The kill returns before the target has stopped: woken to take the signal, it shows R until
+    # it has (CI saw an answer of R on a loaded machine). Once the kernel shows it stopped, the
+    # node says so at its next answer.
+    kernel_state(proc.pid, "T")
     rounds(hb, clock, 1)
-    assert answered(hb, 1).state == "T"  # stopped: the node says so at its next answer
+    assert answered(hb, 1).state == "T"
     os.kill(proc.pid, signal.SIGCONT)
+    kernel_state(proc.pid, "SR")
     rounds(hb, clock, 1)
     assert answered(hb, 1).state in ("S", "R")
     proc.kill()
