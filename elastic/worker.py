@@ -25,6 +25,7 @@ from torch.utils.data import default_collate
 
 from elastic import chaos, collectives, fencing, heartbeat, priority, resharding
 from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
+from elastic.compute_clock import ComputeClock
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
 from elastic.prefetch import Prefetcher, collate
@@ -253,11 +254,13 @@ class Worker:
         idx = list(range(min(per_rank, len(self.dataset))))
         times = []
         for _ in range(reps + 1):
-            t0 = time.perf_counter()
+            clock = ComputeClock(self.device)  # the work, not its launch (see compute_clock)
+            clock.start()
             for i in range(0, len(idx), micro):
                 batch = _to(default_collate([self.dataset[j] for j in idx[i:i + micro]]), self.device)
                 self.fns["loss"](self.model, batch).backward()
-            times.append((time.perf_counter() - t0) * self.slow_factor)
+            clock.stop()
+            times.append(clock.seconds() * self.slow_factor)
         self.model.zero_grad(set_to_none=True)
         return min(times[1:])  # the first allocates gradients and warms caches: not timed
 
@@ -564,6 +567,8 @@ class Worker:
     def _train_step(self, micro: int) -> None:
         tr = self.job.train
         t_start = time.perf_counter()
+        clock = ComputeClock(self.device)  # the rank's own work, on a GPU too (see compute_clock)
+        clock.start()
         seed = step_seed(self.job.run.seed, self.step, self.rank)
         # The CPU generator, and on a GPU this process's one device's: all a step draws from.
         # torch.manual_seed would also queue lazy XPU/MTIA seeding (and on a CPU, CUDA's),
@@ -599,7 +604,7 @@ class Worker:
             local_loss = local_loss / scale
         if self.slow_factor > 1.0:
             chaos.busy_wait((self.slow_factor - 1.0) * (time.perf_counter() - t_start))
-        compute_s = time.perf_counter() - t_start
+        clock.stop()
         try:
             self.strategy.reduce_gradients(self.model)
             grads = self.strategy.local_grads(self.model)
@@ -620,6 +625,7 @@ class Worker:
         # Every decision below reads one host copy: on a GPU each read of a device tensor is a
         # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
         host = stats.cpu()
+        compute_s = clock.seconds()  # on a GPU, read now that the host copy has synchronised the stream
         self._update(tr, grads, host, grad_norm)
         self._set(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or self.amp else None)
         self.step += 1
