@@ -191,11 +191,13 @@ class UploadCut(Exception):
 
 
 def save_shards(state: dict, folder: str, storage_options: dict, process_group,
-                on_write: Callable[[], None] | None = None, cancel: threading.Event | None = None):
+                on_write: Callable[[], None] | None = None, cancel: threading.Event | None = None,
+                on_cuttable: Callable[[], None] | None = None):
     """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
     `on_write` is called when this rank starts writing to `folder` itself (after the collective
     planning; for a remote folder, when the upload of the staged files begins). `cancel` set
-    during the upload cuts it short (`UploadCut`; see `upload`).
+    during the upload cuts it short (`UploadCut`; see `upload`); `on_cuttable` is called when an
+    upload that can be cut begins.
     A save into an existing folder overwrites files of the same name and leaves the others.
 
     Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
@@ -222,7 +224,7 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
             if on_write:
                 on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
-            upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel)
+            upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable)
         except UploadCut:
             raise  # the group is gone: nothing collective follows
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
@@ -239,10 +241,12 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s: float = 0.05) -> None:
+def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s: float = 0.05,
+           on_cuttable: Callable[[], None] | None = None) -> None:
     """`fs.put(src, dst, recursive=True)`, cut short within `poll_s` once `cancel` is set, on
     an async filesystem (s3fs, gcsfs, adlfs): its coroutine is cancelled on fsspec's event loop,
-    which drops the connection mid-request. A synchronous filesystem uploads to the end.
+    which drops the connection mid-request (`on_cuttable` is called as such an upload begins).
+    A synchronous filesystem uploads to the end.
     A multipart upload cut short stays incomplete in the bucket, invisible to readers, until
     the store's lifecycle rule for incomplete uploads removes it."""
     if cancel is None or not getattr(fs, "async_impl", False):
@@ -251,6 +255,8 @@ def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s
     if cancel.is_set():
         raise UploadCut(f"upload of {dst} not begun")
     future = asyncio.run_coroutine_threadsafe(fs._put(src, dst, recursive=True), fs.loop)
+    if on_cuttable:
+        on_cuttable()
     while True:
         try:
             future.result(timeout=poll_s)
@@ -380,6 +386,7 @@ class AsyncCheckpointer:
         self._wait_timeout_s = wait_timeout_s
         self.step_in_flight: int | None = None  # the step of the persist last started
         self.writing = threading.Event()  # the persist last started writes its shards to storage
+        self.cuttable = threading.Event()  # ... in an upload that abort() cuts short (see `upload`)
 
     def abort(self) -> None:
         """The group is being torn down: an in-flight persist stops retrying, its upload is cut
@@ -406,6 +413,11 @@ class AsyncCheckpointer:
         """A persist is still running (storage slow or down): the next save would block on it."""
         return self._thread is not None and self._thread.is_alive()
 
+    def cut_pending(self) -> bool:
+        """Aborted during an upload that is being cut short: the persist ends at the upload's next
+        poll, as soon as its thread gets the CPU (on a loaded machine, not at once)."""
+        return self._abort.is_set() and self.cuttable.is_set() and self.in_flight()
+
     def save(self, step: int, cursor: int, state: dict, metrics: dict[str, float]) -> float:
         """Snapshot now, persist in the background. Returns the seconds the caller was blocked."""
         t0 = time.monotonic()
@@ -414,6 +426,7 @@ class AsyncCheckpointer:
         stall_s = time.monotonic() - t0
         self.step_in_flight = step
         self.writing = threading.Event()
+        self.cuttable = threading.Event()
         self._thread = threading.Thread(target=self._persist, args=(step, cursor, snap, dict(metrics), stall_s),
                                         name=f"persist-{step}", daemon=True)
         self._thread.start()
@@ -421,7 +434,7 @@ class AsyncCheckpointer:
 
     def _persist(self, step: int, cursor: int, snap: dict, metrics: dict, stall_s: float = 0.0) -> None:
         folder = step_dir(self.root, step)
-        writing = self.writing
+        writing, cuttable = self.writing, self.cuttable
         t0 = time.monotonic()
 
         def report(committed=False, attempts=0, error=None, reused=False, metrics_=None) -> None:
@@ -449,7 +462,7 @@ class AsyncCheckpointer:
         for attempt in range(1, self.retries + 2):
             try:
                 metadata = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set,
-                                       cancel=self._abort)
+                                       cancel=self._abort, on_cuttable=cuttable.set)
                 err = None
                 break
             except UploadCut:

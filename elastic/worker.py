@@ -207,7 +207,8 @@ class Worker:
     def leave(self) -> None:
         """Drop the process group. A persist in flight is waited for at a planned change (it can
         still commit). Once the group failed it can never commit: its upload to an async
-        filesystem (s3fs, gcsfs, adlfs) was cut short when the group failed. One that could not
+        filesystem (s3fs, gcsfs, adlfs) was cut short when the group failed, and is given up to
+        ping_timeout_s to end. One that could not
         be (a synchronous filesystem, DCP still writing a file) may take a minute at 1 GB: waiting
         for it here held survivors past the controller's grace, and they were replaced with their
         state. So it is left to end on its own, and this rank's next persist waits for it before
@@ -215,6 +216,11 @@ class Worker:
         if self.ckpt is not None:
             if not self.ckpt.aborted():
                 self.ckpt.wait(timeout_s=self.job.failure.collective_timeout_s)
+            elif self.ckpt.cut_pending():
+                # Cut short, it ends at its upload's next poll once its thread runs: on a loaded
+                # machine that can be after this call (CI saw it), and a persist left behind makes
+                # the next one wait for it. Bounded well inside the controller's grace for a leave.
+                self.ckpt.wait(timeout_s=self.job.failure.ping_timeout_s)
             if self.ckpt.in_flight():
                 with self._lock:
                     self._abandoned.append(self.ckpt)

@@ -588,9 +588,11 @@ def test_on_s3_an_upload_whose_group_failed_is_cut_short_and_never_committed(s3_
         ck.save(10, 80, state, {})
         assert ck.writing.wait(30)
         time.sleep(1.0)  # well into the upload
+        assert ck.cuttable.is_set() and not ck.cut_pending()  # an upload that can be cut, not aborted yet
         ck.abort()
         ck.wait(timeout_s=15)
         assert not ck.in_flight(), "the abandoned upload ran on"
+        assert not ck.cut_pending()  # the cut has landed: nothing to wait for (Worker.leave)
         (res,) = ck.drain()
     assert not res.committed and res.error.startswith("abandoned: the group failed during the upload, cut short")
     storage = Storage(root, s3_server.storage_options)
@@ -615,5 +617,7 @@ def test_an_upload_on_a_synchronous_filesystem_is_not_cut_and_one_not_cancelled_
     cancel.set()
     mem = fsspec.filesystem("memory")
     dst = f"/up-{uuid.uuid4().hex}/"
-    upload(mem, f"{tmp_path}/src/", dst, cancel)  # memory:// is synchronous: uploads to the end
+    cuttable = threading.Event()
+    upload(mem, f"{tmp_path}/src/", dst, cancel, on_cuttable=cuttable.set)  # synchronous: uploads to the end
     assert mem.cat(dst + "a") == b"x" * 10
+    assert not cuttable.is_set()  # never said to be cuttable: Worker.leave does not wait for a cut
