@@ -390,6 +390,23 @@ def test_a_heartbeat_finds_a_stopped_machine_or_process_after_ping_timeout_not_t
         assert isinstance(c.state, Finished) and c.step == 30
 
 
+def test_a_survivor_whose_run_does_not_return_after_the_abort_is_replaced_and_the_event_says_so():
+    # Rank 2's machine stops; rank 1's Python is held (its heartbeat says it sleeps, so it is not
+    # lost), and it does not act on the abort: its run() does not return within the grace, so it
+    # cannot safely join the new group and is replaced. The event names which step it missed.
+    c, g, clock = make(num_steps=30, step_s=2.5, heartbeats=True)
+    drive(c, lambda c: c.step >= 8)
+    g.freeze(1, how="held")
+    g.freeze(2, how="machine")
+    drive(c, lambda c: bool(kinds(c, "worker_replaced")) or isinstance(c.state, Finished))
+    (silence,) = kinds(c, "silence_detected")
+    assert silence["ranks"] == [2]
+    (replaced,) = kinds(c, "worker_replaced")
+    grace = 3 * c.job.failure.ping_timeout_s
+    assert replaced["rank"] == 1
+    assert replaced["reason"] == f"its run() did not return after the abort within {grace:g} s: unresponsive"
+
+
 def test_a_final_checkpoint_that_did_not_commit_is_saved_again_until_it_commits():
     # Storage was out at the end for longer than the persist's retries: the ranks still hold the
     # final state, so they save it again; the second try commits.

@@ -550,15 +550,18 @@ class Controller:
         # completed step. One that still does not return cannot safely join a new group: replace it.
         grace_s = self._grace_s
         unanswered = self.group.abort_all(self.generation, grace_s)
-        stuck = self.group.wait_runs(self.run_refs, grace_s)
-        stuck.update(self.group.leave_all(grace_s))
+        # Which of the two a survivor missed goes into the event: they fail for different reasons.
+        stuck = {r: (why, "its run() did not return after the abort")
+                 for r, why in self.group.wait_runs(self.run_refs, grace_s).items()}
+        for r, why in self.group.leave_all(grace_s).items():
+            stuck.setdefault(r, (why, "it did not leave its group"))
         self.run_refs = {}
         if self.group.suspect_nodes or unanswered:
             self.events.emit("collectives_aborted", generation=self.generation,
                              ranks=sorted(r for r in self.group.members if r not in unanswered),
                              unanswered=unanswered, suspect_nodes=sorted(n[:12] for n in self.group.suspect_nodes))
-        for rank, why in stuck.items():
-            self.events.emit("worker_replaced", rank=rank, reason=f"did not leave its group: {why}")
+        for rank, (why, what) in stuck.items():
+            self.events.emit("worker_replaced", rank=rank, reason=f"{what} within {grace_s:g} s: {why}")
             if cause_of(why) != "process_died" and rank in self.group.members:
                 self.group.suspect(self.group.members[rank].node_id)
             self.group.kill(rank)
