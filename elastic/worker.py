@@ -208,11 +208,10 @@ class Worker:
         """Drop the process group. A persist in flight is waited for at a planned change (it can
         still commit). Once the group failed it can never commit: its upload to an async
         filesystem (s3fs, gcsfs, adlfs) was cut short when the group failed, and is given up to
-        ping_timeout_s to end. One that could not
-        be (a synchronous filesystem, DCP still writing a file) may take a minute at 1 GB: waiting
-        for it here held survivors past the controller's grace, and they were replaced with their
-        state. So it is left to end on its own, and this rank's next persist waits for it before
-        writing (AsyncCheckpointer `after`)."""
+        ping_timeout_s to end. One that could not be (a synchronous filesystem, DCP still writing
+        a file) may take a minute at 1 GB: waiting for it here held survivors past the controller's
+        grace, and they were replaced with their state. So it is left to end on its own, and this
+        rank's next persist waits for it before writing (AsyncCheckpointer `after`)."""
         if self.ckpt is not None:
             if not self.ckpt.aborted():
                 self.ckpt.wait(timeout_s=self.job.failure.collective_timeout_s)

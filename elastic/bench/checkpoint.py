@@ -32,7 +32,7 @@ import tempfile
 import time
 import uuid
 
-from elastic.bench.output import emit
+from elastic.bench.output import append_markdown, append_results, emit
 from elastic.bench.overhead import (HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, num_params, parse_hidden,
                                     read_step_log)
 
@@ -219,9 +219,7 @@ def main(args) -> int:
             records += recs
             raws[raw["params"]] = raw
             if args.out:
-                with open(os.path.join(args.out, "results.jsonl"), "a") as f:
-                    for r in (*recs, raw):
-                        f.write(json.dumps(r, default=str) + "\n")
+                append_results(args.out, (*recs, raw))
     rows, table = summarise(records, raws)
     summary = {"bench": "checkpoint", "summary": True, "rows": rows, "stall_target_steps": STALL_TARGET,
                "persist_target": PERSIST_TARGET, "wall_s": time.time() - t_start}
@@ -236,8 +234,7 @@ def main(args) -> int:
     title = "### checkpoint (stall and persist throughput vs raw s3fs, same run)\n\n"
     print(title + table + f"\n- {notes}")
     if args.out:
-        with open(os.path.join(args.out, "results.md"), "a") as f:
-            f.write(title + table + f"\n- {notes}\n\n")
+        append_markdown(args.out, title + table + f"\n- {notes}\n\n")
         command = f"elastic bench checkpoint --hidden {args.hidden or DEFAULT_HIDDEN} --out {args.out}"
         with open(os.path.join(args.out, "checkpoint.json"), "w") as f:
             json.dump({"command": command, "notes": notes, **summary}, f, indent=2)

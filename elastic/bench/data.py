@@ -38,7 +38,7 @@ import uuid
 
 import torch
 
-from elastic.bench.output import emit, parse_systems
+from elastic.bench.output import append_markdown, append_results, emit, parse_systems
 from elastic.bench.overhead import (HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, num_params, parse_hidden,
                                     read_step_log, rotated)
 
@@ -74,22 +74,26 @@ class ObjectStoreDataset(torch.utils.data.Dataset):
 
     def __init__(self, uri: str, num_samples: int, storage_options: dict | None = None):
         self.uri, self.num_samples, self.storage_options = uri, num_samples, dict(storage_options or {})
-        self._fs = None
-        self._root = None
+        self._fs = self._root = self._kw = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fs": None, "_root": None}
+        return {**self.__dict__, "_fs": None, "_root": None, "_kw": None}
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, i: int):
+    def _open(self):
+        """This process's filesystem, root and read options, opened on first use."""
         if self._fs is None:
             import fsspec
             self._fs, self._root = fsspec.core.url_to_fs(self.uri, **self.storage_options)
-        # One GET: s3fs asks for the object's size first (a HEAD) unless told not to split it.
-        kw = {"max_concurrency": 1} if type(self._fs).__name__ == "S3FileSystem" else {}
-        return decode(self._fs.cat_file(sample_path(self._root, int(i)), **kw))
+            # One GET a sample: s3fs asks for the object's size first (a HEAD) unless told not to split it.
+            self._kw = {"max_concurrency": 1} if type(self._fs).__name__ == "S3FileSystem" else {}
+        return self._fs, self._root, self._kw
+
+    def __getitem__(self, i: int):
+        fs, root, kw = self._open()
+        return decode(fs.cat_file(sample_path(root, int(i)), **kw))
 
 
 class BatchedObjectStoreDataset(ObjectStoreDataset):
@@ -97,10 +101,9 @@ class BatchedObjectStoreDataset(ObjectStoreDataset):
     concurrently on fsspec's event loop) instead of one after the other."""
 
     def __getitems__(self, ids: list[int]) -> list:
-        self[ids[0]]  # opens the filesystem
-        paths = [sample_path(self._root, int(i)) for i in ids]
-        kw = {"max_concurrency": 1} if type(self._fs).__name__ == "S3FileSystem" else {}
-        blobs = self._fs.cat(paths, **kw)
+        fs, root, kw = self._open()
+        paths = [sample_path(root, int(i)) for i in ids]
+        blobs = fs.cat(paths, **kw)
         return [decode(blobs[p]) for p in paths]
 
 
@@ -294,9 +297,7 @@ def main(args) -> int:
                 for r in group:
                     emit(r)
                 if args.out:
-                    with open(os.path.join(args.out, "results.jsonl"), "a") as f:
-                        for r in group:
-                            f.write(json.dumps(r, default=str) + "\n")
+                    append_results(args.out, group)
                 records += group
     rows, table = summarise(records)
     summary = {"bench": "data", "summary": True, "rows": rows, "wall_s": time.time() - t_start}
@@ -309,8 +310,7 @@ def main(args) -> int:
     title = "### data (reading ahead from S3, same run)\n\n"
     print(title + table + f"\n- {notes}")
     if args.out:
-        with open(os.path.join(args.out, "results.md"), "a") as f:
-            f.write(title + table + f"\n- {notes}\n\n")
+        append_markdown(args.out, title + table + f"\n- {notes}\n\n")
         command = (f"elastic bench data --reps {args.reps} --latency-ms {args.latency_ms or DEFAULT_LATENCY_MS} "
                    f"--hidden {hidden}" + (f" --systems {args.systems}" if args.systems else "") + f" --out {args.out}")
         with open(os.path.join(args.out, "data.json"), "w") as f:

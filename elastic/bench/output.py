@@ -25,6 +25,19 @@ def emit(record: dict) -> None:
     print(json.dumps(record, default=str), flush=True)
 
 
+def append_results(out_dir: str, records) -> None:
+    """Append records to out_dir/results.jsonl, one JSON object a line (a run cut short keeps
+    what it measured)."""
+    with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+
+
+def append_markdown(out_dir: str, text: str) -> None:
+    with open(os.path.join(out_dir, "results.md"), "a") as f:
+        f.write(text)
+
+
 def medians(records: list[dict], metrics: list[str], key: str = "system") -> dict[str, dict[str, float | None]]:
     by: dict[str, list[dict]] = defaultdict(list)
     for r in records:
@@ -68,11 +81,8 @@ def report_against_peer(bench: str, title: str, records: list[dict], med: dict[s
 def write_outputs(out_dir: str, name: str, records: list[dict], table_md: str, metric: str,
                   key: str = "system") -> None:
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
-        for r in records:
-            f.write(json.dumps(r, default=str) + "\n")
-    with open(os.path.join(out_dir, "results.md"), "a") as f:
-        f.write(table_md + "\n")
+    append_results(out_dir, records)
+    append_markdown(out_dir, table_md + "\n")
     _plot(os.path.join(out_dir, f"{name}.png"), records, metric, key, title=f"{name}: {metric} per repetition")
 
 

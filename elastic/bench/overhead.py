@@ -45,7 +45,7 @@ import tempfile
 import time
 import uuid
 
-from elastic.bench.output import emit, medians, parse_systems
+from elastic.bench.output import append_markdown, append_results, emit, medians, parse_systems
 from elastic.bench.plain_pipeline import _StepClock  # the same step clock in every benchmark
 from elastic.bench.workload import HIDDEN_ENV, build_mlp, build_model  # noqa: F401 - one MLP for every system
 
@@ -449,9 +449,7 @@ def main(args) -> int:
                 for r in group:
                     emit(r)
                 if args.out:
-                    with open(os.path.join(args.out, "results.jsonl"), "a") as f:
-                        for r in group:
-                            f.write(json.dumps(r, default=str) + "\n")
+                    append_results(args.out, group)
                 records += group
     rows, table = summarise(records)
     summary = {"bench": "overhead", "summary": True, "rows": rows, "target": TARGET,
@@ -477,8 +475,7 @@ def main(args) -> int:
     title = "### overhead (steady state, same run)\n\n"
     print(title + table + f"\n- {notes}")
     if args.out:
-        with open(os.path.join(args.out, "results.md"), "a") as f:
-            f.write(title + table + f"\n- {notes}\n\n")
+        append_markdown(args.out, title + table + f"\n- {notes}\n\n")
         command = (f"elastic bench overhead --reps {args.reps} --hidden {args.hidden or DEFAULT_HIDDEN}"
                    + (f" --systems {args.systems}" if args.systems else "") + (" --gpu" if gpu else "")
                    + f" --out {args.out}")

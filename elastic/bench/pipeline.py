@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 
-from elastic.bench.output import emit, markdown_table, medians, parse_systems
+from elastic.bench.output import append_markdown, append_results, emit, markdown_table, medians, parse_systems
 from elastic.bench.plain_pipeline import STEP_LOG_ENV, step_rate
 
 SEED, GLOBAL_BATCH, MICROBATCHES = 0, 48, 6  # 6 micro-batches suit 2 and 3 stages under every schedule
@@ -445,11 +445,8 @@ def main(args) -> int:
     print(f"- {notes}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.jsonl"), "a") as f:
-            for r in records:
-                f.write(json.dumps(r, default=str) + "\n")
-        with open(os.path.join(args.out, "results.md"), "a") as f:
-            f.write(table + f"\n- {notes}\n\n")
+        append_results(args.out, records)
+        append_markdown(args.out, table + f"\n- {notes}\n\n")
         with open(os.path.join(args.out, "pipeline.json"), "w") as f:
             json.dump({"command": " ".join(["elastic", *sys.argv[1:]]) if sys.argv else None, "notes": notes,
                        **summary}, f, indent=2)
