@@ -52,3 +52,15 @@ def test_the_cli_runs_it_with_its_own_default_sizes():
     args = p.parse_args(["checkpoint"])
     assert args.name == "checkpoint" and args.hidden is None
     assert bench.parse_hidden(bench.DEFAULT_HIDDEN) == [3072, 10000]
+
+
+def test_spare_core_trains_one_rank_on_a_node_of_two_cpus_with_one_compute_thread():
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    assert p.parse_args(["checkpoint"]).spare_core is False
+    assert p.parse_args(["checkpoint", "--spare-core"]).spare_core is True
+    assert bench.SPARE_CORE_LAYOUT == {"num_workers": 1, "cpus_per_node": 2}
+    job = bench.elastic_job(3072, "s3://b/x", {}, every=25, num_steps=125,
+                            num_workers=bench.SPARE_CORE_LAYOUT["num_workers"])
+    # One compute thread (threads follow cpus_per_worker): the node's other CPU is the persist's.
+    assert job["scaling"] == {"num_workers": 1, "cpus_per_worker": 1}

@@ -37,6 +37,10 @@ from elastic.bench.overhead import (HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env,
                                     read_step_log)
 
 NUM_WORKERS, GLOBAL_BATCH, SEED = 2, 96, 0
+# --spare-core: one rank on a node of two CPUs. Training keeps one compute thread
+# (cpus_per_worker 1), so the persist has a core of its own instead of sharing the rank's.
+SPARE_CORE_LAYOUT = {"num_workers": 1, "cpus_per_node": 2}
+DEFAULT_LAYOUT = {"num_workers": NUM_WORKERS, "cpus_per_node": 1}
 DEFAULT_HIDDEN = "3072,10000"
 LARGE_PARAMS = 50_000_000  # from here on a step takes seconds here: fewer, longer-spaced checkpoints
 RAW_REPS = 5
@@ -54,10 +58,11 @@ def plan(hidden: int) -> dict:
     return {"every": 25, "num_checkpoints": 4}
 
 
-def elastic_job(hidden: int, storage_uri: str, storage_options: dict, every: int, num_steps: int) -> dict:
+def elastic_job(hidden: int, storage_uri: str, storage_options: dict, every: int, num_steps: int,
+                num_workers: int = NUM_WORKERS) -> dict:
     return {
         "run": {"name": f"bench-checkpoint-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
-        "scaling": {"num_workers": NUM_WORKERS},
+        "scaling": {"num_workers": num_workers, "cpus_per_worker": 1},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": every},
         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
                   "loss": "elastic.bench.workload:loss_fn", "optimizer": "elastic.bench.overhead:timed_optimizer",
@@ -145,7 +150,8 @@ def raw_write(fs, bucket_path: str, blobs: dict[str, bytes], reps: int) -> list[
     return times
 
 
-def run_size(hidden: int, s3, cluster, work: str, step_log: str, rep: int) -> tuple[list[dict], dict]:
+def run_size(hidden: int, s3, cluster, work: str, step_log: str, rep: int,
+             layout: dict = DEFAULT_LAYOUT) -> tuple[list[dict], dict]:
     """One elastic run at this size; its per-checkpoint records and the raw s3fs figure."""
     from elastic import Trainer
 
@@ -153,7 +159,7 @@ def run_size(hidden: int, s3, cluster, work: str, step_log: str, rep: int) -> tu
     num_steps = p["every"] * (p["num_checkpoints"] + 1)  # the last counted checkpoint gets a whole period
     bench_uri = f"{s3.uri}/bench-checkpoint"
     open(step_log, "w").close()
-    job = elastic_job(hidden, bench_uri, s3.storage_options, p["every"], num_steps)
+    job = elastic_job(hidden, bench_uri, s3.storage_options, p["every"], num_steps, layout["num_workers"])
     result = Trainer(job).fit(progress=False)
     if result.events_of("recovered") or result.metrics["step"] != num_steps:
         raise RuntimeError(f"the run was not fault-free: {result.summary()}")
@@ -176,11 +182,13 @@ def run_size(hidden: int, s3, cluster, work: str, step_log: str, rep: int) -> tu
                         "bytes": nbytes, "persist_MBps": nbytes / 1e6 / e["persist_s"],
                         "step_s": figs["step_s"], "extra_s": figs["extra_s"].get(e["step"]),
                         "period_extra_s": figs["period_extra_s"].get(e["step"]),
-                        "every_steps": p["every"], "num_workers": NUM_WORKERS, "global_batch": GLOBAL_BATCH,
+                        "every_steps": p["every"], "num_workers": layout["num_workers"],
+                        "cpus_per_node": layout["cpus_per_node"], "global_batch": GLOBAL_BATCH,
                         "deferred": len(result.events_of("checkpoint_deferred"))})
     # raw s3fs: the newest committed folder's files, read into memory above (not timed).
     times = raw_write(fs, f"{s3.bucket}/bench-checkpoint", blobs, RAW_REPS)
     raw = {"bench": "checkpoint", "system": "raw-s3fs", "params": params, "hidden": hidden, "rep": rep,
+           "num_workers": layout["num_workers"], "cpus_per_node": layout["cpus_per_node"],
            "bytes": nbytes, "files": len(blobs), "raw_s": times, "raw_s_median": statistics.median(times),
            "raw_MBps": nbytes / 1e6 / statistics.median(times)}
     fs.rm(f"{s3.bucket}/bench-checkpoint", recursive=True)
@@ -196,6 +204,7 @@ def main(args) -> int:
     except ValueError as e:
         print(f"elastic bench checkpoint: {e}", file=sys.stderr)
         return 2
+    layout = SPARE_CORE_LAYOUT if args.spare_core else DEFAULT_LAYOUT
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="elastic-bench-checkpoint-")
@@ -205,11 +214,12 @@ def main(args) -> int:
     t_start = time.time()
     with contextlib.ExitStack() as stack:
         s3 = stack.enter_context(seaweedfs_server(data_dir=os.path.join(work, "s3")))
-        cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS, cpus_per_node=1))
+        cluster = stack.enter_context(local_cluster(num_worker_nodes=layout["num_workers"],
+                                                    cpus_per_node=layout["cpus_per_node"]))
         for hidden in widths:
             _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
-            cluster.ensure_worker_nodes(NUM_WORKERS)
-            recs, raw = run_size(hidden, s3, cluster, work, step_log, rep=0)
+            cluster.ensure_worker_nodes(layout["num_workers"])
+            recs, raw = run_size(hidden, s3, cluster, work, step_log, rep=0, layout=layout)
             for r in (*recs, raw):
                 emit(r)
             print(f"[checkpoint] {num_params(hidden) / 1e6:.1f} M: stall "
@@ -224,7 +234,9 @@ def main(args) -> int:
     summary = {"bench": "checkpoint", "summary": True, "rows": rows, "stall_target_steps": STALL_TARGET,
                "persist_target": PERSIST_TARGET, "wall_s": time.time() - t_start}
     emit(summary)
-    notes = (f"elastic DDP, {NUM_WORKERS} ranks on the one-CPU worker nodes of a local ray.cluster_utils.Cluster, "
+    where = ("1 rank on a worker node of 2 CPUs (training on one compute thread, a core spare for the persist)"
+             if args.spare_core else f"{NUM_WORKERS} ranks on the one-CPU worker nodes")
+    notes = (f"elastic DDP, {where} of a local ray.cluster_utils.Cluster, "
              f"MLP 256 -> hidden -> hidden -> 10, AdamW (a checkpoint holds the model and both Adam moments), "
              f"global batch {GLOBAL_BATCH}; checkpoints to a SeaweedFS S3 endpoint on loopback through s3fs. "
              f"stall_s: rank 0's training thread held by the save; extra_s: the step after the save minus the "
@@ -235,7 +247,8 @@ def main(args) -> int:
     print(title + table + f"\n- {notes}")
     if args.out:
         append_markdown(args.out, title + table + f"\n- {notes}\n\n")
-        command = f"elastic bench checkpoint --hidden {args.hidden or DEFAULT_HIDDEN} --out {args.out}"
+        command = (f"elastic bench checkpoint --hidden {args.hidden or DEFAULT_HIDDEN}"
+                   f"{' --spare-core' if args.spare_core else ''} --out {args.out}")
         with open(os.path.join(args.out, "checkpoint.json"), "w") as f:
             json.dump({"command": command, "notes": notes, **summary}, f, indent=2)
         plot(os.path.join(args.out, "checkpoint.png"), records, raws)

@@ -35,6 +35,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--latency-ms", default=None,
                    help="data: milliseconds a relay adds to every S3 request, one setting each, comma-separated "
                         "(0: loopback, no relay; default 0,15)")
+    p.add_argument("--spare-core", action="store_true",
+                   help="checkpoint: one rank on a worker node of 2 CPUs, so the background persist has a core "
+                        "training does not use (default: 2 ranks on one-CPU nodes, sharing it)")
     p.add_argument("--gpu", action="store_true",
                    help="overhead, recovery: train on GPUs with NCCL, one GPU per rank (world size: the smaller of "
                         "the CPU run's and the GPUs on this machine, as NCCL refuses two ranks on one GPU)")
