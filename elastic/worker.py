@@ -32,6 +32,7 @@ from elastic.prefetch import Prefetcher, collate
 from elastic.storage import Storage
 from elastic.strategies import make_strategy
 from elastic.strategies.base import broadcast_tensors, forget_old_meshes
+from elastic.strategies.ddp import unhook
 from elastic.topology import Layout
 
 
@@ -281,6 +282,11 @@ class Worker:
     def _build(self, sync_init: bool = False) -> None:
         """Model and optimizer from the seed; once in a group, prepared for the strategy (FSDP
         shards it over the current mesh, so every world size gets a fresh build)."""
+        if self.model is not None:
+            # The model being replaced is freed before its successor is built (one model's memory,
+            # not two, at the peak); its gradient hooks would otherwise keep it alive for good.
+            unhook(self.model)
+            self.model = self.optimizer = self.scheduler = None
         torch.manual_seed(self.job.run.seed)
         model = self.fns["model"]().to(self.device)
         make_opt = self.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))

@@ -44,6 +44,16 @@ def plan_buckets(params: list[torch.Tensor], cap_bytes: int = BUCKET_BYTES) -> l
     return buckets
 
 
+def unhook(model: nn.Module) -> None:
+    """Remove the gradient hooks a DataParallel strategy put on `model`. Each hook is held by the
+    parameter's autograd metadata, in C++, and holds its strategy, which holds the parameters and
+    the bucket buffers: a cycle Python's collector cannot see. A model replaced with its hooks on
+    is never freed (two copies of the model's size per rebuild, until the process ends)."""
+    for h in getattr(model, "elastic_grad_hooks", []):
+        h.remove()
+    model.elastic_grad_hooks = []
+
+
 class DataParallel(Strategy):
     name = "ddp"
     overlap = True  # bucketed all-reduce during backward; False: one flat all-reduce after it
@@ -67,8 +77,7 @@ class DataParallel(Strategy):
         its model across groups, so the hooks of an older strategy are removed first."""
         if self._hooked is model:
             return
-        for h in getattr(model, "elastic_grad_hooks", []):
-            h.remove()
+        unhook(model)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = plan_buckets(self._params)
         self._bucket_of = {i: k for k, b in enumerate(self._buckets) for i in b}
