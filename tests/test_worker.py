@@ -66,3 +66,14 @@ def test_a_model_replaced_by_a_restore_is_freed(worker):
     gc.collect()
     assert param() is None
 
+
+def test_what_set_up_left_alive_is_frozen_and_what_training_builds_is_not(worker):
+    """A full collection of everything the worker's set-up left alive (~300,000 objects) held a
+    rank ~180 ms every few hundred steps; frozen, a collection scans only what training creates.
+    The model is built later and stays collectable (a frozen cycle would never be freed)."""
+    import gc
+
+    alive = {id(o) for o in gc.get_objects()}  # the collector's generations, not the frozen objects
+    assert gc.get_freeze_count() > 0
+    assert id(worker.dataset) not in alive and id(worker.fns) not in alive
+    assert id(worker.model) in alive and id(worker.optimizer) in alive
