@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -221,6 +222,26 @@ def cpu_slots_needed(job: JobConfig) -> float:
     return sc.cpus_per_worker * (sc.max_size + sc.num_spares)
 
 
+def stale_ray_address(timeout_s: float = 1.0) -> str | None:
+    """The address a plain `ray.init()` would join, if nothing answers there: Ray keeps the last
+    local cluster's address in its temp dir (`ray start`, and `ray.cluster_utils.Cluster`, which
+    never removes it), and joins it even once that cluster is gone, retrying for minutes before
+    it fails. None when there is no such address, or a Ray answers at it."""
+    try:
+        from ray._private.utils import read_ray_address
+        address = read_ray_address()
+    except Exception:  # noqa: BLE001 - a Ray without that file: nothing to check
+        return None
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except (OSError, ValueError):
+        return address
+
+
 def _connect_or_start_ray(job: JobConfig, out=sys.stderr) -> None:
     """Join the Ray cluster this process belongs to, or start a local one sized for the job.
     A laptop with fewer cores than the job has workers still runs it (the workers share the
@@ -233,9 +254,13 @@ def _connect_or_start_ray(job: JobConfig, out=sys.stderr) -> None:
         else:
             cores = os.cpu_count() or 1
             slots = max(cores, int(-(-cpu_slots_needed(job) // 1)))
+            stale = stale_ray_address()
+            if stale:
+                print(f"elastic: no Ray answers at {stale}, the last local cluster Ray recorded (it is gone): "
+                      f"starting a new one", file=out)
             try:
                 # A fresh local Ray: give it the slots the job needs, even on fewer cores.
-                ray.init(num_cpus=slots, log_to_driver=False)
+                ray.init(address="local" if stale else None, num_cpus=slots, log_to_driver=False)
             except ValueError as e:
                 if "existing cluster" not in str(e):
                     raise

@@ -239,3 +239,27 @@ def test_progress_outside_a_terminal_is_plain_lines():
     lines = text.splitlines()
     assert any("step 10/100 Running world=3 loss=1.5000" in x for x in lines)
     assert any("step 20/100" in x for x in lines) and any("SILENT ranks [1]" in x for x in lines)
+
+
+def test_a_stale_ray_address_is_told_from_a_live_one(monkeypatch):
+    """Ray records the last local cluster's address and a plain ray.init() joins it even when that
+    cluster is gone (every ray.cluster_utils.Cluster leaves one): it retried for 14 minutes here
+    before failing. The trainer starts a new local Ray instead when nothing answers there."""
+    import socket
+
+    import ray._private.utils as ray_utils
+
+    from elastic.trainer import stale_ray_address
+    live = socket.socket()
+    live.bind(("127.0.0.1", 0))
+    live.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        for address, want in ((f"127.0.0.1:{closed.getsockname()[1]}", "stale"),
+                              (f"127.0.0.1:{live.getsockname()[1]}", None), (None, None)):
+            monkeypatch.setattr(ray_utils, "read_ray_address", lambda temp_dir=None, a=address: a)
+            assert stale_ray_address() == (address if want else None)
+    finally:
+        live.close()
+        closed.close()

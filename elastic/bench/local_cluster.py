@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from typing import Iterator
@@ -206,6 +207,7 @@ class LocalCluster:
             logger.info("ray.shutdown() failed: %s: %s", type(e).__name__, e)
         for node in list(self.cluster.worker_nodes):
             self._drop_node(node)
+        gcs_address = getattr(self.cluster, "gcs_address", None)
         try:
             # Only the head is left: this stops it and resets the driver-side globals.
             self.cluster.shutdown()
@@ -217,6 +219,20 @@ class LocalCluster:
                     with contextlib.suppress(Exception):
                         proc.kill()
                         proc.wait(timeout=5)
+        forget_ray_address(gcs_address)
+
+
+def forget_ray_address(gcs_address: str | None) -> None:
+    """Remove Ray's record of the last local cluster (its temp dir's address file) if it names
+    this one, now stopped. `ray.cluster_utils.Cluster` writes it and never removes it, and a
+    plain `ray.init()` afterwards (an elastic job on this machine, say) would try to join the
+    dead cluster for minutes."""
+    try:
+        from ray._private.utils import get_ray_address_file, read_ray_address
+        if gcs_address and read_ray_address() == gcs_address:
+            os.remove(get_ray_address_file(None))
+    except Exception as e:  # noqa: BLE001 - housekeeping only
+        logger.info("could not remove Ray's address file: %s: %s", type(e).__name__, e)
 
 
 @contextlib.contextmanager
