@@ -620,6 +620,21 @@ def _written_files(metadata) -> set[str] | None:
 PEER_LOST = ("connection closed", "connection reset", "broken pipe", "by peer", "not registered")
 
 
+def describe_failure(e: BaseException, limit: int = 300) -> str:
+    """One line for an error of a save or load. DCP's CheckpointException prints every rank's
+    whole traceback, with the cause last, past any sensible cut: name each failed rank's own
+    exception instead (the first of them in full)."""
+    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    if not failures:
+        return f"{type(e).__name__}: {e}"[:limit]
+    causes = {}
+    for rank, pair in sorted(failures.items()):
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        causes.setdefault(f"{type(exc).__name__}: {exc}".strip(), []).append(rank)
+    text = "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {c}" for c, r in causes.items())
+    return text[:limit]
+
+
 def _is_peer_failure(e: BaseException) -> bool:
     text = str(e).lower()
     return any(s in text for s in PEER_LOST)

@@ -102,6 +102,11 @@ class CheckpointConfig(_Strict):
                                  "retries, a fence not landed yet), the ranks save the final state again until it "
                                  "commits, for at most this long; past it the run fails, naming the newest "
                                  "committed checkpoint. 0: no second try.")
+    restore_wait_s: float = Field(
+        300.0, ge=0, description="A restore that can only come from storage (no survivor holds the state) waits for "
+                                 "storage this long: to list the committed checkpoints, and while none of them loads "
+                                 "(asked again with backoff). Past it the run fails, naming the newest committed "
+                                 "checkpoint. It never starts over from step 0 while committed checkpoints exist.")
 
 
 class StragglerConfig(_Strict):

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
 from elastic import chaos, collectives, fencing, heartbeat, priority, resharding
-from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, load_shards
+from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, describe_failure, load_shards
 from elastic.compute_clock import ComputeClock
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
@@ -382,7 +382,9 @@ class Worker:
         """Storage path. Fresh model and optimizer from the seed, then the newest loadable
         checkpoint among `candidates` (committed folders, newest first). All ranks call this
         with the same list; DCP raises on every rank when any rank fails to read, so they move
-        to the next candidate together. With none loadable, rank 0's fresh init is broadcast.
+        to the next candidate together. With no candidates, rank 0's fresh init is broadcast.
+        When there are some but none loads (storage out, or every one unreadable), nothing is
+        started: source "none loaded", and the controller decides (it never means step 0).
         Returns what was loaded and what was skipped, and why."""
         t0 = time.monotonic()
         self._kept_offer = None  # a re-shard in memory that fell back to storage
@@ -398,12 +400,15 @@ class Worker:
                 # world size loads at this one.
                 load_shards(state, uri, self.storage.options, self.ckpt_pg)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
-                skipped.append((uri, f"{type(e).__name__}: {str(e)[:300]}"))
+                skipped.append((uri, describe_failure(e)))
                 continue
             self._load_state(state)
             self.step = int(self.storage.read_bytes(uri + "/COMMITTED").decode())
             loaded = uri
             break
+        if loaded is None and candidates:
+            return {"step": self.step, "uri": None, "skipped": skipped, "restore_s": time.monotonic() - t0,
+                    "source": "none loaded"}
         if loaded is None:
             # Every rank builds the same init from the seed; broadcasting rank 0's copy makes that
             # an invariant rather than an assumption about the user's factory.

@@ -621,3 +621,19 @@ def test_an_upload_on_a_synchronous_filesystem_is_not_cut_and_one_not_cancelled_
     upload(mem, f"{tmp_path}/src/", dst, cancel, on_cuttable=cuttable.set)  # synchronous: uploads to the end
     assert mem.cat(dst + "a") == b"x" * 10
     assert not cuttable.is_set()  # never said to be cuttable: Worker.leave does not wait for a cut
+
+
+def test_a_dcp_failure_is_described_by_each_ranks_own_error_not_its_tracebacks():
+    """DCP's CheckpointException prints every rank's traceback, the cause last: cut at 300
+    characters, the reason of a failed load said nothing ("CheckpointException ranks: ...")."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from elastic.checkpoint import describe_failure
+    stack = traceback.StackSummary.from_list([("dcp.py", 1, "load", "x")] * 20)
+    size = ValueError("Size mismatch between saved torch.Size([64, 256]) and current: torch.Size([128, 256])")
+    e = CheckpointException("load", {0: (size, stack), 1: (size, stack), 2: (OSError("connection reset"), stack)})
+    assert describe_failure(e) == ("ranks 0,1: ValueError: Size mismatch between saved torch.Size([64, 256]) and "
+                                   "current: torch.Size([128, 256]); rank 2: OSError: connection reset")
+    assert describe_failure(RuntimeError("x" * 500)) == "RuntimeError: " + "x" * 286

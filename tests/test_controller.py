@@ -473,12 +473,66 @@ def test_a_restore_from_storage_that_never_answers_fails_the_run_saying_so(monke
         raise StorageError("list s3://b/run/checkpoints failed: ConnectionClosedError")
 
     monkeypatch.setattr(ctl, "committed_checkpoints", down)
-    c, g, clock = make(num_steps=20, failure={"collective_timeout_s": 30})
+    c, g, clock = make(num_steps=20, checkpoint={"restore_wait_s": 30})
     drive(c)
     assert isinstance(c.state, Errored)
     assert "must be restored from storage, which did not answer for 30 s" in c.state.error
-    assert "failure.collective_timeout_s" in c.state.error and "ConnectionClosedError" in c.state.error
+    assert "checkpoint.restore_wait_s" in c.state.error and "ConnectionClosedError" in c.state.error
     # Unanswered at 0, 1, 3, 7 and 15 s (the backoff doubles up to 15 s); given up at 30 s.
+    assert [w["waited_s"] for w in kinds(c, "storage_unanswered")] == [0.0, 1.0, 3.0, 7.0, 15.0]
+
+
+def _committed_at(monkeypatch, step: int) -> str:
+    """Storage lists one committed checkpoint, of `step` (the fake group 'loads' it by its name)."""
+    from elastic.checkpoint import CommittedCheckpoint, Manifest
+    from elastic.controller import controller as ctl
+    uri = f"memory://fake/run/checkpoints/step_{step:09d}"
+    found = [CommittedCheckpoint(uri, Manifest(step, step * 48, 3, "ddp", {}, 0.0))]
+    monkeypatch.setattr(ctl, "committed_checkpoints", lambda *a, **kw: list(found))
+    return uri
+
+
+def test_checkpoints_that_do_not_load_while_storage_is_out_are_waited_for_not_replaced_by_step_0(monkeypatch):
+    """The listing answered, then storage went out: every rank's load failed. The workers used to
+    fall back to a fresh init, and the run silently started over from step 0."""
+    uri = _committed_at(monkeypatch, 20)
+    c, g, clock = make(num_steps=30, load_failures=["ClientError: 503 Slow Down (request 1)",
+                                                    "ConnectionClosedError: endpoint closed (request 2)"])
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 30
+    waits = kinds(c, "storage_unanswered")
+    assert [w["op"] for w in waits] == ["load a committed checkpoint"] * 2
+    assert "503" in waits[0]["error"]
+    assert [e["step"] for e in kinds(c, "restored")] == [20]  # resumed there, never from step 0
+    assert kinds(c, "restored")[0]["uri"] == uri
+    assert [why for _, why in [(e["uri"], e["reason"]) for e in kinds(c, "checkpoint_skipped")]] == [
+        "load failed: ClientError: 503 Slow Down (request 1)",
+        "load failed: ConnectionClosedError: endpoint closed (request 2)"]
+
+
+def test_checkpoints_that_fail_the_same_way_twice_end_the_run_at_once(monkeypatch):
+    """Storage answers, and the loads fail identically (a model changed under the same run name):
+    no wait mends that, and starting over from step 0 would hide it."""
+    _committed_at(monkeypatch, 20)
+    why = "RuntimeError: size mismatch for net.0.weight: copying a param with shape [64, 256]"
+    c, g, clock = make(num_steps=30, load_failures=[why] * 10)
+    t0 = clock()
+    drive(c)
+    assert isinstance(c.state, Errored) and not kinds(c, "restored")
+    assert len(calls(g, "restore")) == 2 and clock() - t0 < 10
+    assert "none of the 1 committed checkpoints loaded (the same failures twice" in c.state.error
+    assert "step_000000020" in c.state.error and "size mismatch" in c.state.error
+    assert "new run.name" in c.state.error
+
+
+def test_checkpoints_that_keep_failing_to_load_end_the_run_after_restore_wait_s(monkeypatch):
+    _committed_at(monkeypatch, 20)
+    c, g, clock = make(num_steps=30, checkpoint={"restore_wait_s": 30},
+                       load_failures=[f"ConnectionClosedError (request {i})" for i in range(100)])
+    drive(c)
+    assert isinstance(c.state, Errored) and not kinds(c, "restored")
+    assert "storage did not serve them for 30 s (checkpoint.restore_wait_s=30)" in c.state.error
+    # Tried at 0, 1, 3, 7 and 15 s (the backoff doubles up to 15 s), and once more at 30 s.
     assert [w["waited_s"] for w in kinds(c, "storage_unanswered")] == [0.0, 1.0, 3.0, 7.0, 15.0]
 
 

@@ -77,3 +77,15 @@ def test_what_set_up_left_alive_is_frozen_and_what_training_builds_is_not(worker
     assert gc.get_freeze_count() > 0
     assert id(worker.dataset) not in alive and id(worker.fns) not in alive
     assert id(worker.model) in alive and id(worker.optimizer) in alive
+
+
+def test_a_restore_whose_checkpoints_all_fail_to_load_does_not_start_from_step_0(worker, tmp_path):
+    """Committed checkpoints that do not load (storage out after the listing) used to give a fresh
+    init at step 0, silently; now the rank says none loaded and the controller decides."""
+    assert worker.run(3, [])["status"] == "done"
+    worker.join("127.0.0.1", _port(), 0, 1, generation=2)
+    gone = f"file://{tmp_path}/w/checkpoints/step_000000002"  # listed, then unreadable
+    out = worker.restore([gone])
+    assert out["source"] == "none loaded" and out["uri"] is None
+    assert [u for u, _ in out["skipped"]] == [gone]
+    assert worker.restore([])["source"] == "init"  # no checkpoint at all: a fresh start, as before

@@ -37,7 +37,7 @@ from elastic.controller.states import (
     Swapping)
 from elastic.policies.failure import (
     FailureObservation, FromPeer, FromShards, FromStorage, LostRank, Raise, choose_restore, decide_failure,
-    decide_silence, detect_hang, excused_by_heartbeat)
+    decide_none_loaded, decide_silence, detect_hang, excused_by_heartbeat)
 from elastic.policies.straggler import (Drop, Report, StragglerState, Swap, decide_straggler, flagged, observe,
                                         slow_steps, span, window_ratios)
 from elastic.storage import Storage, call_within, join
@@ -230,30 +230,56 @@ class Controller:
             except GroupError as e:
                 return self._lost_from(e, "restore from peer")
             return self._restored(out)
-        skipped: list[tuple[str, str]] = []
-        candidates = self._committed_for_restore(skipped)
-        if isinstance(candidates, str):
-            return Errored(candidates)
-        if plan.max_step is not None:  # a rollback: nothing from the abandoned timeline
-            candidates = [c for c in candidates if c.step <= plan.max_step]
-        for uri, why in skipped:
-            self.events.emit("checkpoint_skipped", uri=uri, reason=why)
-        try:
-            out = self.group.restore([c.uri for c in candidates], self.job.failure.collective_timeout_s)
-        except GroupError as e:
-            return self._lost_from(e, "restore")
-        for uri, why in out[0]["skipped"]:
-            self.events.emit("checkpoint_skipped", uri=uri, reason=f"load failed: {why}")
+        return self._restore_from_storage(plan)
+
+    def _restore_from_storage(self, plan: FromStorage) -> State:
+        """List the committed checkpoints, then every rank loads the newest that loads. Both wait
+        for storage, within checkpoint.restore_wait_s; a restore never starts over from step 0
+        while committed checkpoints exist (the workers report "none loaded", not a fresh init)."""
+        t0, delay, last_reasons = self.now(), 1.0, None
+        while True:
+            skipped: list[tuple[str, str]] = []
+            candidates = self._committed_for_restore(skipped, t0)
+            if isinstance(candidates, str):
+                return Errored(candidates)
+            if plan.max_step is not None:  # a rollback: nothing from the abandoned timeline
+                candidates = [c for c in candidates if c.step <= plan.max_step]
+            for uri, why in skipped:
+                self.events.emit("checkpoint_skipped", uri=uri, reason=why)
+            try:
+                out = self.group.restore([c.uri for c in candidates], self.job.failure.collective_timeout_s)
+            except GroupError as e:
+                return self._lost_from(e, "restore")
+            failed = out[0]["skipped"]
+            for uri, why in failed:
+                self.events.emit("checkpoint_skipped", uri=uri, reason=f"load failed: {why}")
+            if out[0]["uri"] or not candidates:
+                break
+            reasons = [why for _, why in failed]
+            waited = self.now() - t0
+            verdict = decide_none_loaded(reasons, last_reasons, waited, self.job.checkpoint.restore_wait_s)
+            if verdict is not None:
+                newest = candidates[0].uri
+                return Errored(f"none of the {len(candidates)} committed checkpoints loaded ({verdict}); the newest "
+                               f"is {newest}, which failed with: {reasons[0][:300] if reasons else 'no reason given'}. "
+                               f"The run does not start over from step 0 while they exist: run the job again once "
+                               f"they load, or under a new run.name to start afresh")
+            last_reasons = reasons
+            self.events.emit("storage_unanswered", op="load a committed checkpoint", waited_s=round(waited, 1),
+                             error=reasons[0][:300] if reasons else None,
+                             using=f"nothing: the state can only come from storage; asking again in {delay:.0f} s")
+            self._sleep(min(delay, max(0.0, self.job.checkpoint.restore_wait_s - waited)))
+            delay = min(2 * delay, 15.0)
         if out[0]["uri"]:
             self.last_committed = out[0]["uri"]
         return self._restored(out)
 
-    def _committed_for_restore(self, skipped: list) -> list | str:
+    def _committed_for_restore(self, skipped: list, t0: float) -> list | str:
         """The committed checkpoints a restore from storage may load, newest first. The state
         can come from nowhere else, so a storage outage is waited out (`storage_unanswered`, with
-        backoff), for at most failure.collective_timeout_s; then why not, for the run's error."""
-        limit = self.job.failure.collective_timeout_s
-        t0, delay = self.now(), 1.0
+        backoff), until checkpoint.restore_wait_s after `t0`; then why not, for the run's error."""
+        limit = self.job.checkpoint.restore_wait_s
+        delay = 1.0
         while True:
             found: list = []
             left = limit - (self.now() - t0)
@@ -266,7 +292,7 @@ class Controller:
             waited = self.now() - t0
             if waited >= limit:
                 return (f"the state must be restored from storage, which did not answer for {waited:.0f} s "
-                        f"(failure.collective_timeout_s): {str(error)[:300] if error else 'no answer'}; the newest "
+                        f"(checkpoint.restore_wait_s): {str(error)[:300] if error else 'no answer'}; the newest "
                         f"committed checkpoint reported is {self.last_committed or 'none'}: run the job again "
                         f"once storage answers, to resume from it")
             self.events.emit("storage_unanswered", op="list committed checkpoints to restore from",

@@ -189,6 +189,20 @@ def excused_by_heartbeat(silent: dict[int, str], unanswered_s: dict[int, float],
             and node_says_running(beats[r], cfg.ping_timeout_s)}
 
 
+def decide_none_loaded(reasons: list[str], last_reasons: list[str] | None, waited_s: float,
+                       limit_s: float) -> str | None:
+    """Committed checkpoints exist but none loaded (the reasons, one per checkpoint tried, and
+    those of the attempt before, if any). None: wait and try again (storage may be out, or a
+    blip). Otherwise why the run fails: the wait bound is spent, or the same failures came twice
+    while storage answered the listing in between (a model that no longer matches its
+    checkpoints, say, which no wait will mend). Never a restart from step 0."""
+    if waited_s >= limit_s:
+        return f"storage did not serve them for {waited_s:.0f} s (checkpoint.restore_wait_s={limit_s:g})"
+    if last_reasons is not None and reasons == last_reasons:
+        return "the same failures twice, while storage answered in between: waiting will not change them"
+    return None
+
+
 # During a group's formation there is no step time to weigh silence against (the run loop waits
 # silence_factor x the median step): a member without a heartbeat is lost when it answers no ping
 # for this many times failure.ping_timeout_s. A 90 M-parameter job on a busy 2-core machine once

@@ -78,6 +78,9 @@ class FakeGroup:
     save_again_s: float = 30.0  # fake seconds one more save of the final state takes
     final_persist_s: dict = field(default_factory=dict)  # rank -> fake seconds its last persist outlasts the others'
     stalled_until: float = 0.0  # no rank completes a step before this fake time (a long checkpoint)
+    # restore(): each call with candidates takes the next entry: a reason every candidate fails with
+    # (storage out, a mismatched model); with none left, the newest candidate loads.
+    load_failures: list = field(default_factory=list)
     heartbeats: bool = False  # each rank has a heartbeat sidecar (else the controller judges by polls alone)
 
     def __post_init__(self):
@@ -248,7 +251,16 @@ class FakeGroup:
 
     def restore(self, candidates, timeout_s) -> dict[int, dict]:
         self.calls.append(("restore", len(candidates)))
-        return self._restored(0, "init")
+        if not candidates:
+            return self._restored(0, "init")
+        if self.load_failures:
+            why = self.load_failures.pop(0)
+            return {r: {"step": 0, "uri": None, "skipped": [(u, why) for u in candidates], "restore_s": 0.01,
+                        "source": "none loaded"} for r in self.members}
+        out = self._restored(int(candidates[0].rsplit("_", 1)[1]), "storage")
+        for o in out.values():
+            o["uri"] = candidates[0]
+        return out
 
     def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple = ()) -> dict[int, dict]:
         self.calls.append(("restore_from_peer", src_rank) if not stage_sources else
