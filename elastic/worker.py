@@ -642,8 +642,11 @@ class Worker:
             # non-finite value, in the same step, with no collective of its own.
             check_grads = tr.clip_grad_norm is not None or scale is not None
             sumsq = _sum_of_squares(grads, self.device) if check_grads else torch.zeros((), device=self.device)
-            flags = torch.tensor([stop_flag, busy_flag], device=self.device)  # one copy to a GPU, not two
-            stats = torch.stack([local_loss, flags[0], flags[1],
+            # The two host flags join the statistics by fill kernels, not by a copy: a copy from a
+            # Python list to a GPU synchronises the stream (PyTorch waits for a pageable copy), so it
+            # would hold the host here until backward had finished, once more before the read below.
+            stop, busy = (torch.full((), f, device=self.device) for f in (stop_flag, busy_flag))
+            stats = torch.stack([local_loss, stop, busy,
                                  (~torch.isfinite(local_loss)).float(), (~torch.isfinite(sumsq)).float(), sumsq])
             dist.all_reduce(stats)  # the whole world: every rank agrees on the stop, whatever its stage
         except (RuntimeError, dist.DistError) as e:
