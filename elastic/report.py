@@ -31,6 +31,8 @@ def describe_event(ev: dict) -> str:
                 f"says the process runs (state {ev['state']}): kept")
     if k == "checkpoint_deferred":
         return f"CHECKPOINT step {ev['step']} deferred: {ev['reason']}"
+    if k == "checkpoint_retry":
+        return f"CHECKPOINT step {ev['step']} saved again: {ev['reason']}"
     if k == "workers_replaced":
         return f"REPLACED ranks {ev['ranks']} in {ev['start_s']:.2f}s"
     if k == "persist_abandoned":

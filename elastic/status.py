@@ -14,8 +14,8 @@ import sys
 import time
 
 # Events whose `step` is a step the run reached (a `restored` event sets it back: steps redone).
-_STEP_KINDS = ("checkpoint_committed", "checkpoint_deferred", "slow_window", "fault_injected", "failure_detected",
-               "storage_wait", "stop_without_plan", "final_state", "run_finished", "run_failed")
+_STEP_KINDS = ("checkpoint_committed", "checkpoint_deferred", "checkpoint_retry", "slow_window", "fault_injected",
+               "failure_detected", "storage_wait", "stop_without_plan", "final_state", "run_finished", "run_failed")
 _WORLD_SIZE = {"group_formed": "world_size", "restored": "world_size", "recovered": "world_size",
                "resized": "new_world_size", "resize_completed": "new_world_size"}
 # What the controller finds before it settles who is lost (`failure_detected`): all open a failure.

@@ -286,7 +286,8 @@ class _Progress:
 
     NOTABLE = {"fault_injected", "failure_detected", "decision", "recovered", "checkpoint_skipped",
                "hang_detected", "user_error", "workers_replaced", "checkpoint_failed", "silence_detected", "silence_excused",
-               "checkpoint_deferred", "persist_abandoned", "storage_unanswered", "fence_not_written"}
+               "checkpoint_deferred", "checkpoint_retry", "persist_abandoned", "storage_unanswered",
+               "fence_not_written"}
 
     def __init__(self, total: int, out=None, every_s: float = 10.0):
         self.out = out or sys.stderr

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
 from elastic import chaos, collectives, fencing, heartbeat, priority, resharding
-from elastic.checkpoint import PEER_LOST, AsyncCheckpointer, describe_failure, load_shards
+from elastic.checkpoint import (PEER_LOST, AsyncCheckpointer, describe_failure, load_shards, owes_retry,
+                                retry_wait_s)
 from elastic.compute_clock import ComputeClock
 from elastic.config import JobConfig, batch_plan
 from elastic.data import GlobalOrder, cursor_after
@@ -114,6 +115,13 @@ class Worker:
         self._stop_agreed = False
         self._persist_busy = False  # some rank's previous persist was still running at the last step
         self._deferred: list[int] = []  # checkpoint steps skipped because a persist was in flight
+        # A persist of this rank failed on storage: a checkpoint is owed from `_owe_at` (monotonic)
+        # on, saved again at the first step boundary after it, however far the next checkpoint
+        # step is; each failed retry doubles the wait (see retry_wait_s).
+        self._owe_at: float | None = None
+        self._owe_fails = 0
+        self._retry_agreed = False  # some rank owes a checkpoint, agreed through the last all-reduce
+        self._retried: list[int] = []  # steps saved again for a failed checkpoint, until the next poll
         self.scheduler = None  # train.scheduler, rebuilt and replayed to the step on every restore
         self.amp: dict[str, torch.Tensor] = {}  # fp16: {"scale", "good_steps"}, saved and restored with the state
         self.skip_steps: set[int] = set()  # steps (1-based) to train without an update (after a rollback)
@@ -167,7 +175,7 @@ class Worker:
             raise RuntimeError("previous run() is still inside a collective of the old group")
         self.leave()
         self.generation = generation
-        self.stop_requested = self._stop_agreed = self._persist_busy = False  # all belong to one generation
+        self.stop_requested = self._stop_agreed = self._persist_busy = self._retry_agreed = False  # one generation's
         fc = self.job.failure
         before = collectives.socket_inodes()
         self._joining = (before, port)
@@ -532,10 +540,14 @@ class Worker:
                     if f["rank"] == self.rank and f["at_step"] == self.step:
                         self._fire(f)
                 self._train_step(micro)
-                if self.step == num_steps or (self.step % self.job.checkpoint.every_steps == 0
-                                              and not self._persist_busy):
+                due = self.step % self.job.checkpoint.every_steps == 0
+                retry = self._retry_agreed and not due and self.step != num_steps
+                if self.step == num_steps or ((due or retry) and not self._persist_busy):
                     saved = self._save(tr)
-                elif self.step % self.job.checkpoint.every_steps == 0 and self.rank == 0:
+                    if retry and self.rank == 0:
+                        with self._lock:
+                            self._retried.append(self.step)
+                elif due and self.rank == 0:
                     # A persist is still in flight on some rank (storage slow or down): every rank
                     # skips this checkpoint together, rather than block training on storage.
                     with self._lock:
@@ -645,9 +657,10 @@ class Worker:
             # The two host flags join the statistics by fill kernels, not by a copy: a copy from a
             # Python list to a GPU synchronises the stream (PyTorch waits for a pageable copy), so it
             # would hold the host here until backward had finished, once more before the read below.
-            stop, busy = (torch.full((), f, device=self.device) for f in (stop_flag, busy_flag))
+            owe_flag = 1.0 if self._owe_at is not None and time.monotonic() >= self._owe_at else 0.0
+            stop, busy, owe = (torch.full((), f, device=self.device) for f in (stop_flag, busy_flag, owe_flag))
             stats = torch.stack([local_loss, stop, busy,
-                                 (~torch.isfinite(local_loss)).float(), (~torch.isfinite(sumsq)).float(), sumsq])
+                                 (~torch.isfinite(local_loss)).float(), (~torch.isfinite(sumsq)).float(), sumsq, owe])
             dist.all_reduce(stats)  # the whole world: every rank agrees on the stop, whatever its stage
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
@@ -669,6 +682,7 @@ class Worker:
         now = time.time()
         self._stop_agreed = bool(host[1].item() > 0)
         self._persist_busy = bool(host[2].item() > 0)  # on any rank: agreed, like the stop
+        self._retry_agreed = bool(host[6].item() > 0)  # likewise: every rank saves again at this step
         self._set(step=self.step, loss=loss, step_end=now,
                   step_s=time.perf_counter() - t_start, compute_s=compute_s,
                   first_step_end=self._progress.get("first_step_end") or now)
@@ -823,8 +837,22 @@ class Worker:
             running = [ck for ck in self._abandoned if ck.in_flight()]  # before draining: no result missed
             for ck in (*self._abandoned, self.ckpt):
                 if ck is not None:
-                    self._persists.extend(r.__dict__ for r in ck.drain())
+                    results = ck.drain()
+                    self._persists.extend(r.__dict__ for r in results)
+                    if ck is self.ckpt:
+                        for r in results:
+                            self._note_persist(r.error)
             self._abandoned = running
+
+    def _note_persist(self, error: str | None) -> None:
+        """A persist of this group ended: a storage failure leaves a checkpoint owed, after a wait
+        that doubles with each failed retry; a success settles it."""
+        if error is None:
+            self._owe_at, self._owe_fails = None, 0
+        elif owes_retry(error):
+            self._owe_at = time.monotonic() + retry_wait_s(self.job.checkpoint.persist_retry_backoff_s,
+                                                           self._owe_fails)
+            self._owe_fails += 1
 
     def poll(self) -> dict:
         """Progress and finished persists since the last poll (each persist reported once)."""
@@ -833,7 +861,8 @@ class Worker:
             out = dict(self._progress, rank=self.rank, generation=self.generation, persists=self._persists,
                        persisting=self.ckpt is not None and self.ckpt.in_flight(),
                        compute_log=self._compute_log, ledger=self._ledger, deferred=self._deferred,
-                       skipped=self._skipped, abandoned=self._abandoned_steps)
+                       skipped=self._skipped, abandoned=self._abandoned_steps, retried=self._retried)
+            self._retried = []
             self._abandoned_steps = []
             self._deferred = []
             self._skipped = []

@@ -637,3 +637,13 @@ def test_a_dcp_failure_is_described_by_each_ranks_own_error_not_its_tracebacks()
     assert describe_failure(e) == ("ranks 0,1: ValueError: Size mismatch between saved torch.Size([64, 256]) and "
                                    "current: torch.Size([128, 256]); rank 2: OSError: connection reset")
     assert describe_failure(RuntimeError("x" * 500)) == "RuntimeError: " + "x" * 286
+
+
+def test_a_failed_checkpoint_is_owed_only_for_storage_and_retried_at_a_doubling_pace():
+    from elastic.checkpoint import RETRY_WAIT_MAX_S, owes_retry, retry_wait_s
+    assert owes_retry("ConnectionError: storage unavailable (injected)")
+    assert owes_retry("commit of s3://b/run/checkpoints/step_000000005 failed after 6 attempt(s): ...")
+    for given_up in ("abandoned: the group failed during the save; never committed",
+                     "fenced: rank 0: the run has moved on to generation 3", "skipped: 1 rank(s) still upload"):
+        assert not owes_retry(given_up)
+    assert [retry_wait_s(1.0, k) for k in range(8)] == [1, 2, 4, 8, 16, 32, RETRY_WAIT_MAX_S, RETRY_WAIT_MAX_S]

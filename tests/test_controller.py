@@ -536,6 +536,15 @@ def test_checkpoints_that_keep_failing_to_load_end_the_run_after_restore_wait_s(
     assert [w["waited_s"] for w in kinds(c, "storage_unanswered")] == [0.0, 1.0, 3.0, 7.0, 15.0]
 
 
+def test_a_checkpoint_saved_again_after_a_storage_failure_is_in_the_event_log():
+    c, g, clock = make(num_steps=30)
+    g.retried = [7]
+    drive(c)
+    assert isinstance(c.state, Finished)
+    (ev,) = kinds(c, "checkpoint_retry")
+    assert ev["step"] == 7 and "failed on storage" in ev["reason"]
+
+
 def test_a_last_commit_that_waits_for_storage_after_the_other_ranks_returned_is_no_hang():
     # DDP's rank 0 commits the last checkpoint alone, after the other ranks' part of the persist
     # ended and their run() returned: its 20 s wait for storage is not a hang (5 s bound here).

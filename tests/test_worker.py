@@ -89,3 +89,41 @@ def test_a_restore_whose_checkpoints_all_fail_to_load_does_not_start_from_step_0
     assert out["source"] == "none loaded" and out["uri"] is None
     assert [u for u, _ in out["skipped"]] == [gone]
     assert worker.restore([])["source"] == "init"  # no checkpoint at all: a fresh start, as before
+
+
+def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not_the_next_checkpoint_step(tmp_path):
+    """Storage out at step 5's checkpoint (every 5 steps): the run used to go without a commit
+    until step 10, however soon storage came back. Now every rank agrees (in the step's
+    all-reduce) to save again at the first step after the wait, and that commits."""
+    from elastic.checkpoint import committed_checkpoints
+    from elastic.storage import Storage
+    from elastic.testing.flaky_fs import flaky_memory_fs
+
+    fs = flaky_memory_fs("flakyretry")
+    uri = f"flakyretry://{tmp_path.name}"
+    job = JobConfig.model_validate({
+        "run": {"name": "w", "num_steps": 12, "seed": 1}, "scaling": {"num_workers": 1},
+        "checkpoint": {"storage_uri": uri, "every_steps": 5, "persist_retries": 0, "persist_retry_backoff_s": 0},
+        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
+                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 8},
+    })
+    root = checkpoints_root(uri, "w")
+    w = Worker(job.model_dump_json(), root)
+    w.join("127.0.0.1", _port(), 0, 1, generation=1)
+    w.restore([])
+    try:
+        fs.failures = 10 ** 6  # every write fails: storage is out
+        assert w.run(6, [])["status"] == "done"  # step 5's checkpoint, and the end's (6), fail
+        failed = w.poll()["persists"]
+        assert [(p["step"], p["committed"]) for p in failed] == [(5, False), (6, False)]
+        assert "storage unavailable" in failed[0]["error"]
+        fs.failures = 0  # storage is back
+        assert w.run(9, [])["status"] == "done"
+        out = w.poll()
+        assert out["retried"] == [7]  # the first step trained once the failure was known
+        assert [(p["step"], p["committed"]) for p in out["persists"]] == [(7, True), (9, True)]  # 9: the end
+        assert [c.step for c in committed_checkpoints(Storage(uri), root)] == [9, 7]
+        assert w.run(12, [])["status"] == "done" and w.poll()["retried"] == []  # settled: no more retries
+    finally:
+        fs.failures = 0
+        w.leave()

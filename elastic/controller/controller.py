@@ -1008,6 +1008,10 @@ class Controller:
             if self.skipped.get(step) != why:
                 self.skipped[step] = why
                 self.events.emit("step_skipped", step=step, reason=why)
+        for step in sorted({s for a in answers.values() for s in a.get("retried", [])}):
+            self.events.emit("checkpoint_retry", step=step,
+                             reason="a checkpoint failed on storage: saved again at this step, the first after "
+                                    "its wait, not left to the next checkpoint step")
         for step in sorted({s for a in answers.values() for s in a.get("deferred", [])}):
             self.events.emit("checkpoint_deferred", step=step,
                              reason="the previous persist is still running (storage slow or down); training goes "

@@ -71,6 +71,7 @@ class FakeGroup:
     self_s: float = 0.0  # real seconds spent inside this fake (to subtract from controller timings)
     persisting: bool = False  # every rank reports a checkpoint persist in flight
     commits: list = field(default_factory=list)  # checkpoint uris rank 0 reports committed at its next answer
+    retried: list = field(default_factory=list)  # steps rank 0 reports saved again (a failed checkpoint), next answer
     report_compute: bool = False  # answers carry each step's compute time (for the straggler policy)
     slowest_poll_answer_s: float = 0.0
     final_commits: bool = True  # the run's last checkpoint commits (False: storage was out at the end)
@@ -322,18 +323,20 @@ class FakeGroup:
         return {"status": "done", "step": m.step, "digest": "d", "generation": m.generation}
 
     def _answer(self, m: FakeRank) -> dict:
-        persists = []
+        persists, retried = [], []
         if m.rank == 0:
             persists = [{"committed": True, "uri": u, "step": m.step, "persist_s": 1.0, "attempts": 1, "metrics": {}}
                         for u in self.commits]
             self.commits = []
+            retried, self.retried = self.retried, []
         compute_log = [(s, self.step_s / 2 * (m.slow[1] if m.slow and 0 < s - m.slow[0] <= m.slow[2] else 1.0), 1.0)
                        for s in range(m.logged + 1, m.step + 1)] if self.report_compute else []
         m.logged = m.step
         status = "storage_wait" if m.finish_at is not None else "running" if m.running else "idle"
         return {"step": m.step, "status": status, "loss": 1.0, "step_s": self.step_s,
                 "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": persists,
-                "persisting": self.persisting, "compute_log": compute_log, "ledger": [], "deferred": []}
+                "persisting": self.persisting, "compute_log": compute_log, "ledger": [], "deferred": [],
+                "retried": retried}
 
     def poll_nowait(self, ping_timeout_s: float):
         t0 = time.perf_counter()
