@@ -64,6 +64,9 @@ def worker():
     """A stand-in worker process and a sidecar watching it."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     side = Sidecar(proc.pid, "127.0.0.1")
+    # Asleep before any test looks: until its Python has started it runs (R), and on a loaded
+    # machine that outlasted the sidecar's start (CI saw R where the test expected S).
+    kernel_state(proc.pid, "S")
     yield proc, side
     for p in (proc, side.proc):
         if p.poll() is None:
