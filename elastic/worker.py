@@ -138,9 +138,11 @@ class Worker:
         # worker: moved out of the cyclic collector's reach, so that a full collection scans only
         # what training creates. Without this, a full collection of this process's ~300,000
         # objects held a rank for about 180 ms every few hundred steps, at a random step on each
-        # rank, and the whole group waited (10 steps of the 1.3 M MLP here). The collection first
-        # frees whatever garbage import and set-up left, which is never collected once frozen.
-        gc.collect()
+        # rank, and the whole group waited (10 steps of the 1.3 M MLP here). The young generations
+        # are collected first (the set-up's fresh garbage, which is never collected once frozen;
+        # 0.5 ms): a full collection here found 10 objects more, and cost 130-190 ms of a spare's
+        # start, which runs on the CPU training leaves idle.
+        gc.collect(1)
         gc.freeze()
 
     # ---------------------------------------------------------------- identity

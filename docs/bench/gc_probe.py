@@ -6,8 +6,7 @@ elastic DDP, 2 ranks on the 2 one-CPU worker nodes of a local cluster, the overh
 `gc.callbacks`, registered by the model factory below. Both settings run on one cluster,
 alternated: as shipped (the worker freezes what its set-up left alive, elastic/worker.py), and
 unfrozen, where the factory calls `gc.unfreeze()` first (every object back in the collector's
-generations, as before the freeze; the collection before the freeze still ran). Pairs alternate
-which setting runs first.
+generations, as before the freeze). Pairs alternate which setting runs first.
 Usage: python docs/bench/gc_probe.py [STEPS] [PAIRS]   (default 600 steps, 2 pairs)"""
 import gc
 import json
