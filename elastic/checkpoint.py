@@ -641,7 +641,7 @@ def retry_wait_s(backoff_s: float, failed_retries: int) -> float:
 def describe_failure(e: BaseException, limit: int = 300) -> str:
     """One line for an error of a save or load. DCP's CheckpointException prints every rank's
     whole traceback, with the cause last, past any sensible cut: name each failed rank's own
-    exception instead (the first of them in full)."""
+    exception instead, ranks with the same one together."""
     failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
     if not failures:
         return f"{type(e).__name__}: {e}"[:limit]

@@ -656,7 +656,7 @@ class Worker:
             # non-finite value, in the same step, with no collective of its own.
             check_grads = tr.clip_grad_norm is not None or scale is not None
             sumsq = _sum_of_squares(grads, self.device) if check_grads else torch.zeros((), device=self.device)
-            # The two host flags join the statistics by fill kernels, not by a copy: a copy from a
+            # The host's flags join the statistics by fill kernels, not by a copy: a copy from a
             # Python list to a GPU synchronises the stream (PyTorch waits for a pageable copy), so it
             # would hold the host here until backward had finished, once more before the read below.
             owe_flag = 1.0 if self._owe_at is not None and time.monotonic() >= self._owe_at else 0.0

@@ -265,11 +265,8 @@ class Controller:
                                f"The run does not start over from step 0 while they exist: run the job again once "
                                f"they load, or under a new run.name to start afresh")
             last_reasons = reasons
-            self.events.emit("storage_unanswered", op="load a committed checkpoint", waited_s=round(waited, 1),
-                             error=reasons[0][:300] if reasons else None,
-                             using=f"nothing: the state can only come from storage; asking again in {delay:.0f} s")
-            self._sleep(min(delay, max(0.0, self.job.checkpoint.restore_wait_s - waited)))
-            delay = min(2 * delay, 15.0)
+            delay = self._wait_for_storage("load a committed checkpoint", waited, reasons[0] if reasons else None,
+                                           delay)
         if out[0]["uri"]:
             self.last_committed = out[0]["uri"]
         return self._restored(out)
@@ -295,11 +292,17 @@ class Controller:
                         f"(checkpoint.restore_wait_s): {str(error)[:300] if error else 'no answer'}; the newest "
                         f"committed checkpoint reported is {self.last_committed or 'none'}: run the job again "
                         f"once storage answers, to resume from it")
-            self.events.emit("storage_unanswered", op="list committed checkpoints to restore from",
-                             waited_s=round(waited, 1), error=str(error)[:300] if error else None,
-                             using=f"nothing: the state can only come from storage; asking again in {delay:.0f} s")
-            self._sleep(min(delay, max(0.0, limit - waited)))
-            delay = min(2 * delay, 15.0)
+            delay = self._wait_for_storage("list committed checkpoints to restore from", waited,
+                                           str(error) if error else None, delay)
+
+    def _wait_for_storage(self, op: str, waited: float, error: str | None, delay: float) -> float:
+        """One wait of a restore that can only come from storage: said (`storage_unanswered`), then
+        slept, within checkpoint.restore_wait_s; returns the next wait (doubled, at most 15 s)."""
+        self.events.emit("storage_unanswered", op=op, waited_s=round(waited, 1),
+                         error=error[:300] if error else None,
+                         using=f"nothing: the state can only come from storage; asking again in {delay:.0f} s")
+        self._sleep(min(delay, max(0.0, self.job.checkpoint.restore_wait_s - waited)))
+        return min(2 * delay, 15.0)
 
     def _reshard_failed(self, e: GroupError) -> State:
         """The in-memory re-shard could not read every part (a holder's node died) or a rank
