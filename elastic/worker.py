@@ -647,26 +647,38 @@ class Worker:
             chaos.busy_wait((self.slow_factor - 1.0) * (time.perf_counter() - t_start))
         clock.stop()
         try:
-            self.strategy.reduce_gradients(self.model)
+            # The step's statistics, summed over the whole world: every rank agrees on the stop,
+            # whatever its stage. The host's flags join them by fill kernels, not by a copy: a copy
+            # from a Python list to a GPU synchronises the stream (PyTorch waits for a pageable
+            # copy), so it would hold the host here until backward had finished.
+            owe_flag = 1.0 if self._owe_at is not None and time.monotonic() >= self._owe_at else 0.0
+            stop, busy, owe = (torch.full((), f, device=self.device) for f in (stop_flag, busy_flag, owe_flag))
+            check_grads = tr.clip_grad_norm is not None or scale is not None
+            # Where every rank ends with the whole gradient (ddp), its norm needs no collective, and
+            # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
+            # rank's part joins the statistics, summed after the reduction.
+            local_norm = self.strategy.whole_grads_everywhere or not check_grads
+            early = (torch.stack([local_loss, stop, busy, (~torch.isfinite(local_loss)).float(), owe])
+                     if local_norm else None)
+            summed = self.strategy.reduce_gradients(self.model, early)
             grads = self.strategy.local_grads(self.model)
             if scale is not None:
                 torch._foreach_mul_(grads, 1.0 / scale)
-            # The squared norm of this rank's gradients rides on the same all-reduce as the loss:
-            # every rank learns the global norm (for clipping) and whether any rank saw a
-            # non-finite value, in the same step, with no collective of its own.
-            check_grads = tr.clip_grad_norm is not None or scale is not None
             sumsq = _sum_of_squares(grads, self.device) if check_grads else torch.zeros((), device=self.device)
-            # The host's flags join the statistics by fill kernels, not by a copy: a copy from a
-            # Python list to a GPU synchronises the stream (PyTorch waits for a pageable copy), so it
-            # would hold the host here until backward had finished, once more before the read below.
-            owe_flag = 1.0 if self._owe_at is not None and time.monotonic() >= self._owe_at else 0.0
-            stop, busy, owe = (torch.full((), f, device=self.device) for f in (stop_flag, busy_flag, owe_flag))
-            stats = torch.stack([local_loss, stop, busy,
-                                 (~torch.isfinite(local_loss)).float(), (~torch.isfinite(sumsq)).float(), sumsq, owe])
-            dist.all_reduce(stats)  # the whole world: every rank agrees on the stop, whatever its stage
+            if early is None:
+                stats = torch.stack([local_loss, stop, busy, (~torch.isfinite(local_loss)).float(),
+                                     (~torch.isfinite(sumsq)).float(), sumsq, owe])
+                dist.all_reduce(stats)
+                norm_sq = stats[5] / self.strategy.grad_copies
+            else:
+                if summed is None:  # the strategy did not carry them
+                    dist.all_reduce(early)
+                    summed = early
+                stats = torch.cat([summed[:4], torch.stack([(~torch.isfinite(sumsq)).float(), sumsq]), summed[4:]])
+                norm_sq = sumsq
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
-        grad_norm = (stats[5] / self.strategy.grad_copies).sqrt()
+        grad_norm = norm_sq.sqrt()
         # Every decision below reads one host copy: on a GPU each read of a device tensor is a
         # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
         host = stats.cpu()

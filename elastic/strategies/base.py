@@ -29,6 +29,9 @@ def forget_old_meshes(generation: int) -> None:
 class Strategy(ABC):
     name = "base"
     sharded = False  # True: a rank holds only its part of the state, so no single survivor holds it all
+    # True: after `reduce_gradients` every rank of the world holds the same whole gradient, bit for
+    # bit, so a rank's own sum of squares is the global one (no collective needed to learn it).
+    whole_grads_everywhere = False
 
     layout_key = None  # what a rank's built model depends on besides the seed (a pipeline: its stage)
     needs_data = True  # whether this rank reads the step's samples (a pipeline's middle stages do not)
@@ -96,8 +99,12 @@ class Strategy(ABC):
         """Make every rank's model and optimizer state equal to `src_rank`'s (replicated strategies)."""
 
     @abstractmethod
-    def reduce_gradients(self, model: nn.Module) -> None:
-        """After the last micro-batch's backward: gradients averaged over the `dp` axis, ready to step."""
+    def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """After the last micro-batch's backward: gradients averaged over the `dp` axis, ready to step.
+        `extra`: a few values (the step's statistics) to sum over the whole world. A strategy whose
+        reduction spans the whole world sums them in place on the same group, after its last
+        gradient, and returns them: no sync point of their own. Others return None, and the caller
+        sums them itself."""
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state keyed by fully-qualified names, as DCP saves it (sharded

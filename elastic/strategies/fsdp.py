@@ -68,7 +68,7 @@ class FullyShardedDataParallel(Strategy):
     def set_gradient_sync(self, model: nn.Module, on: bool) -> None:
         model.set_requires_gradient_sync(on)
 
-    def reduce_gradients(self, model: nn.Module) -> None:
+    def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> None:
         """Nothing left to do: the last micro-batch's backward reduce-scattered the gradients,
         averaged over the ranks."""
 

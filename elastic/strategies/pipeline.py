@@ -100,6 +100,7 @@ def stage_of_unit(chunks: list[list[str]], pp: int) -> dict[str, int]:
 class Pipeline(DataParallel):
     name = "pipeline"
     overlap = False  # the schedule runs many backwards per step: one flat all-reduce after them
+    whole_grads_everywhere = False  # each stage holds its own parameters' gradients
 
     def __init__(self, mesh, spec, layout: Layout, rank: int):
         super().__init__(mesh, spec)
@@ -199,7 +200,7 @@ class Pipeline(DataParallel):
             return torch.stack([x.detach() for x in losses]).mean()
         return torch.zeros(())
 
-    def reduce_gradients(self, model: nn.Module) -> None:
+    def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> None:
         if self.layout.dp > 1:
             self._reduce_flat(model)
 
