@@ -1,7 +1,7 @@
 """elastic's DDP step against torch DDP in the same two torchrun processes: no Ray, no data path.
 
 Both ranks train the overhead benchmark's MLP on one fixed batch of 48 samples each, one compute
-thread, gloo, AdamW. Three variants, each its own model, run in rounds of `STEPS` steps whose order
+thread, gloo, AdamW. Three variants, each its own model, run in rounds of STEPS steps whose order
 rotates, and the median of the rounds' mean step times is printed:
   * torch DDP: `DistributedDataParallel(gradient_as_bucket_view=True)`, as in `elastic bench overhead`;
   * elastic before: the DataParallel strategy as it was before this probe was written: gradients
@@ -24,7 +24,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from elastic.bench.workload import build_mlp
 from elastic.strategies.ddp import DataParallel
 
-HIDDEN, STEPS, ROUNDS = (int(a) for a in (sys.argv[1:] + ["3072", "10", "16"][len(sys.argv) - 1:]))
 
 
 class Before(DataParallel):
@@ -50,13 +49,14 @@ class Before(DataParallel):
 
 
 def main() -> None:
+    hidden, steps, rounds = (int(a) for a in (sys.argv[1:] + ["3072", "10", "16"][len(sys.argv) - 1:]))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     x, y = torch.randn(48, 256), torch.randint(0, 10, (48,))
     loss_of = torch.nn.functional.cross_entropy
-    ddp = DDP(build_mlp(HIDDEN), gradient_as_bucket_view=True)
+    ddp = DDP(build_mlp(hidden), gradient_as_bucket_view=True)
     ddp_opt = torch.optim.AdamW(ddp.parameters())
 
     def torch_ddp():
@@ -64,10 +64,10 @@ def main() -> None:
         loss_of(ddp(x), y).backward()
         ddp_opt.step()
 
-    first = build_mlp(HIDDEN)
+    first = build_mlp(hidden)
 
     def elastic(cls):
-        model = build_mlp(HIDDEN)
+        model = build_mlp(hidden)
         model.load_state_dict(first.state_dict())
         opt, strategy = torch.optim.AdamW(model.parameters()), cls(mesh)
 
@@ -91,17 +91,17 @@ def main() -> None:
     same = all(torch.equal(a, b) for a, b in zip(before_model.parameters(), now_model.parameters()))
     times = {name: [] for name in variants}
     names = list(variants)
-    for r in range(ROUNDS):
+    for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
             t = time.perf_counter()
-            for _ in range(STEPS):
+            for _ in range(steps):
                 variants[name]()
             dist.barrier()
-            times[name].append((time.perf_counter() - t) / STEPS)
+            times[name].append((time.perf_counter() - t) / steps)
     if dist.get_rank() == 0:
         ddp_s = statistics.median(times["torch DDP"])
-        print(f"{sum(p.numel() for p in first.parameters()) / 1e6:.1f} M parameters, {ROUNDS} rounds of {STEPS} "
+        print(f"{sum(p.numel() for p in first.parameters()) / 1e6:.1f} M parameters, {rounds} rounds of {steps} "
               f"steps; elastic before and now bit-identical after 3 steps: {same}")
         for name, ts in times.items():
             med = statistics.median(ts)
