@@ -151,9 +151,16 @@ class ChaosFault(_Strict):
                            "fire: the drill for a machine lost mid-upload. Waits at most "
                            "failure.collective_timeout_s; fires at once if no persist is in flight (the "
                            "fault_injected event says whether an upload was under way)")
+    after_persist: bool = Field(
+        False, description="at at_step, first wait until this rank's checkpoint persist in flight has ended, then "
+                           "fire: the drill for a machine lost just after a checkpoint, whose restore from storage "
+                           "must lose only the steps since it. Waits at most failure.collective_timeout_s")
 
     @model_validator(mode="after")
     def _check_thaw(self) -> "ChaosFault":
+        if self.during_upload and self.after_persist:
+            raise ValueError("during_upload and after_persist exclude each other: fire during a checkpoint's "
+                             "upload, or after its persist")
         if self.thaw_after_s is not None and self.action not in ("freeze_node", "freeze_process"):
             raise ValueError(f"thaw_after_s is for freeze_node and freeze_process, not {self.action}")
         if (self.hold_s is None) != (self.action != "hold_gil"):

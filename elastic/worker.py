@@ -790,6 +790,8 @@ class Worker:
         # Tell the controller first (it records the fault time and never hands this fault out
         # again), then fault. The report must land before the process dies, hence ray.get.
         uploading = self._await_upload(self.job.failure.collective_timeout_s) if fault.get("during_upload") else None
+        if fault.get("after_persist") and self.ckpt is not None:
+            self.ckpt.wait(self.job.failure.collective_timeout_s)
         if self.controller is not None:
             ray.get(self.controller.report_fault.remote(fault, self.rank, self.step, time.time(), os.getpid(),
                                                         self.generation, uploading))
