@@ -656,26 +656,18 @@ class Worker:
             check_grads = tr.clip_grad_norm is not None or scale is not None
             # Where every rank ends with the whole gradient (ddp), its norm needs no collective, and
             # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
-            # rank's part joins the statistics, summed after the reduction.
-            local_norm = self.strategy.whole_grads_everywhere or not check_grads
-            early = (torch.stack([local_loss, stop, busy, (~torch.isfinite(local_loss)).float(), owe])
-                     if local_norm else None)
-            summed = self.strategy.reduce_gradients(self.model, early)
+            # rank's part joins the statistics in one all-reduce after the reduction.
+            flags = torch.stack([local_loss, stop, busy, (~torch.isfinite(local_loss)).float(), owe])
+            ride = self.strategy.whole_grads_everywhere or not check_grads
+            carried = self.strategy.reduce_gradients(self.model, flags if ride else None) is not None
             grads = self.strategy.local_grads(self.model)
             if scale is not None:
                 torch._foreach_mul_(grads, 1.0 / scale)
             sumsq = _sum_of_squares(grads, self.device) if check_grads else torch.zeros((), device=self.device)
-            if early is None:
-                stats = torch.stack([local_loss, stop, busy, (~torch.isfinite(local_loss)).float(),
-                                     (~torch.isfinite(sumsq)).float(), sumsq, owe])
+            stats = torch.cat([flags[:4], torch.stack([(~torch.isfinite(sumsq)).float(), sumsq]), flags[4:]])
+            if not carried:
                 dist.all_reduce(stats)
-                norm_sq = stats[5] / self.strategy.grad_copies
-            else:
-                if summed is None:  # the strategy did not carry them
-                    dist.all_reduce(early)
-                    summed = early
-                stats = torch.cat([summed[:4], torch.stack([(~torch.isfinite(sumsq)).float(), sumsq]), summed[4:]])
-                norm_sq = sumsq
+            norm_sq = sumsq if carried else stats[5] / self.strategy.grad_copies
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
         grad_norm = norm_sq.sqrt()

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LOG_ENV = "CKPT_COST_PROBE_LOG"
 PHASES = ("_persist", "_agree", "save_shards", "_commit_with_retries", "apply_retention")
 
@@ -48,44 +47,34 @@ def _timed(fn, name, log):
 
 
 def main() -> None:
-    sys.path.insert(0, HERE)
-    from elastic import Trainer
-    from elastic.bench.local_cluster import local_cluster
-    from elastic.bench.overhead import HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, elastic_job, read_step_log
+    from alternating import alternating_runs
 
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     work = tempfile.mkdtemp(prefix="ckpt-cost-probe-")
-    step_log = os.path.join(work, "steps.jsonl")
-    with local_cluster(num_worker_nodes=2, cpus_per_node=1) as cluster:
-        _connect_with_env(cluster, {HIDDEN_ENV: "1024", STEP_LOG_ENV: step_log, LOG_ENV: work,
-                                    "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])})
-        for i in range(2 * pairs):
-            on = (i + i // 2) % 2 == 0  # pairs alternate which setting runs first
-            for f in os.listdir(work):
-                if f.startswith("ck-"):
-                    os.remove(os.path.join(work, f))
-            open(step_log, "w").close()
-            job = elastic_job(1024, steps, "file://" + os.path.join(work, f"runs-{i}"))
-            job["train"]["model"] = "ckpt_cost_probe:build_model"
-            job["checkpoint"]["every_steps"] = 50 if on else 10 * steps  # off: only the run's final one
-            Trainer(job).fit(progress=False)
-            ends = sorted(x["t"] for x in read_step_log(step_log))
-            dts = [b - a for a, b in zip(ends[5:], ends[6:])]  # dts[k] is step k + 7
-            med = statistics.median(dts)
-            period = dts[44:]  # steps 51 .. the end: step 50's checkpoint is taken as it ends
-            recs = [json.loads(line) for f in os.listdir(work) if f.startswith("ck-")
-                    for line in open(os.path.join(work, f))]
-            during = [r for r in recs if ends[5] <= r["t"] <= ends[-1]]  # not the run's final checkpoint
-            per = {name: [r for r in during if r["fn"] == name] for name in PHASES}
-            phases = ", ".join(f"{name.strip('_')} {statistics.median(r['cpu'] for r in v) * 1e3:.1f}/"
-                               f"{statistics.median(r['wall'] for r in v) * 1e3:.1f} ms (n={len(v)})"
-                               for name, v in per.items() if v)
-            after = [round(dts[s - 7] * 1e3) for s in range(51, steps, 50)]  # the steps after steps 50, 100, ...
-            print(f"{'every 50' if on else 'off     '}: median step {med * 1e3:.1f} ms; steps 51-{steps}: "
-                  f"{sum(period):.2f} s, extra {sum(period) - med * len(period):.3f} s; steps 51, 101, ...: "
-                  f"{after} ms; "
-                  f"per phase, CPU/wall medians over both ranks: {phases or '-'}", flush=True)
+
+    def prepare(job: dict, on: bool) -> None:
+        for f in os.listdir(work):
+            if f.startswith("ck-"):
+                os.remove(os.path.join(work, f))
+        job["train"]["model"] = "ckpt_cost_probe:build_model"
+        job["checkpoint"]["every_steps"] = 50 if on else 10 * steps  # off: only the run's final one
+
+    for on, ends in alternating_runs(work, 1024, steps, pairs, {LOG_ENV: work}, prepare):
+        dts = [b - a for a, b in zip(ends[5:], ends[6:])]  # dts[k] is step k + 7
+        med = statistics.median(dts)
+        period = dts[44:]  # steps 51 .. the end: step 50's checkpoint is taken as it ends
+        recs = [json.loads(line) for f in os.listdir(work) if f.startswith("ck-")
+                for line in open(os.path.join(work, f))]
+        during = [r for r in recs if ends[5] <= r["t"] <= ends[-1]]  # not the run's final checkpoint
+        per = {name: [r for r in during if r["fn"] == name] for name in PHASES}
+        phases = ", ".join(f"{name.strip('_')} {statistics.median(r['cpu'] for r in v) * 1e3:.1f}/"
+                           f"{statistics.median(r['wall'] for r in v) * 1e3:.1f} ms (n={len(v)})"
+                           for name, v in per.items() if v)
+        after = [round(dts[s - 7] * 1e3) for s in range(51, steps, 50)]  # the steps after steps 50, 100, ...
+        print(f"{'every 50' if on else 'off     '}: median step {med * 1e3:.1f} ms; steps 51-{steps}: "
+              f"{sum(period):.2f} s, extra {sum(period) - med * len(period):.3f} s; steps 51, 101, ...: "
+              f"{after} ms; per phase, CPU/wall medians over both ranks: {phases or '-'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FLAG_ENV = "DDP_AB_PROBE_BEFORE"
 
 
@@ -25,33 +24,26 @@ def build_model():
 
 
 def main() -> None:
-    sys.path.insert(0, HERE)
-    from elastic import Trainer
-    from elastic.bench.local_cluster import local_cluster
-    from elastic.bench.overhead import HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, elastic_job, read_step_log
+    from alternating import alternating_runs
 
     hidden = int(sys.argv[1]) if len(sys.argv) > 1 else 3072
     pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     work = tempfile.mkdtemp(prefix="ddp-ab-probe-")
-    step_log, flag = os.path.join(work, "steps.jsonl"), os.path.join(work, "before")
+    flag = os.path.join(work, "before")
+
+    def prepare(job: dict, before: bool) -> None:
+        if before:
+            open(flag, "w").close()
+        elif os.path.exists(flag):
+            os.remove(flag)
+        job["train"]["model"] = "ddp_ab_probe:build_model"
+        job["checkpoint"]["every_steps"] = 1000  # only the run's final checkpoint, after the last step
+
     medians: dict[str, list[float]] = {"before": [], "now": []}
-    with local_cluster(num_worker_nodes=2, cpus_per_node=1) as cluster:
-        _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log, FLAG_ENV: flag,
-                                    "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])})
-        for i in range(2 * pairs):
-            setting = "before" if (i + i // 2) % 2 == 0 else "now"
-            if setting == "before":
-                open(flag, "w").close()
-            elif os.path.exists(flag):
-                os.remove(flag)
-            open(step_log, "w").close()
-            job = elastic_job(hidden, 100, "file://" + os.path.join(work, f"runs-{i}"))
-            job["train"]["model"] = "ddp_ab_probe:build_model"
-            job["checkpoint"]["every_steps"] = 1000  # only the run's final checkpoint, after the last step
-            Trainer(job).fit(progress=False)
-            ends = sorted(x["t"] for x in read_step_log(step_log))
-            medians[setting].append(statistics.median(b - a for a, b in zip(ends[10:], ends[11:])))
-            print(f"{setting:6s}: median step {medians[setting][-1] * 1e3:.2f} ms", flush=True)
+    for before, ends in alternating_runs(work, hidden, 100, pairs, {FLAG_ENV: flag}, prepare):
+        setting = "before" if before else "now"
+        medians[setting].append(statistics.median(b - a for a, b in zip(ends[10:], ends[11:])))
+        print(f"{setting:6s}: median step {medians[setting][-1] * 1e3:.2f} ms", flush=True)
     before, now = (statistics.median(medians[k]) for k in ("before", "now"))
     wins = sum(b > n for b, n in zip(medians["before"], medians["now"]))
     print(f"hidden {hidden}: before {before * 1e3:.2f} ms, now {now * 1e3:.2f} ms a step (before / now "

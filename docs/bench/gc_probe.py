@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LOG_ENV, UNFREEZE_ENV = "GC_PROBE_LOG", "GC_PROBE_UNFREEZE"
 
 
@@ -43,44 +42,36 @@ def build_model():
 
 
 def main() -> None:
-    sys.path.insert(0, HERE)
-    from elastic import Trainer
-    from elastic.bench.local_cluster import local_cluster
-    from elastic.bench.overhead import HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, elastic_job, read_step_log
+    from alternating import alternating_runs
 
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 600
     pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     work = tempfile.mkdtemp(prefix="gc-probe-")
-    step_log, flag = os.path.join(work, "steps.jsonl"), os.path.join(work, "unfreeze")
-    with local_cluster(num_worker_nodes=2, cpus_per_node=1) as cluster:
-        _connect_with_env(cluster, {HIDDEN_ENV: "1024", STEP_LOG_ENV: step_log, LOG_ENV: work, UNFREEZE_ENV: "1",
-                                    UNFREEZE_ENV + "_FLAG": flag,
-                                    "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])})
-        for i in range(2 * pairs):
-            unfrozen = (i + i // 2) % 2 == 1  # pairs alternate which setting runs first
-            if unfrozen:
-                open(flag, "w").close()
-            elif os.path.exists(flag):
-                os.remove(flag)
-            for f in os.listdir(work):
-                if f.startswith("gc-"):
-                    os.remove(os.path.join(work, f))
-            open(step_log, "w").close()
-            job = elastic_job(1024, steps, "file://" + os.path.join(work, f"runs-{i}"))
-            job["train"]["model"] = "gc_probe:build_model"
-            Trainer(job).fit(progress=False)
-            ends = sorted(x["t"] for x in read_step_log(step_log))
-            dts = [b - a for a, b in zip(ends[5:], ends[6:])]
-            events = [json.loads(line) for f in os.listdir(work) if f.startswith("gc-")
-                      for line in open(os.path.join(work, f))]
-            t0, t1 = ends[5], ends[-1]
-            during = [e for e in events if t0 <= e["t"] <= t1]
-            full = [e["ms"] for e in during if e["gen"] == 2]
-            slow = [e["ms"] for e in during if e["ms"] > 5]
-            print(f"{'unfrozen' if unfrozen else 'frozen  '}: {len(dts)} steps, median {statistics.median(dts) * 1e3:.1f} ms, "
-                  f"mean {statistics.mean(dts) * 1e3:.2f} ms; both ranks: {len(full)} full collections "
-                  f"({sum(full):.0f} ms in all, longest {max(full, default=0):.0f} ms), "
-                  f"{len(slow)} collections over 5 ms", flush=True)
+    flag = os.path.join(work, "unfreeze")
+
+    def prepare(job: dict, frozen: bool) -> None:  # pairs alternate which setting runs first
+        if not frozen:
+            open(flag, "w").close()
+        elif os.path.exists(flag):
+            os.remove(flag)
+        for f in os.listdir(work):
+            if f.startswith("gc-"):
+                os.remove(os.path.join(work, f))
+        job["train"]["model"] = "gc_probe:build_model"
+
+    env = {LOG_ENV: work, UNFREEZE_ENV: "1", UNFREEZE_ENV + "_FLAG": flag}
+    for frozen, ends in alternating_runs(work, 1024, steps, pairs, env, prepare):
+        dts = [b - a for a, b in zip(ends[5:], ends[6:])]
+        events = [json.loads(line) for f in os.listdir(work) if f.startswith("gc-")
+                  for line in open(os.path.join(work, f))]
+        t0, t1 = ends[5], ends[-1]
+        during = [e for e in events if t0 <= e["t"] <= t1]
+        full = [e["ms"] for e in during if e["gen"] == 2]
+        slow = [e["ms"] for e in during if e["ms"] > 5]
+        print(f"{'frozen  ' if frozen else 'unfrozen'}: {len(dts)} steps, median {statistics.median(dts) * 1e3:.1f} ms, "
+              f"mean {statistics.mean(dts) * 1e3:.2f} ms; both ranks: {len(full)} full collections "
+              f"({sum(full):.0f} ms in all, longest {max(full, default=0):.0f} ms), "
+              f"{len(slow)} collections over 5 ms", flush=True)
 
 
 if __name__ == "__main__":
