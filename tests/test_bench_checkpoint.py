@@ -46,6 +46,30 @@ def test_the_summary_is_per_size_and_divides_persist_by_raw_of_the_same_bytes():
     assert "| 0.80 |" in table
 
 
+def test_the_summary_divides_persist_by_raw_beside_training_where_it_was_measured():
+    recs = [{"params": 10, "bytes": 100e6, "step_s": 0.2, "stall_s": 0.05, "extra_s": 0.01, "period_extra_s": 0.1,
+             "persist_s": 1.0, "persist_MBps": 100.0}]
+    (row,), table = bench.summarise(recs, {10: {"raw_MBps": 200.0, "raw_beside_MBps": 125.0}})
+    assert row["persist_over_raw"] == pytest.approx(0.5)
+    assert row["persist_over_raw_beside"] == pytest.approx(0.8)
+    assert table.rstrip().endswith("| 0.50 | 125 | 0.80 |")
+    (row,), table = bench.summarise(recs, {10: {"raw_MBps": 200.0}})  # records from before it was measured
+    assert row["persist_over_raw_beside"] is None and table.rstrip().endswith("| 0.50 | - | - |")
+
+
+def test_the_run_beside_the_raw_writes_leaves_each_write_four_times_its_idle_time_and_half_again():
+    # 5 writes of 2 s pause + 4 x 0.5 s each = 20 s, x 1.5 = 30 s at 0.25 s a step: 120 steps,
+    # plus 5 of warm-up and 5 at the end.
+    assert bench.beside_steps(step_s=0.25, raw_s=0.5, reps=5, gap_s=2.0, warmup_steps=5) == 130
+
+
+def test_only_writes_between_the_first_and_the_last_step_count_as_beside_training():
+    ends = [10.0, 11.0, 12.0, 20.0]
+    assert bench.writes_inside([(10.5, 11.5), (12.0, 19.0)], ends) == 2
+    assert bench.writes_inside([(9.0, 11.0), (19.0, 21.0), (12.0, 13.0)], ends) == 1  # one began before, one ended after
+    assert bench.writes_inside([(11.0, 12.0)], []) == 0
+
+
 def test_the_cli_runs_it_with_its_own_default_sizes():
     p = argparse.ArgumentParser()
     add_bench_args(p)

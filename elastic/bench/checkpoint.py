@@ -19,16 +19,25 @@ raw: the driver reads the committed folder's files into memory, then writes the 
 same names and sizes, to a fresh prefix of the same bucket with one s3fs `pipe` call (every
 file at once, concurrently), RAW_REPS times: raw_MBps = bytes / median time. The target is
 persist_MBps >= 0.8 x raw_MBps (issue 9).
+
+raw beside training: the same writes while the same training runs again (a second run of the
+same job, with no checkpoint until its end), each after a pause of RAW_GAP_S: raw s3fs on a
+machine as busy as it was during the persists, so that persist ÷ raw beside training is what
+elastic's persist costs over s3fs's own write, with this machine's contention the same for both
+(the S3 server, training and the write share its cores). The writes come from the driver, a
+process of their own; a rank's persist shares its process with training.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -44,6 +53,7 @@ DEFAULT_LAYOUT = {"num_workers": NUM_WORKERS, "cpus_per_node": 1}
 DEFAULT_HIDDEN = "3072,10000"
 LARGE_PARAMS = 50_000_000  # from here on a step takes seconds here: fewer, longer-spaced checkpoints
 RAW_REPS = 5
+RAW_GAP_S = 2.0  # beside training, a pause before each raw write (persists, too, are spaced by training)
 STALL_TARGET = 1.0  # stall <= this many step times
 PERSIST_TARGET = 0.8  # persist throughput >= this fraction of raw s3fs
 
@@ -102,8 +112,8 @@ def summarise(records: list[dict], raw: dict[int, dict]) -> tuple[list[dict], st
     rows = []
     lines = ["| parameters | checkpoint size | checkpoints | median step_s | median stall_s | max stall_s | "
              "stall ÷ step | median extra_s | median period_extra_s | median persist_s | persist MB/s | raw s3fs MB/s | "
-             "persist ÷ raw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "persist ÷ raw | raw s3fs beside training MB/s | persist ÷ raw beside training |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for params in sorted({r["params"] for r in records}):
         mine = [r for r in records if r["params"] == params]
         step_s = statistics.median(r["step_s"] for r in mine)
@@ -119,6 +129,9 @@ def summarise(records: list[dict], raw: dict[int, dict]) -> tuple[list[dict], st
                "median_period_extra_s": statistics.median(period) if period else None,
                "median_persist_s": statistics.median(r["persist_s"] for r in mine),
                "persist_MBps": persist_mbps, "raw_MBps": raw_mbps, "persist_over_raw": persist_mbps / raw_mbps}
+        beside = raw[params].get("raw_beside_MBps")
+        row["raw_beside_MBps"] = beside
+        row["persist_over_raw_beside"] = persist_mbps / beside if beside else None
         row["stall_over_step"] = row["median_stall_s"] / step_s if stall else None
         rows.append(row)
 
@@ -128,7 +141,8 @@ def summarise(records: list[dict], raw: dict[int, dict]) -> tuple[list[dict], st
                      f"{f(row['median_stall_s'])} | {f(row['max_stall_s'])} | {f(row['stall_over_step'], '{:.2f}')} | "
                      f"{f(row['median_extra_s'])} | {f(row['median_period_extra_s'])} | "
                      f"{f(row['median_persist_s'], '{:.2f}')} | "
-                     f"{f(persist_mbps, '{:.0f}')} | {f(raw_mbps, '{:.0f}')} | {row['persist_over_raw']:.2f} |")
+                     f"{f(persist_mbps, '{:.0f}')} | {f(raw_mbps, '{:.0f}')} | {row['persist_over_raw']:.2f} | "
+                     f"{f(beside, '{:.0f}')} | {f(row['persist_over_raw_beside'], '{:.2f}')} |")
     return rows, "\n".join(lines) + "\n"
 
 
@@ -138,16 +152,37 @@ def folder_files(fs, folder: str) -> dict[str, int]:
     return {p.rsplit("/", 1)[1]: int(info["size"]) for p, info in fs.find(folder, detail=True).items()}
 
 
-def raw_write(fs, bucket_path: str, blobs: dict[str, bytes], reps: int) -> list[float]:
-    """Write the same files with one concurrent s3fs `pipe` call per repetition; seconds each."""
+def raw_write(fs, bucket_path: str, blobs: dict[str, bytes], reps: int, gap_s: float = 0.0,
+              spans: list | None = None) -> list[float]:
+    """Write the same files with one concurrent s3fs `pipe` call per repetition, each after
+    `gap_s` of pause; seconds each. `spans` collects each write's (start, end) wall-clock times."""
     times = []
     for _ in range(reps):
+        time.sleep(gap_s)
         prefix = f"{bucket_path}/raw-{uuid.uuid4().hex[:8]}"
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         fs.pipe({f"{prefix}/{name}": data for name, data in blobs.items()})
         times.append(time.perf_counter() - t0)
+        if spans is not None:
+            spans.append((wall0, time.time()))
         fs.rm(prefix, recursive=True)
     return times
+
+
+def beside_steps(step_s: float, raw_s: float, reps: int = RAW_REPS, gap_s: float = RAW_GAP_S,
+                 warmup_steps: int = 5) -> int:
+    """Steps for the run the raw writes go beside: the warm-up, then room for `reps` writes, each
+    allowed 4 x its idle time (a busy machine slows it), with half as much again to spare."""
+    return warmup_steps + math.ceil(1.5 * reps * (gap_s + 4 * raw_s) / step_s) + 5
+
+
+def writes_inside(spans: list[tuple[float, float]], step_ends: list[float]) -> int:
+    """How many writes started after the run's first step and ended before its last: writes
+    made while it trained."""
+    if not step_ends:
+        return 0
+    first, last = min(step_ends), max(step_ends)
+    return sum(1 for a, b in spans if first < a and b < last)
 
 
 def run_size(hidden: int, s3, cluster, work: str, step_log: str, rep: int,
@@ -192,7 +227,48 @@ def run_size(hidden: int, s3, cluster, work: str, step_log: str, rep: int,
            "bytes": nbytes, "files": len(blobs), "raw_s": times, "raw_s_median": statistics.median(times),
            "raw_MBps": nbytes / 1e6 / statistics.median(times)}
     fs.rm(f"{s3.bucket}/bench-checkpoint", recursive=True)
+    raw.update(raw_beside_training(hidden, s3, step_log, layout, blobs, figs["step_s"], raw["raw_s_median"]))
     return records, raw
+
+
+def raw_beside_training(hidden: int, s3, step_log: str, layout: dict, blobs: dict[str, bytes],
+                        step_s: float, raw_s: float) -> dict:
+    """The raw writes again, while a second run of the same training job goes on (no checkpoint
+    until its end). Raises if a write fell outside the training."""
+    from elastic import Trainer
+
+    warmup = 5
+    num_steps = beside_steps(step_s, raw_s, warmup_steps=warmup)
+    open(step_log, "w").close()
+    job = elastic_job(hidden, f"{s3.uri}/bench-checkpoint-beside", s3.storage_options, num_steps, num_steps,
+                      layout["num_workers"])
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = Trainer(job).fit(progress=False)
+        except BaseException as e:  # noqa: BLE001 - reported below, on the driver's thread
+            outcome["error"] = e
+
+    runner = threading.Thread(target=train, name="beside-training", daemon=True)
+    runner.start()
+    while runner.is_alive() and len(read_step_log(step_log)) < warmup:
+        time.sleep(0.2)
+    fs = s3.filesystem()
+    spans: list[tuple[float, float]] = []
+    times = raw_write(fs, f"{s3.bucket}/bench-checkpoint-beside", blobs, RAW_REPS, RAW_GAP_S, spans)
+    runner.join()
+    if "error" in outcome:
+        raise RuntimeError(f"the run beside the raw writes failed: {outcome['error']}") from outcome["error"]
+    inside = writes_inside(spans, [x["t"] for x in read_step_log(step_log)])
+    if inside != len(spans):
+        raise RuntimeError(f"only {inside} of {len(spans)} raw writes ran while the training did "
+                           f"({num_steps} steps); the run was too short")
+    fs.rm(f"{s3.bucket}/bench-checkpoint-beside", recursive=True)
+    nbytes = sum(len(b) for b in blobs.values())
+    return {"raw_beside_s": times, "raw_beside_s_median": statistics.median(times),
+            "raw_beside_MBps": nbytes / 1e6 / statistics.median(times), "beside_steps": num_steps,
+            "raw_gap_s": RAW_GAP_S}
 
 
 def main(args) -> int:
@@ -225,7 +301,8 @@ def main(args) -> int:
             print(f"[checkpoint] {num_params(hidden) / 1e6:.1f} M: stall "
                   + ", ".join(f"{r['stall_s']:.3f}" for r in recs if r["stall_s"] is not None)
                   + f" s; persist {statistics.median(r['persist_s'] for r in recs):.2f} s; raw "
-                  f"{raw['raw_s_median']:.2f} s", file=sys.stderr, flush=True)
+                  f"{raw['raw_s_median']:.2f} s; raw beside training {raw['raw_beside_s_median']:.2f} s",
+                  file=sys.stderr, flush=True)
             records += recs
             raws[raw["params"]] = raw
             if args.out:
@@ -241,8 +318,9 @@ def main(args) -> int:
              f"global batch {GLOBAL_BATCH}; checkpoints to a SeaweedFS S3 endpoint on loopback through s3fs. "
              f"stall_s: rank 0's training thread held by the save; extra_s: the step after the save minus the "
              f"median step before any checkpoint; period_extra_s: the same summed over the checkpoint's period; persist: snapshot handed over -> committed; raw s3fs: the same files written by "
-             f"one concurrent s3fs pipe() from the driver, median of {RAW_REPS}. The final checkpoint (which the "
-             f"run waits for) is left out.")
+             f"one concurrent s3fs pipe() from the driver, median of {RAW_REPS}, once the run has ended (idle) "
+             f"and beside a second run of the same training (each write after a {RAW_GAP_S:.0f} s pause). The "
+             f"final checkpoint (which the run waits for) is left out.")
     title = "### checkpoint (stall and persist throughput vs raw s3fs, same run)\n\n"
     print(title + table + f"\n- {notes}")
     if args.out:
@@ -271,9 +349,12 @@ def plot(path: str, records: list[dict], raws: dict[int, dict]) -> None:
         a.scatter([i] * len(mine), [r["stall_s"] for r in mine], color="#1f4e79", s=16, zorder=3,
                   label="stall per checkpoint" if i == 0 else None)
         a.hlines(mine[0]["step_s"], i - 0.3, i + 0.3, color="#d62728", label="median step" if i == 0 else None)
-        b.bar(i - 0.2, statistics.median(r["persist_MBps"] for r in mine), width=0.4, color="#8fb3d9",
+        b.bar(i - 0.27, statistics.median(r["persist_MBps"] for r in mine), width=0.27, color="#8fb3d9",
               label="elastic persist" if i == 0 else None)
-        b.bar(i + 0.2, raws[params]["raw_MBps"], width=0.4, color="#bbbbbb", label="raw s3fs" if i == 0 else None)
+        b.bar(i, raws[params].get("raw_beside_MBps") or 0, width=0.27, color="#888888",
+              label="raw s3fs beside training" if i == 0 else None)
+        b.bar(i + 0.27, raws[params]["raw_MBps"], width=0.27, color="#bbbbbb",
+              label="raw s3fs, idle" if i == 0 else None)
     labels = [f"{p / 1e6:.1f} M" for p in sizes]
     a.set_xticks(range(len(sizes)), labels)
     a.set_yscale("log")
