@@ -40,8 +40,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic import uploader
 from elastic.staging import stage_folder
 from elastic.storage import Storage, StorageError, join
+from elastic.uploader import UploadCut
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +187,10 @@ def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
 
 # ---------------------------------------------------------------- shards (collective)
 
-class UploadCut(Exception):
-    """The upload was cut short on purpose: its group failed, so the persist could never commit."""
+# Remote uploads run in a child process (elastic/uploader.py), not beside training's thread in the
+# worker's: False uploads in the worker (for an A/B of the two). Process-private filesystems
+# (`_process_private`: memory://) always upload in the worker, the only process that sees them.
+UPLOAD_IN_CHILD = True
 
 
 def save_shards(state: dict, folder: str, storage_options: dict, process_group,
@@ -202,7 +206,8 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
     Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
     this rank's files to a private staging folder on local disk (`staging.stage_folder`: removed
     afterwards, or by a later save on the node if this process is killed first), which is then
-    uploaded with the filesystem's own `put`. DCP serializing straight into s3fs file buffers copies every tensor
+    uploaded with the filesystem's own `put`, in a child process (`uploader.put`: off the GIL
+    that training's thread holds). DCP serializing straight into s3fs file buffers copies every tensor
     through Python bytes objects while holding the GIL (up to 0.3 s at a time for a 400 MB
     tensor), which stalled training and the controller's polls for seconds at 100 M parameters
     (a false "unresponsive" verdict); a local file and `put` hold it for tens of ms at most.
@@ -223,7 +228,10 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
             if on_write:
                 on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
-            upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable)
+            if uploads_in_child(folder, storage_options):
+                uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable)
+            else:
+                upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable)
         except UploadCut:
             raise  # the group is gone: nothing collective follows
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
@@ -238,12 +246,30 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
         return metadata
 
 
+def uploads_in_child(url: str, storage_options: dict) -> bool:
+    """Whether a save to `url` stages its shards and uploads them from the uploader's child."""
+    if not UPLOAD_IN_CHILD or url.startswith("file://"):
+        return False
+    return not _process_private(fsspec.core.url_to_fs(url, **storage_options)[0])
+
+
+def _process_private(fs) -> bool:
+    """A filesystem a child process could not reach: this process's memory (memory:// and its
+    kind), or a class registered at run time (`fsspec.register_implementation`), which a fresh
+    interpreter lacks. Filesystems fsspec knows by name (s3, gcs, abfs, file, and plugins'
+    entry points) are reachable."""
+    from fsspec.implementations.memory import MemoryFileSystem
+    from fsspec.registry import known_implementations
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return isinstance(fs, MemoryFileSystem) or not any(p in known_implementations for p in protocols)
+
+
 def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s: float = 0.05,
            on_cuttable: Callable[[], None] | None = None) -> None:
-    """`fs.put(src, dst, recursive=True)`, cut short within `poll_s` once `cancel` is set, on
-    an async filesystem (s3fs, gcsfs, adlfs): its coroutine is cancelled on fsspec's event loop,
-    which drops the connection mid-request (`on_cuttable` is called as such an upload begins).
-    A synchronous filesystem uploads to the end.
+    """In this process (`uploader.put` is the child's): `fs.put(src, dst, recursive=True)`, cut
+    short within `poll_s` once `cancel` is set, on an async filesystem (s3fs, gcsfs, adlfs): its
+    coroutine is cancelled on fsspec's event loop, which drops the connection mid-request
+    (`on_cuttable` is called as such an upload begins). A synchronous filesystem uploads to the end.
     A multipart upload cut short stays incomplete in the bucket, invisible to readers, until
     the store's lifecycle rule for incomplete uploads removes it."""
     if cancel is None or not getattr(fs, "async_impl", False):
@@ -384,6 +410,11 @@ class AsyncCheckpointer:
         self.step_in_flight: int | None = None  # the step of the persist last started
         self.writing = threading.Event()  # the persist last started writes its shards to storage
         self.cuttable = threading.Event()  # ... in an upload that abort() cuts short (see `upload`)
+        try:
+            if uploads_in_child(root, storage.options):
+                uploader.prestart(root, storage.options)  # started at the first upload, it delayed that
+        except Exception as e:  # noqa: BLE001 - the first upload starts its own, and reports what fails
+            log.warning("could not start the checkpoint uploader ahead of time: %s", e)
 
     def abort(self) -> None:
         """The group is being torn down: an in-flight persist stops retrying, its upload is cut

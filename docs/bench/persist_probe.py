@@ -5,20 +5,23 @@ tensors of N floats each), a SeaweedFS S3 endpoint on loopback, world size 1 on 
 1. elastic's AsyncCheckpointer (agreement, DCP plan and local staging, upload, commit), 5
    checkpoints, timed per phase: with nothing else running, then with the benchmark's MLP
    training on one thread of the same process (as a rank's persist runs beside its training).
-2. The raw figure the benchmark compares with: one s3fs `pipe` of the same files from memory.
+2. The raw figure the benchmark compares with: one s3fs `pipe` of the same files from memory,
+   after each persist, in the same setting (idle, or beside the same training thread): the
+   throughput ratio of elastic's persist to raw s3fs with the machine's contention the same for both.
 3. The CPU one upload of those files costs: this process (s3fs, aiobotocore) and the SeaweedFS
    server, which here shares the machine's cores with training.
-Usage: python docs/bench/persist_probe.py [N]   (default 5000000: 120 MB)"""
+Usage: python docs/bench/persist_probe.py [N] [REPS]   (default 5000000: 120 MB; 5 of each per setting)"""
 import os, statistics, sys, threading, time, warnings
 warnings.filterwarnings("ignore")
 import psutil, torch, torch.distributed as dist
 import elastic.checkpoint as C
-from elastic.bench.workload import build_mlp
+from training_thread import train
 from elastic.storage import Storage
 from elastic.testing.seaweedfs import seaweedfs_server
 
 torch.set_num_threads(1)
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 5_000_000
+REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
 dist.init_process_group("gloo", rank=0, world_size=1)
 pg = dist.new_group(backend="gloo")
@@ -40,26 +43,25 @@ def timed(name, fn):
 C.AsyncCheckpointer._agree = timed("agree", C.AsyncCheckpointer._agree)
 C.AsyncCheckpointer._commit_with_retries = timed("commit", C.AsyncCheckpointer._commit_with_retries)
 C.dcp.save = timed("DCP plan + staging", C.dcp.save)
-C.upload = timed("upload", C.upload)
-
-
-def train(stop: threading.Event, steps: list[int]) -> None:
-    model = build_mlp(3072)
-    opt = torch.optim.AdamW(model.parameters())
-    x, y = torch.randn(96, 256), torch.randint(0, 10, (96,))
-    while not stop.is_set():
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        steps[0] += 1
+C.upload = timed("upload", C.upload)  # in the worker's process (C.UPLOAD_IN_CHILD False)
+C.uploader.put = timed("upload", C.uploader.put)  # in the uploader's child process (the default)
 
 
 def cpu_s(procs) -> float:
     return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
 
 
+def raw_write(fs, bucket: str, blobs: dict, i: int, weed) -> tuple[float, float, float]:
+    """One s3fs `pipe` of the files from memory: (seconds, this process's CPU, SeaweedFS's CPU)."""
+    c0, w0, t0 = time.process_time(), cpu_s(weed), time.perf_counter()
+    fs.pipe({f"{bucket}/raw{i}/{k}": v for k, v in blobs.items()})
+    return time.perf_counter() - t0, time.process_time() - c0, cpu_s(weed) - w0
+
+
 with seaweedfs_server() as s3:
     fs = s3.filesystem()
+    weed = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "weed"]
+    blobs: dict = {}
     for mode in ("idle", "training"):
         phases.clear()
         stop, steps = threading.Event(), [0]
@@ -69,29 +71,25 @@ with seaweedfs_server() as s3:
             time.sleep(2)
         ck = C.AsyncCheckpointer(Storage(f"{s3.uri}/probe-{mode}", s3.storage_options), f"{s3.uri}/probe-{mode}/c",
                                  0, 1, "ddp", pg, 2, 0.5, 2)
-        persist = []
-        for i in range(1, 6):
+        persist, raw = [], []
+        for i in range(1, REPS + 1):  # a persist, then a raw write of the same files, alternated
             ck.save(i, 0, state, {})
             ck.wait()
             (r,) = ck.drain()
             assert r.committed, r.error
             persist.append(r.persist_s)
+            if not blobs:  # the files of a persist, the bytes every raw write sends
+                folder = f"{s3.bucket}/probe-{mode}/c/" + sorted(fs.ls(f"{s3.bucket}/probe-{mode}/c"))[-1].rsplit("/", 1)[1]
+                blobs = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(folder)}
+                print(f"{len(blobs)} files, {sum(len(b) for b in blobs.values()) / 1e6:.0f} MB")
+            raw.append(raw_write(fs, s3.bucket, blobs, f"{mode}{i}", weed))
         stop.set()
         trainer.join() if trainer.is_alive() else None
-        print(f"persist, {mode}: median {statistics.median(persist):.2f} s of " + ", ".join(f"{p:.2f}" for p in persist))
+        p, w = statistics.median(persist), statistics.median(x[0] for x in raw)
+        print(f"{mode}: persist median {p:.2f} s (" + ", ".join(f"{x:.2f}" for x in persist) + "); raw s3fs pipe "
+              f"median {w:.2f} s (" + ", ".join(f"{x[0]:.2f}" for x in raw) + f"); persist / raw time {w / p:.2f} as a "
+              f"throughput ratio; CPU per raw write: this process {statistics.median(x[1] for x in raw):.2f} s, "
+              f"SeaweedFS {statistics.median(x[2] for x in raw):.2f} s")
         for name, ts in phases.items():
             print(f"  {name}: median {statistics.median(ts):.2f} s")
-    folder = f"{s3.bucket}/probe-idle/c/" + sorted(fs.ls(f"{s3.bucket}/probe-idle/c"))[-1].rsplit("/", 1)[1]
-    blobs = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(folder)}
-    nbytes = sum(len(b) for b in blobs.values())
-    weed = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "weed"]
-    raw, client, server = [], [], []
-    for i in range(5):
-        c0, w0, t0 = time.process_time(), cpu_s(weed), time.perf_counter()
-        fs.pipe({f"{s3.bucket}/raw{i}/{k}": v for k, v in blobs.items()})
-        raw.append(time.perf_counter() - t0)
-        client.append(time.process_time() - c0)
-        server.append(cpu_s(weed) - w0)
-    print(f"raw s3fs pipe of the same {len(blobs)} files ({nbytes / 1e6:.0f} MB): median {statistics.median(raw):.2f} s; "
-          f"CPU per write: this process {statistics.median(client):.2f} s, SeaweedFS {statistics.median(server):.2f} s")
 dist.destroy_process_group()

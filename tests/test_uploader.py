@@ -1,0 +1,168 @@
+"""Checkpoint uploads in a child process (elastic/uploader.py): real child processes, local disk
+and SeaweedFS behind a slow link."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+
+from elastic import uploader
+
+
+def _folder(path, files: dict[str, bytes]) -> str:
+    os.makedirs(path)
+    for name, data in files.items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    return str(path)
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:  # a zombie (dead, not yet reaped by whoever its parent is now) counts as gone
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_is_uploaded_by_a_child_process_kept_for_the_next_upload(tmp_path):
+    src = _folder(tmp_path / "src", {"a.distcp": os.urandom(100_000), ".metadata": b"index"})
+    uploader.put(src, f"file://{tmp_path}/dst1", {})
+    (child,) = uploader._idle
+    uploader.put(src, f"file://{tmp_path}/dst2", {})
+    assert uploader._idle == [child] and child.alive()  # the same process served both
+    assert child.proc.pid != os.getpid()
+    for dst in ("dst1", "dst2"):
+        for name in ("a.distcp", ".metadata"):
+            assert (tmp_path / dst / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
+
+
+@pytest.mark.timeout(60)
+def test_the_childs_error_is_raised_in_the_worker_as_the_same_exception(tmp_path):
+    src = _folder(tmp_path / "src", {"a": b"x"})
+    (tmp_path / "blocker").write_bytes(b"a file where the upload wants a folder")
+    with pytest.raises(OSError) as raised:
+        uploader.put(src, f"file://{tmp_path}/blocker/dst", {})
+    import fsspec
+    with pytest.raises(OSError) as direct:  # the same put in this process
+        fsspec.filesystem("file").put(src + "/", f"{tmp_path}/blocker/dst/", recursive=True)
+    assert type(raised.value) is type(direct.value)
+    assert uploader._idle and uploader._idle[0].alive()  # a failed upload leaves its child usable
+    uploader.put(src, f"file://{tmp_path}/ok", {})
+    assert (tmp_path / "ok" / "a").read_bytes() == b"x"
+
+
+def test_a_cancelled_upload_is_not_begun(tmp_path):
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(uploader.UploadCut, match="not begun"):
+        uploader.put(str(tmp_path), f"file://{tmp_path}/dst", {}, cancel)
+    assert not (tmp_path / "dst").exists()
+
+
+def _slow_s3(s3_server, bytes_per_s: float):
+    from elastic.testing.slow_link import SlowLink
+    host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
+    return SlowLink(host, int(port), bytes_per_s=bytes_per_s)
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_a_cut_upload_kills_its_child_at_once_and_the_next_upload_gets_a_new_one(s3_server, tmp_path):
+    src = _folder(tmp_path / "src", {"shard": os.urandom(4_000_000)})  # 20 s through 200 kB/s
+    with _slow_s3(s3_server, 200_000) as link:
+        options = {**s3_server.storage_options, "endpoint_url": link.url}
+        cancel, cuttable, errors = threading.Event(), threading.Event(), []
+
+        def run():
+            try:
+                uploader.put(src, f"{s3_server.uri}/cut-{uuid.uuid4().hex[:8]}", options, cancel, cuttable.set)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert cuttable.wait(30)
+        time.sleep(1.0)  # well into the upload
+        busy = [int(p) for p in subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "uploader.py"],
+                                               capture_output=True, text=True).stdout.split()]
+        assert busy, "no upload process"
+        t0 = time.monotonic()
+        cancel.set()
+        t.join(10)
+        assert not t.is_alive() and time.monotonic() - t0 < 2.0
+        assert len(errors) == 1 and isinstance(errors[0], uploader.UploadCut), errors
+        assert all(_gone(pid, 5) for pid in busy), "the cut upload's process runs on"
+    dst = f"{s3_server.uri}/whole-{uuid.uuid4().hex[:8]}"
+    uploader.put(src, dst, s3_server.storage_options)  # a fresh child, at full speed
+    assert s3_server.filesystem().cat_file(f"{dst.split('://', 1)[1]}/shard") == (tmp_path / "src" / "shard").read_bytes()
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_an_upload_process_dies_with_its_worker_even_mid_upload(s3_server, tmp_path):
+    """A worker SIGKILLed (a node's OOM killer, a chaos kill) runs no cleanup: its upload's
+    process must not upload on, for minutes, into a checkpoint nobody will commit."""
+    src = _folder(tmp_path / "src", {"shard": os.urandom(4_000_000)})
+    with _slow_s3(s3_server, 200_000) as link:
+        options = {**s3_server.storage_options, "endpoint_url": link.url}
+        worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import sys, threading
+            from elastic import uploader
+            cuttable = threading.Event()
+            threading.Thread(target=uploader.put, daemon=True,
+                             args=({src!r}, {s3_server.uri + '/orphan'!r}, {options!r}, None, cuttable.set)).start()
+            cuttable.wait(60)
+            print("uploading", flush=True)
+            threading.Event().wait()
+        """)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert worker.stdout.readline().strip() == "uploading"
+            time.sleep(1.0)
+            (child,) = [int(p) for p in subprocess.run(["pgrep", "-P", str(worker.pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+            worker.send_signal(signal.SIGKILL)
+            worker.wait()
+            assert _gone(child, 5), "the upload process outlived its worker"
+        finally:
+            worker.kill()
+
+
+def test_only_filesystems_a_fresh_interpreter_can_reach_upload_in_a_child():
+    import fsspec
+
+    from elastic.checkpoint import _process_private
+    from elastic.testing.flaky_fs import flaky_memory_fs
+    assert _process_private(fsspec.filesystem("memory"))  # this process's memory
+    assert _process_private(flaky_memory_fs("uploaderflaky")())  # registered at run time, and in memory
+    assert not _process_private(fsspec.filesystem("file"))
+    assert not _process_private(fsspec.filesystem("s3", anon=True))
+
+
+@pytest.mark.timeout(60)
+def test_a_child_started_ahead_serves_the_first_upload(tmp_path):
+    for child in uploader._idle:
+        child.kill()
+    uploader._idle.clear()
+    uploader.prestart(f"file://{tmp_path}/dst", {})
+    uploader.prestart(f"file://{tmp_path}/dst", {})  # one is starting: nothing more
+    assert len(uploader._starting) <= 1
+    for starter in list(uploader._starting):
+        starter.join(30)
+    (ready,) = uploader._idle
+    src = _folder(tmp_path / "src", {"a": b"first"})
+    uploader.put(src, f"file://{tmp_path}/dst", {})
+    assert uploader._idle == [ready] and (tmp_path / "dst" / "a").read_bytes() == b"first"
+    uploader.prestart(f"file://{tmp_path}/dst", {})  # one is idle: nothing more
+    assert not uploader._starting and uploader._idle == [ready]
