@@ -207,7 +207,8 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
     this rank's files to a private staging folder on local disk (`staging.stage_folder`: removed
     afterwards, or by a later save on the node if this process is killed first), which is then
     uploaded with the filesystem's own `put`, in a child process (`uploader.put`: off the GIL
-    that training's thread holds). DCP serializing straight into s3fs file buffers copies every tensor
+    that training's thread holds; in this process for the worker's first upload, or while its
+    child is busy). DCP serializing straight into s3fs file buffers copies every tensor
     through Python bytes objects while holding the GIL (up to 0.3 s at a time for a 400 MB
     tensor), which stalled training and the controller's polls for seconds at 100 M parameters
     (a false "unresponsive" verdict); a local file and `put` hold it for tens of ms at most.
@@ -228,10 +229,13 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
             if on_write:
                 on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
-            if uploads_in_child(folder, storage_options):
-                uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable)
-            else:
+            in_child = uploads_in_child(folder, storage_options)
+            if not (in_child and uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable)):
+                # No child idle (this worker's first upload, or its child busy): in this process,
+                # then a child is started for the next upload.
                 upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable)
+                if in_child:
+                    uploader.prestart(folder, storage_options)
         except UploadCut:
             raise  # the group is gone: nothing collective follows
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
@@ -410,11 +414,6 @@ class AsyncCheckpointer:
         self.step_in_flight: int | None = None  # the step of the persist last started
         self.writing = threading.Event()  # the persist last started writes its shards to storage
         self.cuttable = threading.Event()  # ... in an upload that abort() cuts short (see `upload`)
-        try:
-            if uploads_in_child(root, storage.options):
-                uploader.prestart(root, storage.options)  # started at the first upload, it delayed that
-        except Exception as e:  # noqa: BLE001 - the first upload starts its own, and reports what fails
-            log.warning("could not start the checkpoint uploader ahead of time: %s", e)
 
     def abort(self) -> None:
         """The group is being torn down: an in-flight persist stops retrying, its upload is cut

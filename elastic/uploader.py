@@ -9,11 +9,14 @@ rounds): training ran 5-14 % more steps per second during a save with the upload
 and the save took as long or up to 8 % longer. torch's DCP has a process-based async save for
 the same reason. An idle child holds 60-90 MB.
 
-One child serves one upload at a time. It is started ahead of the first upload (`prestart`,
-when a rank's checkpointer is built: a Python interpreter, fsspec and the filesystem's package,
-in a thread of its own), kept for the next upload, and a second is started only while the first
-is busy (an abandoned persist still uploading). Started at the first upload instead, on a busy
-node it delayed that upload by seconds.
+One child serves one upload at a time and is kept for the next. A worker's first upload runs in
+the worker itself, and the child is started once it has ended (`prestart`: a Python interpreter,
+fsspec and the filesystem's package, about a second of CPU, in a thread of its own), so the
+child's start competes with neither the first steps nor the first persist; an upload that finds
+no child idle (still starting, or busy with an abandoned persist's upload) runs in the worker
+too. Started with the rank's checkpointer (three children at once on a 2-core machine, with the
+first steps) or at the first upload, the child delayed the first persist by seconds, in CI past
+the 15 steps a chaos test allows it.
 It exits when the worker does: on end of input, or within 0.5 s of its parent's death while
 it uploads.
 
@@ -96,7 +99,6 @@ class _Child:
 _idle: list[_Child] = []
 _starting: list[threading.Thread] = []
 _lock = threading.Lock()
-START_WAIT_S = 60.0  # the longest an upload waits for a child `prestart` is starting
 
 
 def prestart(url: str, storage_options: dict) -> None:
@@ -128,17 +130,24 @@ def _start(url: str, storage_options: dict) -> None:
             _starting.remove(threading.current_thread())
 
 
-def _take() -> _Child:
-    with _lock:
-        starting = list(_starting)
-    for starter in starting:
-        starter.join(START_WAIT_S)
+def _take_idle() -> _Child | None:
     with _lock:
         while _idle:
             child = _idle.pop()
             if child.alive():
                 return child
-    return _Child()
+    return None
+
+
+def ready(timeout_s: float = 0.0) -> bool:
+    """Whether a child is idle, after waiting at most `timeout_s` for one that is starting."""
+    deadline = time.monotonic() + timeout_s
+    with _lock:
+        starting = list(_starting)
+    for starter in starting:
+        starter.join(max(0.0, deadline - time.monotonic()))
+    with _lock:
+        return any(child.alive() for child in _idle)
 
 
 def _give_back(child: _Child) -> None:
@@ -150,16 +159,20 @@ def _give_back(child: _Child) -> None:
 
 
 def put(src: str, url: str, storage_options: dict, cancel: threading.Event | None = None,
-        on_cuttable=None, poll_s: float = POLL_S) -> None:
+        on_cuttable=None, poll_s: float = POLL_S) -> bool:
     """Upload the local folder `src` to `url` (an fsspec URL), as `fs.put(src, path,
-    recursive=True)` would, in a child process. Cut short within `poll_s` once `cancel` is set
-    (`UploadCut`; `on_cuttable` is called as the upload begins). The child's error is raised
-    here: the same exception where it pickles, else `UploadFailed` naming it."""
+    recursive=True)` would, in an idle child process; True once done. False, having done
+    nothing, when no child is idle (none started yet, or the one there is busy): the caller
+    uploads itself, then calls `prestart` for the next upload. Cut short within `poll_s` once
+    `cancel` is set (`UploadCut`; `on_cuttable` is called as the upload begins). The child's
+    error is raised here: the same exception where it pickles, else `UploadFailed` naming it."""
     from elastic.storage import StorageError
 
     if cancel is not None and cancel.is_set():
         raise UploadCut(f"upload of {url} not begun")
-    child = _take()
+    child = _take_idle()
+    if child is None:
+        return False
     try:
         _send(child.proc.stdin, ("put", src, url, storage_options))
     except OSError as e:
@@ -180,7 +193,7 @@ def put(src: str, url: str, storage_options: dict, cancel: threading.Event | Non
                            f"(exit code {child.proc.returncode})") from e
     _give_back(child)
     if answer[0] == "ok":
-        return
+        return True
     if answer[1] is not None:
         raise answer[1]
     raise UploadFailed(answer[2])

@@ -35,12 +35,25 @@ def _gone(pid: int, within_s: float) -> bool:
     return False
 
 
+def _no_children() -> None:
+    uploader.ready(30)  # let a child that is starting finish, then drop them all
+    for child in uploader._idle:
+        child.kill()
+    uploader._idle.clear()
+
+
+def _started(url: str) -> None:
+    uploader.prestart(url, {})
+    assert uploader.ready(30)
+
+
 @pytest.mark.timeout(60)
 def test_a_folder_is_uploaded_by_a_child_process_kept_for_the_next_upload(tmp_path):
     src = _folder(tmp_path / "src", {"a.distcp": os.urandom(100_000), ".metadata": b"index"})
-    uploader.put(src, f"file://{tmp_path}/dst1", {})
+    _started(f"file://{tmp_path}")
+    assert uploader.put(src, f"file://{tmp_path}/dst1", {})
     (child,) = uploader._idle
-    uploader.put(src, f"file://{tmp_path}/dst2", {})
+    assert uploader.put(src, f"file://{tmp_path}/dst2", {})
     assert uploader._idle == [child] and child.alive()  # the same process served both
     assert child.proc.pid != os.getpid()
     for dst in ("dst1", "dst2"):
@@ -52,6 +65,7 @@ def test_a_folder_is_uploaded_by_a_child_process_kept_for_the_next_upload(tmp_pa
 def test_the_childs_error_is_raised_in_the_worker_as_the_same_exception(tmp_path):
     src = _folder(tmp_path / "src", {"a": b"x"})
     (tmp_path / "blocker").write_bytes(b"a file where the upload wants a folder")
+    _started(f"file://{tmp_path}")
     with pytest.raises(OSError) as raised:
         uploader.put(src, f"file://{tmp_path}/blocker/dst", {})
     import fsspec
@@ -59,8 +73,44 @@ def test_the_childs_error_is_raised_in_the_worker_as_the_same_exception(tmp_path
         fsspec.filesystem("file").put(src + "/", f"{tmp_path}/blocker/dst/", recursive=True)
     assert type(raised.value) is type(direct.value)
     assert uploader._idle and uploader._idle[0].alive()  # a failed upload leaves its child usable
-    uploader.put(src, f"file://{tmp_path}/ok", {})
+    assert uploader.put(src, f"file://{tmp_path}/ok", {})
     assert (tmp_path / "ok" / "a").read_bytes() == b"x"
+
+
+@pytest.mark.timeout(60)
+def test_with_no_child_idle_an_upload_is_left_to_the_worker(tmp_path):
+    """put() never waits for a child to start: on a busy node that took seconds, past the steps a
+    chaos test's outage allowed the first persist. It starts none either (save_shards does, after
+    its own upload: see the next test)."""
+    _no_children()
+    src = _folder(tmp_path / "src", {"a": b"x"})
+    assert uploader.put(src, f"file://{tmp_path}/dst", {}) is False
+    assert not (tmp_path / "dst").exists()  # nothing done: the caller uploads itself
+    assert not uploader._starting and not uploader._idle
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_a_workers_first_upload_is_its_own_and_the_next_ones_are_the_childs(s3_server, monkeypatch):
+    import torch
+
+    from elastic import checkpoint
+    _no_children()
+    in_worker = []
+    real_upload = checkpoint.upload
+    monkeypatch.setattr(checkpoint, "upload", lambda *a, **k: (in_worker.append(a[2]), real_upload(*a, **k)))
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    root = f"{s3_server.uri}/first-{uuid.uuid4().hex[:8]}"
+    checkpoint.save_shards(state, f"{root}/a", s3_server.storage_options, None)
+    assert len(in_worker) == 1
+    assert uploader.ready(30)  # started once the first upload had ended
+    (child,) = uploader._idle
+    checkpoint.save_shards(state, f"{root}/b", s3_server.storage_options, None)
+    assert len(in_worker) == 1 and uploader._idle == [child]  # the second went through the child
+    for name in ("a", "b"):
+        back = {"w": torch.zeros(1000)}
+        checkpoint.load_shards(back, f"{root}/{name}", s3_server.storage_options, None)
+        assert torch.equal(back["w"], state["w"])
 
 
 def test_a_cancelled_upload_is_not_begun(tmp_path):
@@ -85,9 +135,12 @@ def test_a_cut_upload_kills_its_child_at_once_and_the_next_upload_gets_a_new_one
         options = {**s3_server.storage_options, "endpoint_url": link.url}
         cancel, cuttable, errors = threading.Event(), threading.Event(), []
 
+        _started(s3_server.uri)
+
         def run():
             try:
-                uploader.put(src, f"{s3_server.uri}/cut-{uuid.uuid4().hex[:8]}", options, cancel, cuttable.set)
+                assert uploader.put(src, f"{s3_server.uri}/cut-{uuid.uuid4().hex[:8]}", options, cancel,
+                                    cuttable.set)
             except BaseException as e:  # noqa: BLE001 - checked below
                 errors.append(e)
 
@@ -105,7 +158,8 @@ def test_a_cut_upload_kills_its_child_at_once_and_the_next_upload_gets_a_new_one
         assert len(errors) == 1 and isinstance(errors[0], uploader.UploadCut), errors
         assert all(_gone(pid, 5) for pid in busy), "the cut upload's process runs on"
     dst = f"{s3_server.uri}/whole-{uuid.uuid4().hex[:8]}"
-    uploader.put(src, dst, s3_server.storage_options)  # a fresh child, at full speed
+    _started(s3_server.uri)
+    assert uploader.put(src, dst, s3_server.storage_options)  # a fresh child, at full speed
     assert s3_server.filesystem().cat_file(f"{dst.split('://', 1)[1]}/shard") == (tmp_path / "src" / "shard").read_bytes()
 
 
@@ -121,6 +175,8 @@ def test_an_upload_process_dies_with_its_worker_even_mid_upload(s3_server, tmp_p
             import sys, threading
             from elastic import uploader
             cuttable = threading.Event()
+            uploader.prestart({s3_server.uri!r}, {{}})
+            assert uploader.ready(60)
             threading.Thread(target=uploader.put, daemon=True,
                              args=({src!r}, {s3_server.uri + '/orphan'!r}, {options!r}, None, cuttable.set)).start()
             cuttable.wait(60)
@@ -152,17 +208,14 @@ def test_only_filesystems_a_fresh_interpreter_can_reach_upload_in_a_child():
 
 @pytest.mark.timeout(60)
 def test_a_child_started_ahead_serves_the_first_upload(tmp_path):
-    for child in uploader._idle:
-        child.kill()
-    uploader._idle.clear()
+    _no_children()
     uploader.prestart(f"file://{tmp_path}/dst", {})
     uploader.prestart(f"file://{tmp_path}/dst", {})  # one is starting: nothing more
     assert len(uploader._starting) <= 1
-    for starter in list(uploader._starting):
-        starter.join(30)
+    assert uploader.ready(30)
     (ready,) = uploader._idle
     src = _folder(tmp_path / "src", {"a": b"first"})
-    uploader.put(src, f"file://{tmp_path}/dst", {})
+    assert uploader.put(src, f"file://{tmp_path}/dst", {})
     assert uploader._idle == [ready] and (tmp_path / "dst" / "a").read_bytes() == b"first"
     uploader.prestart(f"file://{tmp_path}/dst", {})  # one is idle: nothing more
     assert not uploader._starting and uploader._idle == [ready]

@@ -71,6 +71,8 @@ with seaweedfs_server() as s3:
             time.sleep(2)
         ck = C.AsyncCheckpointer(Storage(f"{s3.uri}/probe-{mode}", s3.storage_options), f"{s3.uri}/probe-{mode}/c",
                                  0, 1, "ddp", pg, 2, 0.5, 2)
+        C.uploader.prestart(s3.uri, s3.storage_options)  # else the first persist uploads in this process
+        C.uploader.ready(60)
         persist, raw = [], []
         for i in range(1, REPS + 1):  # a persist, then a raw write of the same files, alternated
             ck.save(i, 0, state, {})

@@ -39,6 +39,7 @@ def main() -> None:
     rate: dict[str, list[float]] = {"child": [], "worker": []}
     with seaweedfs_server() as s3:
         C.save_shards(state, f"{s3.uri}/first", s3.storage_options, pg)  # the child starts here, untimed
+        assert C.uploader.ready(60), "the uploader's child did not start"
         stop, steps = threading.Event(), [0]
         trainer = threading.Thread(target=train, args=(stop, steps), daemon=True)
         trainer.start()
