@@ -229,7 +229,7 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
             if on_write:
                 on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
-            in_child = uploads_in_child(folder, storage_options)
+            in_child = UPLOAD_IN_CHILD and not _process_private(fs)
             if not (in_child and uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable)):
                 # No child idle (this worker's first upload, or its child busy): in this process,
                 # then a child is started for the next upload.
@@ -248,13 +248,6 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
         if int(failed[0]):
             raise StorageError(f"another rank's upload of its shards to {folder} failed; retrying together")
         return metadata
-
-
-def uploads_in_child(url: str, storage_options: dict) -> bool:
-    """Whether a save to `url` stages its shards and uploads them from the uploader's child."""
-    if not UPLOAD_IN_CHILD or url.startswith("file://"):
-        return False
-    return not _process_private(fsspec.core.url_to_fs(url, **storage_options)[0])
 
 
 def _process_private(fs) -> bool:

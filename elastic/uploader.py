@@ -102,7 +102,7 @@ _lock = threading.Lock()
 
 
 def prestart(url: str, storage_options: dict) -> None:
-    """Start a child for uploads to `url` ahead of the first one, in the background, with its
+    """Start a child for uploads to `url` ahead of the next one, in the background, with its
     filesystem built (its package imported). A no-op while one is idle or starting."""
     with _lock:
         if _idle or _starting:
@@ -121,7 +121,7 @@ def _start(url: str, storage_options: dict) -> None:
         if answer[0] != "ok":  # the upload itself will say what is wrong, with its own request
             log.debug("the uploader could not build the filesystem of %s: %s", url, answer[1:])
         _give_back(child)
-    except Exception:  # noqa: BLE001 - best effort: the first upload starts its own child
+    except Exception:  # noqa: BLE001 - best effort: the next upload runs in the worker and tries again
         log.debug("the uploader did not start", exc_info=True)
         if child is not None:
             child.kill()

@@ -227,11 +227,11 @@ def run_size(hidden: int, s3, cluster, work: str, step_log: str, rep: int,
            "bytes": nbytes, "files": len(blobs), "raw_s": times, "raw_s_median": statistics.median(times),
            "raw_MBps": nbytes / 1e6 / statistics.median(times)}
     fs.rm(f"{s3.bucket}/bench-checkpoint", recursive=True)
-    raw.update(raw_beside_training(hidden, s3, step_log, layout, blobs, figs["step_s"], raw["raw_s_median"]))
+    raw.update(raw_beside_training(hidden, s3, fs, step_log, layout, blobs, figs["step_s"], raw["raw_s_median"]))
     return records, raw
 
 
-def raw_beside_training(hidden: int, s3, step_log: str, layout: dict, blobs: dict[str, bytes],
+def raw_beside_training(hidden: int, s3, fs, step_log: str, layout: dict, blobs: dict[str, bytes],
                         step_s: float, raw_s: float) -> dict:
     """The raw writes again, while a second run of the same training job goes on (no checkpoint
     until its end). Raises if a write fell outside the training."""
@@ -254,7 +254,6 @@ def raw_beside_training(hidden: int, s3, step_log: str, layout: dict, blobs: dic
     runner.start()
     while runner.is_alive() and len(read_step_log(step_log)) < warmup:
         time.sleep(0.2)
-    fs = s3.filesystem()
     spans: list[tuple[float, float]] = []
     times = raw_write(fs, f"{s3.bucket}/bench-checkpoint-beside", blobs, RAW_REPS, RAW_GAP_S, spans)
     runner.join()
