@@ -37,6 +37,8 @@ def test_plan_fits_whole_checkpoint_periods_and_runs_large_models_once():
     small, large = bench.plan(1024, reps=3), bench.plan(10000, reps=3)
     assert small == {"num_steps": 2 * bench.CKPT_EVERY, "warmup_steps": 10, "reps": 3}
     assert large == {"num_steps": 2 * bench.CKPT_EVERY, "warmup_steps": 5, "reps": 1}
+    assert bench.plan(10000, reps=3, reps_large=2)["reps"] == 2  # --reps-large
+    assert bench.plan(1024, reps=3, reps_large=2)["reps"] == 3
     for p in (small, large):
         assert p["num_steps"] % bench.CKPT_EVERY == 0 and p["warmup_steps"] < bench.CKPT_EVERY
 

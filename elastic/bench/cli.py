@@ -8,7 +8,7 @@ def add_bench_args(p) -> None:
                    help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
     p.add_argument("--reps-large", type=int, default=1,
-                   help="recovery: repetitions per system at 50 M parameters and more, where one run takes minutes")
+                   help="recovery, overhead: repetitions per system at 50 M parameters and more, where one run takes minutes")
     p.add_argument("--out", default=None, help="also write results.jsonl, results.md and a plot here")
     p.add_argument("--systems", default=None,
                    help="recovery, resize, churn, pipeline, data (its modes): comma-separated systems to compare "

@@ -54,7 +54,7 @@ DEFAULT_HIDDEN = "1024,3072,10000"
 SYSTEMS = ["elastic", "torch-ddp", "ray-train"]
 PEER = "torch-ddp"
 TARGET = 0.97  # issue 9: at least this fraction of torch DDP's steps/s at every size
-LARGE_PARAMS = 50_000_000  # from here on: a shorter warm-up and one repetition
+LARGE_PARAMS = 50_000_000  # from here on: a shorter warm-up and `--reps-large` repetitions
 STEP_LOG_ENV = "ELASTIC_BENCH_STEP_LOG"  # file that global rank 0 appends one line per optimizer step to
 MODES = ("off", f"every {CKPT_EVERY}")
 
@@ -115,13 +115,14 @@ def gpu_world_size(num_gpus: int, cpu_world: int = NUM_WORKERS) -> int:
     return min(cpu_world, num_gpus)
 
 
-def plan(hidden: int, reps: int, gpu: bool = False) -> dict:
+def plan(hidden: int, reps: int, gpu: bool = False, reps_large: int = 1) -> dict:
     """Steps, warm-up steps and repetitions for one size: two checkpoint periods (the first
     without a checkpoint, the second from the first checkpoint on). From LARGE_PARAMS on a CPU
-    step takes seconds, so a shorter warm-up and one repetition keep the run short; on a GPU
-    every size gets the same plan."""
+    step takes seconds (one repetition of the three systems, about 9 minutes here), so a shorter
+    warm-up and `reps_large` repetitions (`--reps-large`, default 1); on a GPU every size gets
+    the same plan."""
     large = not gpu and num_params(hidden) >= LARGE_PARAMS
-    return {"num_steps": 2 * CKPT_EVERY, "warmup_steps": 5 if large else 10, "reps": 1 if large else reps}
+    return {"num_steps": 2 * CKPT_EVERY, "warmup_steps": 5 if large else 10, "reps": reps_large if large else reps}
 
 
 def step_figures(times: list[float], warmup_steps: int, ckpt_every: int) -> dict[str, dict]:
@@ -412,7 +413,7 @@ def main(args) -> int:
         cluster = stack.enter_context(local_cluster(num_worker_nodes=num_nodes, cpus_per_node=world if gpu else 1,
                                                     gpus_per_node=num_gpus))
         for hidden in widths:
-            p = plan(hidden, args.reps, gpu)
+            p = plan(hidden, args.reps, gpu, getattr(args, "reps_large", 1))
             params = num_params(hidden)
             _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
             if niceness is None:
