@@ -327,6 +327,27 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     return state
 
 
+def staging_for(state: Any) -> Any:
+    """Empty CPU buffers for a later `snapshot(state, reuse=...)`, shaped like the plain tensors
+    of `state` (pinned for GPU tensors), their pages faulted in now. Reads no tensor's data, only
+    shapes and dtypes, so it may run while training changes them. A first snapshot into fresh
+    memory took 1.35 s for the state of a 102.7 M-parameter MLP with AdamW on an idle core here,
+    against 0.06 s into buffers already touched (`snapshot` reuse); in a training worker on a
+    shared core it stopped the checkpoint's step for seconds. DTensors (copied whole by
+    `snapshot`) and everything else get None."""
+    if isinstance(state, torch.Tensor):
+        src = state.detach()
+        if type(src) is not torch.Tensor:
+            return None
+        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+        return buf.zero_()  # the kernel hands out pages on first touch: touch them here
+    if isinstance(state, dict):
+        return {k: staging_for(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(staging_for(v) for v in state)
+    return None
+
+
 @dataclass
 class PersistResult:
     step: int
@@ -379,7 +400,8 @@ class AsyncCheckpointer:
                  process_group, retries: int, backoff_s: float, num_to_keep: int, *,
                  data_order: dict[str, int] | None = None,
                  may_write: Callable[[], bool | tuple[bool | None, str]] | None = None,
-                 after: Sequence["AsyncCheckpointer"] = (), wait_timeout_s: float = 60.0):
+                 after: Sequence["AsyncCheckpointer"] = (), wait_timeout_s: float = 60.0,
+                 staged: Any = None):
         """`data_order`: what the run's sample order depends on (global_batch_size, seed,
         num_samples), stored in every manifest so a resume can refuse another order.
         `may_write`: asked before the shard save and again before the commit; False, (False,
@@ -391,7 +413,9 @@ class AsyncCheckpointer:
         land on a file this one wrote. If one still runs on any rank, every rank skips that
         persist ("skipped:").
         `wait_timeout_s`: the most a persist waits for both, in its background thread, before
-        the ranks agree; keep it well under the checkpoint group's collective timeout."""
+        the ranks agree; keep it well under the checkpoint group's collective timeout.
+        `staged`: staging buffers to copy the first snapshot into (`spare_buffers()` of this
+        process's previous checkpointer, or None)."""
         self.storage, self.root = storage, root
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
@@ -401,7 +425,9 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
         self._aborted_at = 0.0
-        self._staged = None  # the last snapshot: its buffers are reused once its persist is done
+        self._staged = staged  # the last snapshot: its buffers are reused once its persist is done
+        self._prestage: threading.Thread | None = None
+        self._prestaged = None
         self._after = list(after)
         self._wait_timeout_s = wait_timeout_s
         self.step_in_flight: int | None = None  # the step of the persist last started
@@ -438,10 +464,41 @@ class AsyncCheckpointer:
         poll, as soon as its thread gets the CPU (on a loaded machine, not at once)."""
         return self._abort.is_set() and self.cuttable.is_set() and self.in_flight()
 
+    def needs_staging(self) -> bool:
+        """No staging buffers yet, and none being made: `prestage` would make them."""
+        return self._staged is None and self._prestage is None
+
+    def prestage(self, state: dict) -> None:
+        """Make the staging buffers of `state` (`staging_for`) in a background thread, ahead of
+        the first checkpoint, which then copies into them instead of stopping its step while
+        fresh memory is faulted in (pinned, on a GPU). Call it once the state has its final
+        shapes (after the first optimizer step: AdamW makes its moments there)."""
+        if not self.needs_staging():
+            return
+
+        def run() -> None:
+            try:
+                self._prestaged = staging_for(state)
+            except Exception:  # noqa: BLE001 - best effort: the first snapshot allocates as before
+                log.debug("prestaging failed", exc_info=True)
+
+        self._prestage = threading.Thread(target=run, name="prestage", daemon=True)
+        self._prestage.start()
+
+    def spare_buffers(self) -> Any:
+        """The staging buffers, for this process's next checkpointer, once this one is done with
+        them (None while a persist may still read its snapshot)."""
+        if self.in_flight() or (self._prestage is not None and self._prestage.is_alive()):
+            return None
+        return self._staged if self._staged is not None else self._prestaged
+
     def save(self, step: int, cursor: int, state: dict, metrics: dict[str, float]) -> float:
         """Snapshot now, persist in the background. Returns the seconds the caller was blocked."""
         t0 = time.monotonic()
         self.wait()
+        if self._prestage is not None and self._staged is None:
+            self._prestage.join()
+            self._staged, self._prestaged = self._prestaged, None
         snap = self._staged = snapshot(state, self._staged)
         stall_s = time.monotonic() - t0
         self.step_in_flight = step

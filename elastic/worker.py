@@ -99,6 +99,7 @@ class Worker:
         self._running = threading.Event()
         self.step = 0
         self.model = self.optimizer = self.strategy = self.ckpt = None
+        self._staging = None  # the last checkpointer's staging buffers, for the next one
         self._lock = threading.Lock()
         self._progress: dict = {"step": 0, "status": "idle", "loss": None, "step_end": None,
                                 "step_s": None, "compute_s": None}
@@ -245,6 +246,7 @@ class Worker:
                     self._abandoned.append(self.ckpt)
                     self._abandoned_steps.append(self.ckpt.step_in_flight)
             self._collect_persists()
+            self._staging = self.ckpt.spare_buffers()  # for the next group's first checkpoint
             self.ckpt = None
         _destroy_group()
 
@@ -385,7 +387,9 @@ class Worker:
             may_write=lambda gen=self.generation: fencing.may_write(self.storage, self.root, gen),
             # Half the checkpoint group's collective timeout: a rank that waits the whole bound
             # still meets its peers in the agreement's all-reduce before that times out.
-            after=self._still_abandoned(), wait_timeout_s=self.job.failure.collective_timeout_s / 2)
+            after=self._still_abandoned(), wait_timeout_s=self.job.failure.collective_timeout_s / 2,
+            staged=self._staging)
+        self._staging = None
         self._set(step=self.step, status="restored", step_end=None, first_step_end=None)
 
     def restore(self, candidates: list[str]) -> dict:
@@ -543,6 +547,8 @@ class Worker:
                         self._fire(f)
                 self._train_step(micro)
                 due = self.step % self.job.checkpoint.every_steps == 0
+                if not due and self.ckpt.needs_staging():
+                    self.ckpt.prestage(self._state())  # once per group, after its first step
                 retry = self._retry_agreed and not due and self.step != num_steps
                 if self.step == num_steps or ((due or retry) and not self._persist_busy):
                     saved = self._save(tr)

@@ -59,6 +59,10 @@ def test_step_figures_time_the_windows_they_name():
     assert on["timed_steps"] == 20 and on["num_checkpoints"] == 2
     assert on["step_s"] == pytest.approx((20 + 5 + 3) / 20) and on["median_step_s"] == 1.0
     assert on["max_step_s"] == 6.0
+    # Every interval after step 1: the slow warm-up step and both checkpoints count.
+    whole = figs["whole run"]
+    assert whole["timed_steps"] == 29 and whole["num_checkpoints"] == 2
+    assert whole["step_s"] == pytest.approx((29 + 9 + 5 + 3) / 29) and whole["max_step_s"] == 10.0
 
 
 def test_step_figures_need_a_whole_period():

@@ -647,3 +647,55 @@ def test_a_failed_checkpoint_is_owed_only_for_storage_and_retried_at_a_doubling_
                      "fenced: rank 0: the run has moved on to generation 3", "skipped: 1 rank(s) still upload"):
         assert not owes_retry(given_up)
     assert [retry_wait_s(1.0, k) for k in range(8)] == [1, 2, 4, 8, 16, 32, RETRY_WAIT_MAX_S, RETRY_WAIT_MAX_S]
+
+
+def test_prestaged_buffers_take_the_first_snapshot_and_pass_to_the_next_checkpointer(store, one_rank_group):
+    """The first checkpoint copies into buffers made ahead in the background (no fresh memory
+    faulted in on the training thread); a later group's checkpointer starts from them."""
+    from elastic.checkpoint import staging_for
+    storage, root = store
+    state = model_state(0)
+    state["optim"] = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, 4)}}, "lr": 0.1}
+    made = staging_for(state)
+    assert made["optim"]["lr"] is None and made["model"]["weight"].shape == (3, 4)
+    assert torch.count_nonzero(made["model"]["weight"]) == 0  # touched (zeroed), not copied from state
+
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    assert ck.needs_staging()
+    ck.prestage(state)
+    assert not ck.needs_staging()
+    ck.prestage(state)  # once: a second call makes nothing
+    ck._prestage.join()
+    buffers = ck.spare_buffers()
+    weight = buffers["model"]["weight"]
+    ck.save(10, 80, state, {})
+    ck.wait()
+    (res,) = ck.drain()
+    assert res.committed
+    assert ck._staged["model"]["weight"] is weight  # the snapshot went into the prestaged buffer
+    assert torch.equal(weight, state["model"]["weight"])
+    back = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    load_shards(back, step_dir(root, 10), storage.options, one_rank_group)
+    assert torch.equal(back["model"]["weight"], state["model"]["weight"])
+
+    nxt = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
+                            staged=ck.spare_buffers())
+    assert not nxt.needs_staging()
+    state["model"]["weight"].add_(1.0)
+    nxt.save(20, 160, state, {})
+    nxt.wait()
+    assert nxt._staged["model"]["weight"] is weight and torch.equal(weight, state["model"]["weight"])
+
+
+def test_a_checkpointer_with_a_persist_in_flight_gives_no_buffers_away(store, one_rank_group, monkeypatch):
+    import elastic.checkpoint as ckpt
+    storage, root = store
+    release = threading.Event()
+    real_save = ckpt.save_shards
+    monkeypatch.setattr(ckpt, "save_shards", lambda *a, **k: (release.wait(30), real_save(*a, **k)))
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    assert ck.in_flight() and ck.spare_buffers() is None  # its persist still reads the snapshot
+    release.set()
+    ck.wait()
+    assert ck.spare_buffers() is ck._staged

@@ -14,12 +14,15 @@ Checkpoints every CKPT_EVERY steps, each system through its own usual path: elas
 (an in-memory snapshot, then DCP to local disk in the background), the DDP tutorial's
 (rank 0 `torch.save`s model and optimizer to local disk), Ray Train's (rank 0 `torch.save`s
 into a folder and reports it with `ray.train.report`, every rank reports). One run per system
-gives both figures:
+gives all three figures:
 
 * checkpoints off: the steps after the warm-up and up to the first checkpoint (nothing has been
   checkpointed or is in flight yet), the median time per step;
 * checkpoints every CKPT_EVERY steps: whole checkpoint periods from the first checkpoint on,
-  the mean time per step (a median would skip the checkpoint steps).
+  the mean time per step (a median would skip the checkpoint steps);
+* whole run: every step after the first, warm-up and checkpoints included, the mean time per
+  step: what a system pays once (elastic makes its checkpoint staging buffers after the first
+  step, in the warm-up) counts here too.
 
 Steps are timed the same way in every system: an optimizer post-step hook on global rank 0
 (`timed_optimizer`) appends each step's end time to a file (on a GPU after synchronising, so a
@@ -56,7 +59,7 @@ PEER = "torch-ddp"
 TARGET = 0.97  # issue 9: at least this fraction of torch DDP's steps/s at every size
 LARGE_PARAMS = 50_000_000  # from here on: a shorter warm-up and `--reps-large` repetitions
 STEP_LOG_ENV = "ELASTIC_BENCH_STEP_LOG"  # file that global rank 0 appends one line per optimizer step to
-MODES = ("off", f"every {CKPT_EVERY}")
+MODES = ("off", f"every {CKPT_EVERY}", "whole run")
 
 
 # ---------------------------------------------------------------- the workload (every system)
@@ -126,12 +129,13 @@ def plan(hidden: int, reps: int, gpu: bool = False, reps_large: int = 1) -> dict
 
 
 def step_figures(times: list[float], warmup_steps: int, ckpt_every: int) -> dict[str, dict]:
-    """The two figures from one run's step-end times (t[s-1] ends step s; the checkpoint of step
+    """The three figures from one run's step-end times (t[s-1] ends step s; the checkpoint of step
     s is taken after t[s-1], so it lies in the interval that ends at step s + 1).
 
     off: the steps after the warm-up, warmup+1 .. ckpt_every (no checkpoint yet): median.
     on: from the end of step ckpt_every to the end of the last whole period: mean, so every
-    interval with a checkpoint (and whatever it leaves running) counts."""
+    interval with a checkpoint (and whatever it leaves running) counts.
+    whole run: from the end of step 1 to the end of the last step: mean, warm-up included."""
     ts = sorted(times)
     n = len(ts)
     if not 1 <= warmup_steps < ckpt_every - 2 or n < 2 * ckpt_every:
@@ -140,12 +144,16 @@ def step_figures(times: list[float], warmup_steps: int, ckpt_every: int) -> dict
     off = [b - a for a, b in zip(ts[warmup_steps - 1:ckpt_every - 1], ts[warmup_steps:ckpt_every])]
     last = (n // ckpt_every) * ckpt_every  # the end of the last whole period
     on = [b - a for a, b in zip(ts[ckpt_every - 1:last - 1], ts[ckpt_every:last])]
+    run = [b - a for a, b in zip(ts[:-1], ts[1:])]
     return {
         "off": {"step_s": statistics.median(off), "mean_step_s": statistics.mean(off),
                    "median_step_s": statistics.median(off), "timed_steps": len(off), "num_checkpoints": 0},
         f"every {ckpt_every}": {"step_s": statistics.mean(on), "mean_step_s": statistics.mean(on),
                    "median_step_s": statistics.median(on), "max_step_s": max(on), "timed_steps": len(on),
                    "num_checkpoints": len(on) // ckpt_every},
+        "whole run": {"step_s": statistics.mean(run), "mean_step_s": statistics.mean(run),
+                      "median_step_s": statistics.median(run), "max_step_s": max(run), "timed_steps": len(run),
+                      "num_checkpoints": (n - 1) // ckpt_every},
     }
 
 
@@ -355,7 +363,7 @@ def plot(path: str, records: list[dict]) -> None:
     sizes = list(dict.fromkeys(r["params"] for r in records))
     ours = [s for s in SYSTEMS if s != PEER and any(r["system"] == s for r in records)]
     colours = {"elastic": "#8fb3d9", "ray-train": "#d9b38f"}
-    fig, axes = plt.subplots(1, len(MODES), figsize=(10, 3.8), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(MODES), figsize=(14, 3.8), squeeze=False, sharey=True)
     for ax, mode in zip(axes[0], MODES):
         for j, system in enumerate(ours):
             for i, params in enumerate(sizes):
@@ -373,7 +381,8 @@ def plot(path: str, records: list[dict]) -> None:
         ax.axhline(TARGET, color="#b22222", lw=0.8, ls="--", label=f"target {TARGET}")
         ax.set_xticks(range(len(sizes)), [f"{p / 1e6:.1f} M" for p in sizes])
         ax.set_xlabel("parameters")
-        ax.set_title(f"checkpoints {mode}", fontsize=9)
+        ax.set_title(f"checkpoints {mode}" if mode != "whole run" else
+                     f"whole run (checkpoints every {CKPT_EVERY}, warm-up included)", fontsize=9)
     axes[0][0].set_ylabel("steps/s ÷ torch DDP")
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.suptitle("elastic bench overhead (bar: ratio of medians, dots: per repetition)", fontsize=9)
@@ -419,7 +428,7 @@ def main(args) -> int:
             if niceness is None:
                 niceness = ray_worker_niceness()
             for rep in range(p["reps"]):
-                group: list[dict] = []  # this size and repetition: every system, both modes
+                group: list[dict] = []  # this size and repetition: every system, every mode
                 for system in rotated(systems, rep):
                     cluster.ensure_worker_nodes(num_nodes)
                     open(step_log, "w").close()
@@ -470,7 +479,8 @@ def main(args) -> int:
              f"{GLOBAL_BATCH}, {where}; data: the common workload's dataset, default_collate of elastic's global "
              f"order; every system checkpoints every {CKPT_EVERY} steps its own way. 'off' = median time of the "
              f"steps after the warm-up up to the first checkpoint; 'every {CKPT_EVERY}' = mean time per step over "
-             f"whole checkpoint periods from the first checkpoint on. Timed by an optimizer post-step hook on "
+             f"whole checkpoint periods from the first checkpoint on; 'whole run' = mean time per step over every step "
+             f"after the first (warm-up and one-time costs included). Timed by an optimizer post-step hook on "
              f"global rank 0{' after torch.cuda.synchronize()' if gpu else ''}; systems interleaved (rotated) per "
              f"repetition; ratios of medians of this run.")
     title = "### overhead (steady state, same run)\n\n"
