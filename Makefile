@@ -22,7 +22,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not chaos and not s3"
 
 bench: $(STAMP)
-	$(VENV)/bin/elastic bench recovery --out bench-out
+	$(PY) -m benchmarks recovery --out bench-out
 
 clean:
 	rm -rf $(VENV) runs bench-out .pytest_cache

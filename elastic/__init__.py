@@ -3,7 +3,7 @@
     from elastic import Trainer
     result = Trainer("job.yaml").fit()
 """
-from elastic import priority as _priority
+from elastic.runtime import priority as _priority
 
 # A spare started beside training drops to the lowest CPU priority before anything heavy is imported
 # (see elastic/priority.py); a no-op everywhere else.

@@ -1,5 +1,5 @@
-"""`elastic train job.yaml`, `elastic status RUN`, `elastic timeline RUN` and `elastic bench ...`: a thin
-entry point over Trainer, the event log readers and the benchmarks."""
+"""`elastic train job.yaml`, `elastic status RUN` and `elastic timeline RUN`: a thin entry point over
+Trainer and the event log readers. The benchmarks run from a checkout: `python -m benchmarks NAME`."""
 from __future__ import annotations
 
 import argparse
@@ -21,9 +21,6 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="where a run stands, from its event log: state, step, incidents, checkpoint")
     st.add_argument("run", help="the run folder as a path or URI (s3://...), or its events.jsonl")
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
-    bench = sub.add_parser("bench", help="benchmarks: recovery, straggler, resize, churn, controller, pipeline, overhead")
-    from elastic.bench.cli import add_bench_args
-    add_bench_args(bench)
     args = parser.parse_args(argv)
 
     # 'module:function' references in a job are resolved relative to where the user runs us,
@@ -34,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "train":
         return _train(args)
     if args.cmd == "timeline":
-        from elastic.timeline import load, plot
+        from elastic.observability.timeline import load, plot
         events = load(args.events)
         if not events:
             print(f"elastic: no events in {args.events}", file=sys.stderr)
@@ -42,11 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(events, args.out, title=args.events, per_rank=args.per_rank)
         print(f"wrote {args.out}")
         return 0
-    if args.cmd == "status":
-        from elastic.status import run_status
-        return run_status(args.run, as_json=args.json)
-    from elastic.bench.cli import run_bench
-    return run_bench(args)
+    from elastic.observability.status import run_status
+    return run_status(args.run, as_json=args.json)
 
 
 def _train(args) -> int:

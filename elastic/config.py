@@ -250,7 +250,7 @@ class DataSpec(_Strict):
 
 
 def _parquet_dataset(uri: str, columns, storage_options):
-    from elastic.parquet import ParquetDataset  # pyarrow: imported only by jobs that read Parquet
+    from elastic.data.parquet import ParquetDataset  # pyarrow: imported only by jobs that read Parquet
     return ParquetDataset(uri, columns, storage_options)
 
 
@@ -392,9 +392,9 @@ class JobConfig(_Strict):
         return self._check_chaos()
 
     def _check_pipeline(self) -> None:
-        """Every layout the run may take (replicas dropped, then stages: elastic.topology.chain)
+        """Every layout the run may take (replicas dropped, then stages: elastic.parallel.topology.chain)
         must split the global batch and suit the schedule."""
-        from elastic.topology import Layout, chain
+        from elastic.parallel.topology import Layout, chain
         sc, tr = self.scaling, self.train
         pl = tr.pipeline
         for field, n in (("num_workers", sc.num_workers), ("max_workers", sc.max_size)):

@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.checkpoint import checkpoints_root, latest_committed
+from elastic.checkpoint.persister import checkpoints_root, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.controller import Controller
-from elastic.prefetch import check_data_workers
+from elastic.data.prefetch import check_data_workers
 from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Result:
         return [e for e in self.events if e["kind"] == kind]
 
     def summary(self) -> str:
-        from elastic.report import summarize
+        from elastic.observability.report import summarize
         return summarize(self)
 
 
@@ -306,7 +306,7 @@ class _Progress:
             print(text, file=self.out, flush=True)
 
     def update(self, p: dict) -> None:
-        from elastic.report import describe_event
+        from elastic.observability.report import describe_event
         for ev in p["events"]:
             if ev["kind"] in self.NOTABLE:
                 self._write(f"[{ev['t'] - self.t0:6.1f}s] {describe_event(ev)}")
@@ -329,7 +329,7 @@ def _check_fsdp_blocks(model_fn, blocks: list[str] | None) -> None:
     """Build the model on the meta device (no memory, no init) to check the wrap plan now."""
     import torch
 
-    from elastic.strategies.fsdp import select_blocks
+    from elastic.parallel.fsdp import select_blocks
     with torch.device("meta"):
         model = model_fn()
     try:
@@ -342,8 +342,8 @@ def _check_pipeline_cut(model_fn, job: JobConfig) -> None:
     """Cut the model (built on the meta device) for every stage count the run may take."""
     import torch
 
-    from elastic.strategies.pipeline import PlanError, plan_chunks, units_of
-    from elastic.topology import Layout, chain
+    from elastic.parallel.pipeline import PlanError, plan_chunks, units_of
+    from elastic.parallel.topology import Layout, chain
     pl = job.train.pipeline
     with torch.device("meta"):
         model = model_fn()

@@ -10,9 +10,9 @@ import time
 sys.path.insert(0, os.getcwd())  # so workers and driver import `examples.charlm` alike
 
 from elastic import Trainer  # noqa: E402
-from elastic.bench.local_cluster import local_cluster  # noqa: E402
+from elastic.local_cluster import local_cluster  # noqa: E402
 from elastic.config import load_job  # noqa: E402
-from elastic.timeline import plot  # noqa: E402
+from elastic.observability.timeline import plot  # noqa: E402
 
 
 def main() -> int:

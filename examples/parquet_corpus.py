@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from elastic.parquet import ParquetDataset
+from elastic.data.parquet import ParquetDataset
 from elastic.storage import Storage, join, normalize_uri
 from examples.charlm import CONTEXT, NextCharDataset
 

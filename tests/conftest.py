@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic.testing.seaweedfs import S3Server, find_weed, seaweedfs_server
+from tests.support.seaweedfs import S3Server, find_weed, seaweedfs_server
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic.bench.local_cluster import LocalCluster, local_cluster
+from elastic.local_cluster import LocalCluster, local_cluster
 
 NUM_WORKER_NODES = 4  # 3 training workers + 1 spare node, as in the benchmarks
 
@@ -42,7 +42,7 @@ def assert_exact_once(ledger_path, num_steps: int, global_batch: int, num_sample
     import json
     from collections import Counter
 
-    from elastic.data import GlobalOrder
+    from elastic.data.order import GlobalOrder
 
     ledger = json.loads(open(ledger_path).read())
     order = GlobalOrder(num_samples, seed)

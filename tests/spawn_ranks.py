@@ -7,7 +7,7 @@ import socket
 
 import torch
 
-from elastic.checkpoint import checkpoints_root
+from elastic.checkpoint.persister import checkpoints_root
 from elastic.config import JobConfig
 
 
@@ -19,7 +19,7 @@ def _port() -> int:
 
 def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q):
     os.environ.update(env)
-    from elastic.worker import Worker
+    from elastic.runtime.worker import Worker
     w = Worker(job_json, root)
     w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
     out = w.restore(candidates)

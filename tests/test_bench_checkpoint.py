@@ -1,11 +1,11 @@
-"""`elastic bench checkpoint`: the figures it derives from a run (pure), and its command line.
-The benchmark itself runs a cluster and SeaweedFS: `elastic bench checkpoint`."""
+"""`python -m benchmarks checkpoint`: the figures it derives from a run (pure), and its command line.
+The benchmark itself runs a cluster and SeaweedFS: `python -m benchmarks checkpoint`."""
 import argparse
 
 import pytest
 
-from elastic.bench import checkpoint as bench
-from elastic.bench.cli import add_bench_args
+from benchmarks import checkpoint as bench
+from benchmarks.cli import add_bench_args
 
 
 def test_each_step_lasts_from_the_end_of_the_one_before():

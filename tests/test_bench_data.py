@@ -1,6 +1,6 @@
-"""`elastic bench data`: its S3 dataset against real SeaweedFS, the relay that adds latency, the
+"""`python -m benchmarks data`: its S3 dataset against real SeaweedFS, the relay that adds latency, the
 figures it derives (pure), and its command line. The benchmark itself runs a cluster:
-`elastic bench data`."""
+`python -m benchmarks data`."""
 import argparse
 import pickle
 import socket
@@ -11,11 +11,11 @@ import uuid
 import pytest
 import torch
 
-from elastic.bench import data as bench
-from elastic.bench.cli import add_bench_args
-from elastic.bench.workload import TeacherDataset
-from elastic.prefetch import collate
-from elastic.testing.slow_link import SlowLink
+from benchmarks import data as bench
+from benchmarks.cli import add_bench_args
+from elastic.workload import TeacherDataset
+from elastic.data.prefetch import collate
+from tests.support.slow_link import SlowLink
 
 
 @pytest.mark.s3
@@ -128,10 +128,10 @@ def test_the_cli_refuses_bad_settings_before_starting_anything(capsys):
 
 def test_each_mode_is_the_job_setting_it_names(tmp_path):
     jobs = {m: bench.job(m, str(tmp_path))["train"] for m in bench.MODES}
-    assert jobs["in-memory"]["dataset"] == "elastic.bench.workload:build_dataset"
-    assert jobs["batched"]["dataset"] == "elastic.bench.data:build_batched_dataset"
+    assert jobs["in-memory"]["dataset"] == "elastic.workload:build_dataset"
+    assert jobs["batched"]["dataset"] == "benchmarks.data:build_batched_dataset"
     assert {jobs[m]["dataset"] for m in bench.MODES if m not in ("in-memory", "batched")} == {
-        "elastic.bench.data:build_dataset"}
+        "benchmarks.data:build_dataset"}
     assert jobs["thread"]["prefetch"] is True and "data_workers" not in jobs["thread"]
     assert jobs["workers-4"]["data_workers"] == 4 and "prefetch" not in jobs["inline"]
     from elastic.config import JobConfig

@@ -1,4 +1,4 @@
-"""`elastic bench overhead`: its pure parts and its command line (no cluster, no timing).
+"""`python -m benchmarks overhead`: its pure parts and its command line (no cluster, no timing).
 
 The benchmark's figures are its own business; these check that every system gets the same
 model and plan, that the windows it times are the ones its docstring names, and that its
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.bench import overhead as bench
-from elastic.bench import plain_ddp
-from elastic.bench.cli import add_bench_args
+from benchmarks import overhead as bench
+from benchmarks import plain_ddp
+from benchmarks.cli import add_bench_args
 from elastic.config import parse_job
 
 
@@ -104,12 +104,12 @@ def test_the_elastic_job_is_valid_and_checkpoints_every_period(tmp_path):
     job = parse_job(bench.elastic_job(3072, 150, "file://" + str(tmp_path)))
     assert job.scaling.num_workers == bench.NUM_WORKERS and job.checkpoint.every_steps == bench.CKPT_EVERY
     assert job.train.global_batch_size == bench.GLOBAL_BATCH and job.run.num_steps == 150
-    assert job.train.optimizer == "elastic.bench.overhead:timed_optimizer"
+    assert job.train.optimizer == "benchmarks.overhead:timed_optimizer"
 
 
 def test_the_plain_peer_parses_the_command_the_benchmark_builds():
     cmd = bench.plain_command(3072, 150, "/tmp/ckpt")
-    args = plain_ddp.parse_args(cmd[cmd.index("elastic.bench.plain_ddp") + 1:])
+    args = plain_ddp.parse_args(cmd[cmd.index("benchmarks.plain_ddp") + 1:])
     assert (args.hidden, args.steps, args.global_batch, args.ckpt_every, args.ckpt_dir) == (
         3072, 150, bench.GLOBAL_BATCH, bench.CKPT_EVERY, "/tmp/ckpt")
     with pytest.raises(SystemExit):
@@ -151,9 +151,9 @@ def test_the_gpu_job_and_the_gpu_plain_peer_use_the_gpu(tmp_path):
     assert not parse_job(bench.elastic_job(1024, 100, "file://" + str(tmp_path))).scaling.use_gpu
     cmd = bench.plain_command(1024, 100, "/tmp/ckpt", num_workers=1, gpu=True)
     assert "--nproc-per-node=1" in cmd
-    assert plain_ddp.parse_args(cmd[cmd.index("elastic.bench.plain_ddp") + 1:]).gpu
+    assert plain_ddp.parse_args(cmd[cmd.index("benchmarks.plain_ddp") + 1:]).gpu
     cpu = bench.plain_command(1024, 100, "/tmp/ckpt")
-    assert not plain_ddp.parse_args(cpu[cpu.index("elastic.bench.plain_ddp") + 1:]).gpu
+    assert not plain_ddp.parse_args(cpu[cpu.index("benchmarks.plain_ddp") + 1:]).gpu
 
 
 def test_the_cli_takes_gpu_and_refuses_it_without_a_gpu(capsys, monkeypatch):
@@ -170,7 +170,7 @@ def test_ray_train_peers_save_the_model_whether_or_not_prepare_model_wrapped_it(
     # prepare_model wraps in DDP only above world size one: a one-GPU run has no `.module`.
     from torch import nn
 
-    from elastic.bench.ray_train_peer import _unwrapped
+    from benchmarks.ray_train_peer import _unwrapped
     model = nn.Linear(2, 2)
     wrapped = nn.Module()
     wrapped.module = model

@@ -1,4 +1,4 @@
-"""`elastic bench pipeline`: its pure parts and its command line (no cluster, no timing).
+"""`python -m benchmarks pipeline`: its pure parts and its command line (no cluster, no timing).
 
 The benchmark's figures are its own business; these check that the systems it compares are
 set up alike (same cut, same batch plan, a job elastic accepts, a command the plain peer
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.bench import pipeline as bench
-from elastic.bench import plain_pipeline as plain
+from benchmarks import pipeline as bench
+from benchmarks import plain_pipeline as plain
 from elastic.cli import main as cli_main
 from elastic.config import parse_job
-from elastic.strategies.pipeline import plan_chunks, units_of
+from elastic.parallel.pipeline import plan_chunks, units_of
 
 
 def test_gpt_size_becomes_the_environment_examples_gpt_reads():
@@ -65,7 +65,7 @@ def test_every_elastic_job_of_the_benchmark_is_valid(schedule, tmp_path):
 def test_plain_command_runs_the_same_plan_under_torchrun():
     cmd = bench.plain_command(2, 2, schedule="interleaved_1f1b", split=["2", "3", "4"], num_steps=7)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    i = cmd.index("elastic.bench.plain_pipeline")
+    i = cmd.index("benchmarks.plain_pipeline")
     args = plain.parse_args(cmd[i + 1:])
     assert (args.stages, args.split, args.schedule, args.stages_per_rank) == (2, "2,3,4", "interleaved_1f1b", 2)
     assert (args.microbatches, args.global_batch, args.steps, args.seed) == (

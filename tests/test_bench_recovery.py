@@ -1,8 +1,8 @@
-"""`elastic bench recovery`'s plan (pure): model sizes, their MLP widths, fault offsets."""
+"""`python -m benchmarks recovery`'s plan (pure): model sizes, their MLP widths, fault offsets."""
 import pytest
 
-from elastic.bench import recovery as bench
-from elastic.bench.overhead import num_params
+from benchmarks import recovery as bench
+from benchmarks.overhead import num_params
 
 
 def test_sizes_take_suffixes_and_map_to_the_nearest_mlp_width():
@@ -35,7 +35,7 @@ def test_the_resize_bench_reads_a_runs_events_from_an_object_store_as_they_are_w
     import json
     import uuid
 
-    from elastic.bench.resize import _events
+    from benchmarks.resize import _events
     from elastic.storage import Storage
     run = f"memory://resize-{uuid.uuid4().hex[:6]}/run"
     assert _events(run) == []  # nothing written yet
@@ -67,8 +67,8 @@ def test_the_gpu_job_faults_the_named_rank_on_the_gpu(tmp_path):
 def test_a_gpu_run_refuses_a_node_fault(capsys, monkeypatch):
     import argparse
 
-    from elastic.bench import overhead
-    from elastic.bench.cli import add_bench_args
+    from benchmarks import overhead
+    from benchmarks.cli import add_bench_args
     p = argparse.ArgumentParser()
     add_bench_args(p)
     monkeypatch.setattr(overhead, "gpu_devices", lambda: 1)

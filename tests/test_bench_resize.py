@@ -1,5 +1,5 @@
-"""The resize benchmark's pure parts (the runs themselves need a cluster: `elastic bench resize`)."""
-from elastic.bench.resize import grow_timeline
+"""The resize benchmark's pure parts (the runs themselves need a cluster: `python -m benchmarks resize`)."""
+from benchmarks.resize import grow_timeline
 
 
 def test_grow_timeline_counts_from_the_grow_decision_and_leaves_polls_out():

@@ -16,11 +16,11 @@ import uuid
 import pytest
 
 from elastic import Trainer, TrainingFailed
-from elastic.checkpoint import latest_committed, step_dir
+from elastic.checkpoint.persister import latest_committed, step_dir
 from elastic.storage import Storage, join
-from elastic.telemetry import parse_lines
-from elastic.bench.workload import NUM_SAMPLES
-from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from elastic.observability.events import parse_lines
+from elastic.workload import NUM_SAMPLES
+from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -34,8 +34,8 @@ def job(tmp_path, chaos=(), name=None, storage_uri=None, storage_options=None, *
         "failure": {"max_failures": 2, "hang_floor_s": 5},
         "checkpoint": {"storage_uri": storage_uri or str(tmp_path / "runs"), "every_steps": EVERY,
                        "storage_options": storage_options or {}},
-        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 48},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 48},
         "chaos": [dict(c) for c in chaos],
     }
     for k, v in over.items():
@@ -236,7 +236,7 @@ def test_past_max_failures_the_error_says_what_and_where(cluster, tmp_path):  # 
 
 
 def test_user_code_error_stops_at_once_with_the_traceback(cluster, tmp_path):  # noqa: F811
-    j = job(tmp_path, train={"loss": "elastic.testing.faulty:loss_fails_on_fifth_call"})
+    j = job(tmp_path, train={"loss": "tests.support.faulty:loss_fails_on_fifth_call"})
     with pytest.raises(TrainingFailed, match="ZeroDivisionError: bug in the user's loss") as e:
         Trainer(j).fit(progress=False)
     assert not e.value.result.events_of("recovered")
@@ -340,7 +340,7 @@ def test_a_dead_spare_is_replaced_without_disturbing_training(cluster, baseline,
     assert len(ready) >= 2  # a replacement spare warmed up
     # The first spare started with the group; its replacement beside training, at the lowest CPU
     # priority until built, wherever it could return to its own priority afterwards.
-    from elastic import priority
+    from elastic.runtime import priority
     assert ready[0]["started_low"] is False
     assert all(e["started_low"] is priority._can_return() for e in ready[1:])
     assert not result.events_of("failure_detected") and not result.events_of("recovered")
@@ -367,7 +367,7 @@ def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_p
     persists in the background: training goes on at full speed (the next checkpoint step is
     deferred on every rank, not waited for), the last step's wait for storage is not taken for a
     hang, nothing is redone, and every checkpoint that ends up committed is whole."""
-    from elastic.checkpoint import committed_checkpoints, validate
+    from elastic.checkpoint.persister import committed_checkpoints, validate
 
     uri = f"{s3_server.uri}/outage-{uuid.uuid4().hex[:6]}"
     j = job(tmp_path, storage_uri=uri, storage_options=s3_server.storage_options)
@@ -404,8 +404,8 @@ def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline,
     memory, redo nothing and end bit-identical. Their uploads are cut short when the group fails
     (they used to run on beside the new group, and its next persist waited for them before
     writing), so nothing is left running; every checkpoint committed is whole."""
-    from elastic.checkpoint import committed_checkpoints, validate
-    from elastic.testing.slow_link import SlowLink
+    from elastic.checkpoint.persister import committed_checkpoints, validate
+    from tests.support.slow_link import SlowLink
 
     host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
     with SlowLink(host, int(port), bytes_per_s=300_000) as link:
@@ -439,8 +439,8 @@ def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waitin
     controller used to wait for it twice: its look at the committed checkpoints and the new
     generation's fence). The fence lands after the outage, and the last checkpoint commits only
     then; bit-identical, nothing redone, every committed checkpoint whole."""
-    from elastic.checkpoint import committed_checkpoints, validate
-    from elastic.fencing import current_generation
+    from elastic.checkpoint.persister import committed_checkpoints, validate
+    from elastic.checkpoint.fencing import current_generation
 
     uri = f"{s3_server.uri}/outage-kill-{uuid.uuid4().hex[:6]}"
     j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": 25}], storage_uri=uri,
@@ -474,8 +474,8 @@ def test_a_final_checkpoint_lost_to_a_storage_outage_is_saved_again_once_storage
     has trained every step and its ranks still hold the final state: they save it again, and once
     storage is back (at the first retry) the final checkpoint commits, whole, every rank's state
     identical. Before, the run ended "finished" without a checkpoint."""
-    from elastic.checkpoint import committed_checkpoints, validate
-    from elastic.testing.slow_link import SlowLink
+    from elastic.checkpoint.persister import committed_checkpoints, validate
+    from tests.support.slow_link import SlowLink
 
     host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
     with SlowLink(host, int(port), bytes_per_s=None) as link:
@@ -512,7 +512,7 @@ def test_a_final_checkpoint_lost_to_a_storage_outage_is_saved_again_once_storage
         validate(storage, c.uri)
 
 
-FEATURES = {"scheduler": "elastic.testing.faulty:warmup_cosine", "clip_grad_norm": 0.5, "precision": "bf16"}
+FEATURES = {"scheduler": "tests.support.faulty:warmup_cosine", "clip_grad_norm": 0.5, "precision": "bf16"}
 
 
 def test_schedule_bf16_and_clipping_stay_bit_identical_through_a_node_kill(cluster, tmp_path, tmp_path_factory):  # noqa: F811
@@ -526,8 +526,8 @@ def test_schedule_bf16_and_clipping_stay_bit_identical_through_a_node_kill(clust
 
 
 def test_bad_steps_roll_back_to_the_last_checkpoint_and_skip_their_batches(cluster, tmp_path):  # noqa: F811
-    j = job(tmp_path, train={"dataset": "elastic.testing.faulty:poisoned_dataset",
-                             "loss": "elastic.testing.faulty:rollback_drill_loss",
+    j = job(tmp_path, train={"dataset": "tests.support.faulty:poisoned_dataset",
+                             "loss": "tests.support.faulty:rollback_drill_loss",
                              "bad_step": "rollback", "bad_step_limit": 2})
     j["run"]["sample_ledger"] = True
     result = Trainer(j).fit(progress=False)
@@ -554,7 +554,7 @@ def test_parquet_on_s3_stays_exact_once_through_a_node_kill(cluster, tmp_path, s
     result = Trainer(j).fit(progress=False)
     assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
     assert result.events_of("restored")[-1]["source"] == "peer rank 0"
-    from elastic.parquet import ParquetDataset
+    from elastic.data.parquet import ParquetDataset
     n = len(ParquetDataset(data_uri, ["x", "y"], s3_server.storage_options))
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, n, seed=7,
                       lost_rank_upto=(1, FAULT_STEP))

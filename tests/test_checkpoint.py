@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint import (
+from elastic.checkpoint.persister import (
     COMMIT_MARKER, MANIFEST, AsyncCheckpointer, Manifest, apply_retention, commit, committed_checkpoints,
     latest_committed, load_shards, step_dir)
-from elastic.testing.flaky_fs import flaky_memory_fs
+from tests.support.flaky_fs import flaky_memory_fs
 from elastic.storage import Storage, StorageError, join
 
 
@@ -140,7 +140,7 @@ def test_persist_that_never_succeeds_is_never_committed(one_rank_group):
 
 def count_saves(monkeypatch):
     """Count the collective shard saves a persist makes (each one is a dcp.save on the group)."""
-    import elastic.checkpoint as ckpt
+    import elastic.checkpoint.persister as ckpt
     calls = []
     real = ckpt.save_shards
 
@@ -193,7 +193,7 @@ def test_a_commit_that_recovers_within_its_retries_commits(store, one_rank_group
 
 
 def test_a_retention_error_is_logged_and_nothing_is_redone(store, one_rank_group, monkeypatch):
-    import elastic.checkpoint as ckpt
+    import elastic.checkpoint.persister as ckpt
     storage, root = store
     saves = count_saves(monkeypatch)
 
@@ -317,7 +317,7 @@ def test_a_wait_that_times_out_leaves_the_persist_in_flight(store, one_rank_grou
 def test_a_persist_waits_for_an_abandoned_upload_before_writing(store, one_rank_group, monkeypatch):
     """A late upload of a failed group's persist must never land on a file a newer save wrote:
     the newer checkpointer writes nothing until it has ended."""
-    import elastic.checkpoint as ckpt
+    import elastic.checkpoint.persister as ckpt
     storage, root = store
     old, done = _still_uploading(storage, root, one_rank_group)
     seen = []
@@ -353,7 +353,7 @@ def test_a_persist_is_skipped_while_an_abandoned_upload_outlasts_its_bound(store
 
 
 def test_a_persist_whose_group_failed_during_its_save_is_never_committed(store, one_rank_group, monkeypatch):
-    import elastic.checkpoint as ckpt
+    import elastic.checkpoint.persister as ckpt
     storage, root = store
     real = ckpt.save_shards
     ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2)
@@ -394,7 +394,7 @@ def _rank_state(rank, seed):
 
 
 def _persist_on_two_ranks(rank, world, port, root, out_dir):
-    import elastic.checkpoint as ckpt
+    import elastic.checkpoint.persister as ckpt
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     # A short backstop: without lockstep, a rank left alone in a collective fails instead of hanging the test.
@@ -483,7 +483,7 @@ def test_on_s3_a_redone_step_and_a_lost_attempts_leftovers(s3_server, one_rank_g
 
 def test_snapshot_reuses_the_previous_buffers_and_copies_values():
     import torch
-    from elastic.checkpoint import snapshot
+    from elastic.checkpoint.persister import snapshot
     state = {"model": {"w": torch.ones(3, 2)}, "optim": {"state": {"w": {"step": torch.tensor(1.0)}}, "lr": 0.1}}
     first = snapshot(state)
     state["model"]["w"].mul_(5)
@@ -501,7 +501,7 @@ def test_remote_shards_are_staged_on_local_disk_then_uploaded_and_the_stage_remo
 
     import fsspec
 
-    from elastic.checkpoint import _written_files, save_shards
+    from elastic.checkpoint.persister import _written_files, save_shards
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the stage goes
     folder = f"memory://stage-{uuid.uuid4().hex}/run/checkpoints/step_000000001"
     metadata = save_shards(model_state(0), folder, {}, one_rank_group)
@@ -527,7 +527,7 @@ def test_a_save_says_when_it_starts_writing_to_storage_and_not_before(one_rank_g
     collective planning and before any of this rank's files reach the folder."""
     import fsspec
 
-    from elastic.checkpoint import save_shards
+    from elastic.checkpoint.persister import save_shards
     base = f"file://{tmp_path}" if protocol == "file" else f"memory://w-{uuid.uuid4().hex}"
     folder = f"{base}/run/checkpoints/step_000000001"
     fs, path = fsspec.core.url_to_fs(folder)
@@ -577,7 +577,7 @@ def test_on_s3_an_upload_whose_group_failed_is_cut_short_and_never_committed(s3_
     (the coroutine on fsspec's loop is cancelled) instead of running on beside the new group: here
     it would take about 40 s through a 200 kB/s link; the persist ends within 15 s of the abort.
     The slow link's relay closes with it; a later checkpoint of the same folder commits whole."""
-    from elastic.testing.slow_link import SlowLink
+    from tests.support.slow_link import SlowLink
     host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
     root = f"{s3_server.uri}/cut-{uuid.uuid4().hex[:8]}/run/checkpoints"
     state = {"model": {"weight": torch.arange(2_000_000, dtype=torch.float32)}}  # 8 MB
@@ -610,7 +610,7 @@ def test_on_s3_an_upload_whose_group_failed_is_cut_short_and_never_committed(s3_
 def test_an_upload_on_a_synchronous_filesystem_is_not_cut_and_one_not_cancelled_completes(tmp_path):
     import fsspec
 
-    from elastic.checkpoint import upload
+    from elastic.checkpoint.persister import upload
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a").write_bytes(b"x" * 10)
     cancel = threading.Event()
@@ -630,7 +630,7 @@ def test_a_dcp_failure_is_described_by_each_ranks_own_error_not_its_tracebacks()
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from elastic.checkpoint import describe_failure
+    from elastic.checkpoint.persister import describe_failure
     stack = traceback.StackSummary.from_list([("dcp.py", 1, "load", "x")] * 20)
     size = ValueError("Size mismatch between saved torch.Size([64, 256]) and current: torch.Size([128, 256])")
     e = CheckpointException("load", {0: (size, stack), 1: (size, stack), 2: (OSError("connection reset"), stack)})
@@ -640,7 +640,7 @@ def test_a_dcp_failure_is_described_by_each_ranks_own_error_not_its_tracebacks()
 
 
 def test_a_failed_checkpoint_is_owed_only_for_storage_and_retried_at_a_doubling_pace():
-    from elastic.checkpoint import RETRY_WAIT_MAX_S, owes_retry, retry_wait_s
+    from elastic.checkpoint.persister import RETRY_WAIT_MAX_S, owes_retry, retry_wait_s
     assert owes_retry("ConnectionError: storage unavailable (injected)")
     assert owes_retry("commit of s3://b/run/checkpoints/step_000000005 failed after 6 attempt(s): ...")
     for given_up in ("abandoned: the group failed during the save; never committed",
@@ -652,7 +652,7 @@ def test_a_failed_checkpoint_is_owed_only_for_storage_and_retried_at_a_doubling_
 def test_prestaged_buffers_take_the_first_snapshot_and_pass_to_the_next_checkpointer(store, one_rank_group):
     """The first checkpoint copies into buffers made ahead in the background (no fresh memory
     faulted in on the training thread); a later group's checkpointer starts from them."""
-    from elastic.checkpoint import staging_for
+    from elastic.checkpoint.persister import staging_for
     storage, root = store
     state = model_state(0)
     state["optim"] = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, 4)}}, "lr": 0.1}
@@ -688,7 +688,7 @@ def test_prestaged_buffers_take_the_first_snapshot_and_pass_to_the_next_checkpoi
 
 
 def test_a_checkpointer_with_a_persist_in_flight_gives_no_buffers_away(store, one_rank_group, monkeypatch):
-    import elastic.checkpoint as ckpt
+    import elastic.checkpoint.persister as ckpt
     storage, root = store
     release = threading.Event()
     real_save = ckpt.save_shards

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from elastic.bench.churn import ACTIONS, Fault, fault_schedule
+from benchmarks.churn import ACTIONS, Fault, fault_schedule
 
 
 def test_same_seed_same_schedule_other_seed_other_schedule():
@@ -62,7 +62,7 @@ def test_zero_duration_and_bad_arguments():
 
 
 def test_per_fault_pairs_each_fault_with_the_next_detection_and_resumption():
-    from elastic.bench.churn import per_fault
+    from benchmarks.churn import per_fault
     records = [{"t_s": 1.0, "action": "kill_node", "fired_s": 1.0},
                {"t_s": 2.0, "action": "kill_process", "fired_s": 2.5},
                {"t_s": 9.0, "action": "freeze_node", "skipped": "no target"},

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic import collectives
+from elastic.runtime import collectives
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,8 +5,8 @@ timestamps are a fake stream's, so the test checks what the clock records and re
 order and unit, not CUDA itself."""
 import torch
 
-from elastic import compute_clock
-from elastic.compute_clock import ComputeClock
+from elastic.runtime import compute_clock
+from elastic.runtime.compute_clock import ComputeClock
 
 
 class FakeTime:

@@ -7,8 +7,8 @@ from elastic.cli import main
 from elastic.config import ConfigError, batch_plan, load_job, parse_job
 from elastic.trainer import Trainer
 
-TRAIN = {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-         "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 96}
+TRAIN = {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+         "loss": "elastic.workload:loss_fn", "global_batch_size": 96}
 
 
 def job(**over):
@@ -58,8 +58,8 @@ def test_chaos_rank_must_exist():
 def test_module_function_that_does_not_import(tmp_path):
     with pytest.raises(ConfigError, match=r"train.model: cannot import module 'no_such_mod'"):
         Trainer(job(train={**TRAIN, "model": "no_such_mod:f"}, checkpoint={"storage_uri": str(tmp_path)}))
-    with pytest.raises(ConfigError, match=r"train.loss: module 'elastic.bench.workload' has no callable 'nope'"):
-        Trainer(job(train={**TRAIN, "loss": "elastic.bench.workload:nope"}, checkpoint={"storage_uri": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=r"train.loss: module 'elastic.workload' has no callable 'nope'"):
+        Trainer(job(train={**TRAIN, "loss": "elastic.workload:nope"}, checkpoint={"storage_uri": str(tmp_path)}))
     with pytest.raises(ConfigError, match=r"train.dataset: expected 'module:function'"):
         Trainer(job(train={**TRAIN, "dataset": "justaname"}, checkpoint={"storage_uri": str(tmp_path)}))
 
@@ -78,9 +78,9 @@ def test_cli_reports_yaml_errors_before_any_worker(tmp_path, capsys):
         run: {name: x, num_steps: 5}
         scaling: {num_workers: 2, gpus: 1}
         train:
-          model: elastic.bench.workload:build_model
-          dataset: elastic.bench.workload:build_dataset
-          loss: elastic.bench.workload:loss_fn
+          model: elastic.workload:build_model
+          dataset: elastic.workload:build_dataset
+          loss: elastic.workload:loss_fn
           global_batch_size: 8
     """))
     assert main(["train", str(path)]) == 2
@@ -125,7 +125,7 @@ def test_fsdp_settings_without_the_fsdp_strategy_are_an_error():
 def test_fsdp_blocks_default_and_unknown_class():
     from torch import nn
 
-    from elastic.strategies.fsdp import select_blocks
+    from elastic.parallel.fsdp import select_blocks
 
     class Block(nn.Module):
         def __init__(self):

@@ -10,7 +10,7 @@ import pytest
 from elastic.config import JobConfig
 from elastic.controller.controller import Controller
 from elastic.controller.states import TERMINAL, Errored, Finished, Recovering
-from elastic.testing.fake_group import FakeClock, FakeGroup
+from tests.support.fake_group import FakeClock, FakeGroup
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,7 +234,7 @@ def test_a_recovery_from_memory_does_not_wait_for_a_storage_that_hangs(monkeypat
     3 x ping_timeout_s each; the fence lands once storage is back."""
     import threading
 
-    from elastic.fencing import current_generation
+    from elastic.checkpoint.fencing import current_generation
     c, g, clock = make(failure={"ping_timeout_s": 0.2})
     drive(c, lambda c: c.step >= 10)
     step = c.step
@@ -258,7 +258,7 @@ def test_a_recovery_from_memory_does_not_wait_for_a_storage_that_hangs(monkeypat
 def test_a_resubmitted_run_numbers_its_generations_on_from_the_fence_an_earlier_one_left():
     """A zombie of an earlier submission (generation 5, say) must be older than every group of
     the resubmitted run, or it would pass the fence once the new run reached generation 5."""
-    from elastic.fencing import current_generation, may_write, write_fence
+    from elastic.checkpoint.fencing import current_generation, may_write, write_fence
     c, g, clock = make()
     write_fence(c.storage, c.root, 5)  # what the earlier submission left
     drive(c, lambda c: c.step >= 10)
@@ -484,7 +484,7 @@ def test_a_restore_from_storage_that_never_answers_fails_the_run_saying_so(monke
 
 def _committed_at(monkeypatch, step: int) -> str:
     """Storage lists one committed checkpoint, of `step` (the fake group 'loads' it by its name)."""
-    from elastic.checkpoint import CommittedCheckpoint, Manifest
+    from elastic.checkpoint.persister import CommittedCheckpoint, Manifest
     from elastic.controller import controller as ctl
     uri = f"memory://fake/run/checkpoints/step_{step:09d}"
     found = [CommittedCheckpoint(uri, Manifest(step, step * 48, 3, "ddp", {}, 0.0))]

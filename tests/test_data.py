@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from elastic.data import GlobalOrder, cursor_after
+from elastic.data.order import GlobalOrder, cursor_after
 
 
 def test_every_sample_of_an_epoch_exactly_once():
@@ -47,7 +47,7 @@ def test_empty_dataset_is_a_clear_error():
 def test_ledger_check_catches_a_repeated_or_wrong_sample(tmp_path):
     import json
 
-    from ray_fixtures import assert_exact_once
+    from tests.ray_fixtures import assert_exact_once
 
     order, batch = GlobalOrder(num_samples=12, seed=5), 6
     good = {str(s + 1): {"world_size": 2, "ranks": {str(r): order.rank_indices(s, batch, 2, r) for r in range(2)}}

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from elastic.fencing import FenceWriter, current_generation, may_write, write_fence
+from elastic.checkpoint.fencing import FenceWriter, current_generation, may_write, write_fence
 from elastic.storage import Storage, StorageError, call_within
 
 

@@ -15,7 +15,7 @@ the same at every world size, but at 2 ranks each rank sums the gradient of 24
 samples instead of 16 before the reduce-scatter sums over ranks, so the float32
 additions happen in another order and each gradient differs by a few ulps
 (relative ~1e-7). The test trains with SGD + momentum at a small learning rate
-(elastic.bench.workload:build_sgd), where those differences stay at rounding
+(elastic.workload:build_sgd), where those differences stay at rounding
 level: two runs that never resize, at 2 and at 3 ranks, differ by 4.5e-8 (max
 abs) after 300 steps (measured). Two things amplify rounding and would force a
 tolerance too loose to catch bugs: AdamW turns an ulp of difference in a
@@ -26,7 +26,7 @@ one hidden unit sits at its ReLU kink in some step and takes the other branch
 in one run: that unit's row then differs by up to 2.7e-4 (momentum) and 1e-5
 (weights) at the end (seen in 3 of 9 runs, depending on the step at which the
 world changes size), and once, in CI, 1.05e-3 in a momentum buffer. So the
-model is the workload's MLP with GELU for ReLU (elastic.testing.workloads:
+model is the workload's MLP with GELU for ReLU (tests.support.workloads:
 build_smooth_model): no kink, no branch to flip, and the runs stay at rounding
 level. TOL = 1e-3 is far above that, while a wrong shard, a lost optimizer
 moment or a repeated batch moves the weights by the size of a training step or
@@ -45,10 +45,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from elastic import Trainer
-from elastic.bench.workload import NUM_SAMPLES
-from elastic.resharding import flatten
-from elastic.testing.workloads import build_smooth_model
-from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from elastic.workload import NUM_SAMPLES
+from elastic.parallel.resharding import flatten
+from tests.support.workloads import build_smooth_model
+from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 from test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
@@ -63,10 +63,10 @@ def fsdp_job(root, name, chaos=()):
         "scaling": {"num_workers": 3, "min_workers": 2, "max_workers": 3, "shrink_after_s": 2, "grow_check_s": 1},
         "failure": {"max_failures": 2},
         "checkpoint": {"storage_uri": str(root), "every_steps": EVERY, "num_to_keep": 2},
-        "train": {"model": "elastic.testing.workloads:build_smooth_model",
-                  "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.testing.workloads:loss_slower_while_shrunk",
-                  "optimizer": "elastic.bench.workload:build_sgd",
+        "train": {"model": "tests.support.workloads:build_smooth_model",
+                  "dataset": "elastic.workload:build_dataset",
+                  "loss": "tests.support.workloads:loss_slower_while_shrunk",
+                  "optimizer": "elastic.workload:build_sgd",
                   "global_batch_size": BATCH, "strategy": "fsdp"},
         "chaos": list(chaos),
     }

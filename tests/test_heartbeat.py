@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from elastic import priority
-from elastic.heartbeat import Heartbeats, Sidecar
-from elastic.testing.fake_group import FakeClock
+from elastic.runtime import priority
+from elastic.runtime.heartbeat import Heartbeats, Sidecar
+from tests.support.fake_group import FakeClock
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")]
 
@@ -136,7 +136,7 @@ def test_renumbering_keeps_a_sidecar_and_an_unknown_one_gives_no_evidence(worker
 
 def test_the_sidecar_exits_with_its_worker():
     # The worker starts the sidecar; when the worker is SIGKILLed, the pipe closes and the sidecar goes.
-    code = ("import sys, time; from elastic.heartbeat import Sidecar; s = Sidecar(__import__('os').getpid(), "
+    code = ("import sys, time; from elastic.runtime.heartbeat import Sidecar; s = Sidecar(__import__('os').getpid(), "
             "'127.0.0.1'); print(s.proc.pid, flush=True); time.sleep(60)")
     w = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     side_pid = int(w.stdout.readline())
@@ -159,7 +159,7 @@ def _alive(pid: int) -> bool:
 def test_a_sidecar_started_by_a_spare_at_low_priority_runs_at_normal_priority():
     # A refill spare warms under SCHED_IDLE (elastic/priority.py); its heartbeat must not starve,
     # or a busy node would look stopped.
-    code = ("import os; from elastic import priority; from elastic.heartbeat import Sidecar; "
+    code = ("import os; from elastic import priority; from elastic.runtime.heartbeat import Sidecar; "
             "low = priority.lower(); s = Sidecar(os.getpid(), '127.0.0.1'); "
             "print(low, os.sched_getscheduler(0) == os.SCHED_IDLE, os.sched_getscheduler(s.proc.pid) == os.SCHED_IDLE)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
@@ -170,7 +170,7 @@ def test_a_sidecar_started_by_a_spare_at_low_priority_runs_at_normal_priority():
 
 
 def test_a_kept_rank_is_said_so_in_the_progress_lines():
-    from elastic.report import describe_event
+    from elastic.observability.report import describe_event
     from elastic.trainer import _Progress
     ev = {"kind": "silence_excused", "rank": 1, "step": 15, "unanswered_s": 4.2, "idle_s": 4.3, "state": "S",
           "heartbeat_age_s": 0.0}

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from ray_fixtures import free_port
+from tests.ray_fixtures import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
@@ -22,9 +22,9 @@ run: {name: submitted, num_steps: 12, seed: 1}
 scaling: {num_workers: 2}
 checkpoint: {storage_uri: "file://STORAGE", every_steps: 5}
 train:
-  model: elastic.bench.workload:build_model
-  dataset: elastic.bench.workload:build_dataset
-  loss: elastic.bench.workload:loss_fn
+  model: elastic.workload:build_model
+  dataset: elastic.workload:build_dataset
+  loss: elastic.workload:loss_fn
   global_batch_size: 16
 """
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic import metrics as m
+from elastic.observability import metrics as m
 from elastic.controller.states import Finished
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "elastic.json"
@@ -187,7 +187,7 @@ class _Broken:
 
 def test_a_failing_backend_never_breaks_the_caller_and_is_logged_once(caplog):
     hook = m.MetricsHook("r", _Broken(), clock=lambda: 0.0)
-    with caplog.at_level(logging.WARNING, logger="elastic.metrics"):
+    with caplog.at_level(logging.WARNING, logger="elastic.observability.metrics"):
         for ev in started():
             hook.on_event(ev)
         hook.on_progress(3, 1.0, {0: {"step": 3, "step_s": 0.1}})
@@ -289,7 +289,7 @@ def metrics_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic.bench.local_cluster import LocalCluster
+    from elastic.local_cluster import LocalCluster
 
     port = _free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -345,8 +345,8 @@ def test_a_real_run_s_metrics_are_read_from_the_prometheus_endpoint(metrics_clus
         "scaling": {"num_workers": NUM_WORKERS},
         "failure": {"max_failures": 2, "hang_floor_s": 5},
         "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": 10},
-        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 48},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 48},
         "chaos": [{"action": "kill_process", "rank": 1, "at_step": FAULT_STEP}],
     }
     result = Trainer(job).fit(progress=False)

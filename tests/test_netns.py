@@ -1,4 +1,4 @@
-"""A real network partition on one host (elastic.testing.netns): a Ray node in a network namespace
+"""A real network partition on one host (tests.support.netns): a Ray node in a network namespace
 whose link is cut like a pulled cable.
 
 Run under `flock /tmp/elastic-ray.lock` (one Ray cluster per machine). Needs root and iproute2.
@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic.testing import netns
+from tests.support import netns
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 

@@ -17,7 +17,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 from torch.utils.data import DataLoader, default_collate
 
-from elastic.parquet import ParquetDataset
+from elastic.data.parquet import ParquetDataset
 from elastic.storage import StorageError
 from examples import parquet_corpus
 from examples.charlm import CONTEXT, NextCharDataset

@@ -1,4 +1,4 @@
-"""A real network partition (elastic.testing.netns): one of three DDP ranks runs on a Ray node inside
+"""A real network partition (tests.support.netns): one of three DDP ranks runs on a Ray node inside
 its own network namespace, and its link is cut like a pulled cable mid-run (no RST, no error at any
 sender). The run must find the silent rank, keep the survivors and their memory, replace the lost
 rank elsewhere, and end bit-identical to an uninterrupted run; also when the link comes back while
@@ -18,7 +18,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic.testing import netns
+from tests.support import netns
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(400)]
 
@@ -42,8 +42,8 @@ def job(tmp_path: Path, name: str) -> dict:
         "scaling": {"num_workers": 3},
         "failure": {"max_failures": 2, "hang_floor_s": 5},
         "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": EVERY},
-        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 48},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 48},
     }
 
 

@@ -7,9 +7,9 @@ import pytest
 from torch import nn
 
 from elastic.config import ConfigError, parse_job
-from elastic.strategies.pipeline import PlanError, balanced_bounds, chunks_of_stage, plan_chunks, stage_of_unit, units_of
-from spawn_ranks import run_ranks
-from elastic.topology import Layout, chain, grow_to, reassign, shrink_to, stage_sources
+from elastic.parallel.pipeline import PlanError, balanced_bounds, chunks_of_stage, plan_chunks, stage_of_unit, units_of
+from tests.spawn_ranks import run_ranks
+from elastic.parallel.topology import Layout, chain, grow_to, reassign, shrink_to, stage_sources
 
 pytestmark = pytest.mark.timeout(300)
 

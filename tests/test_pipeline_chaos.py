@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from elastic import Trainer
-from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 from test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
@@ -104,7 +104,7 @@ def test_node_loss_without_capacity_repartitions_then_grows_back(cluster, baseli
     j["run"]["sample_ledger"] = True
     # Steps at 2 stages are paced (0.4 s instead of 0.035 s) so the run cannot end before the
     # worker queued for the returned capacity has warmed; the arithmetic is unchanged.
-    j["train"]["pipeline"]["loss"] = "elastic.testing.workloads:stage_loss_slower_while_shrunk"
+    j["train"]["pipeline"]["loss"] = "tests.support.workloads:stage_loss_slower_while_shrunk"
     name = j["run"]["name"]
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))

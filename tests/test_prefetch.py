@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
-from elastic.data import GlobalOrder
-from elastic.prefetch import Prefetcher
+from elastic.data.order import GlobalOrder
+from elastic.data.prefetch import Prefetcher
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,8 +95,8 @@ def test_a_batch_outside_the_plan_is_left_to_the_caller(pf):
 def test_data_worker_settings_are_checked():
     from elastic.config import ConfigError, parse_job
     job = {"run": {"name": "x"}, "scaling": {"num_workers": 2},
-           "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                     "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 16}}
+           "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                     "loss": "elastic.workload:loss_fn", "global_batch_size": 16}}
     with pytest.raises(ConfigError, match="train.data_workers"):
         parse_job({**job, "train": {**job["train"], "data_workers": -1}})
     with pytest.raises(ConfigError, match="train.prefetch.*train.data_workers"):
@@ -119,8 +119,8 @@ def test_a_dataset_that_does_not_pickle_is_refused_before_any_worker_starts(tmp_
     from elastic.config import ConfigError
     job = {"run": {"name": "x"}, "scaling": {"num_workers": 2},
            "checkpoint": {"storage_uri": f"file://{tmp_path}"},
-           "train": {"model": "elastic.bench.workload:build_model", "dataset": "tests.test_prefetch:unpicklable_dataset",
-                     "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 16, "data_workers": 2}}
+           "train": {"model": "elastic.workload:build_model", "dataset": "tests.test_prefetch:unpicklable_dataset",
+                     "loss": "elastic.workload:loss_fn", "global_batch_size": 16, "data_workers": 2}}
     with pytest.raises(ConfigError, match="train.data_workers=2 .*does not pickle.*data_workers_start: fork"):
         Trainer(job)
     Trainer({**job, "train": {**job["train"], "data_workers_start": "fork"}})  # fork copies it: accepted

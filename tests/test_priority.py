@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from elastic import priority
+from elastic.runtime import priority
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 CHILD = textwrap.dedent("""
     import json, os, threading
     import elastic
-    from elastic import priority
+    from elastic.runtime import priority
     import torch
     torch.set_num_threads(2)
     torch.ones(256, 256) @ torch.ones(256, 256)  # starts torch's compute threads

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from elastic.bench.ray_train_peer import run_ray_train_recovery
+from benchmarks.ray_train_peer import run_ray_train_recovery
 # Explicit, so this module runs whether or not conftest.py re-exports them.
-from ray_fixtures import cluster, ray_cluster  # noqa: F401
+from tests.ray_fixtures import cluster, ray_cluster  # noqa: F401
 
 NUM_STEPS, FAULT_STEP, CKPT_EVERY = 30, 15, 10
 

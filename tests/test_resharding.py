@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic import resharding
+from elastic.parallel import resharding
 from elastic.config import FsdpSpec
-from elastic.resharding import Piece, ReshardError, part_rows, pieces
+from elastic.parallel.resharding import Piece, ReshardError, part_rows, pieces
 
 
 # ---------------------------------------------------------------- pure layout
@@ -65,7 +65,7 @@ def _model():
 def _setup(rank, world, port, tag, strategy="fsdp"):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic.strategies import STRATEGIES
+    from elastic.parallel.strategies import STRATEGIES
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -102,7 +102,7 @@ def _old_world(rank, world, port, out_dir, ckpt_uri):
         pickle.dump(offer, f)
     full = _full(strat, model, opt)
     if ckpt_uri:
-        from elastic.checkpoint import save_shards
+        from elastic.checkpoint.persister import save_shards
         save_shards(strat.state_dict(model, opt), ckpt_uri, {}, None)
     if rank == 0:
         torch.save(full, f"{out_dir}/full_old.pt")
@@ -110,7 +110,7 @@ def _old_world(rank, world, port, out_dir, ckpt_uri):
 
 
 def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop):
-    from elastic.checkpoint import load_shards
+    from elastic.checkpoint.persister import load_shards
 
     # 1. In memory, from every old part's offer.
     offers = {}
@@ -198,8 +198,8 @@ def test_fsdp_reshards_exactly_in_memory_rank_to_rank_and_from_a_checkpoint(tmp_
 def _renumbered(proc, nproc, port1, port2, out_dir):
     """Processes 1 and 2 swap rank numbers between two same-shaped groups, as survivors do when
     a world shrinks and grows back. Their sharded tensors must carry the new coordinates."""
-    from elastic.checkpoint import save_shards, snapshot
-    from elastic.strategies.base import forget_old_meshes
+    from elastic.checkpoint.persister import save_shards, snapshot
+    from elastic.parallel.base import forget_old_meshes
 
     strat, model, opt = _setup(proc, 3, port1, "first")
     _train(model, opt, strat, proc, 3, steps=1)
@@ -226,7 +226,7 @@ def test_renumbered_ranks_write_their_own_shards(tmp_path):
 
 
 def _save_as(rank, world, port, out_dir, strategy, uri):
-    from elastic.checkpoint import save_shards
+    from elastic.checkpoint.persister import save_shards
     strat, model, opt = _setup(rank, world, port, "save", strategy)
     _train(model, opt, strat, rank, world, steps=3)
     save_shards(strat.state_dict(model, opt), uri, {}, None)
@@ -237,7 +237,7 @@ def _save_as(rank, world, port, out_dir, strategy, uri):
 
 
 def _load_as(rank, world, port, out_dir, strategy, uri, tag, save_uri):
-    from elastic.checkpoint import load_shards, save_shards
+    from elastic.checkpoint.persister import load_shards, save_shards
     strat, model, opt = _setup(rank, world, port, "load", strategy)
     state = strat.state_dict(model, opt)
     load_shards(state, uri, {}, None)

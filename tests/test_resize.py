@@ -10,9 +10,9 @@ import pytest
 import ray
 
 from elastic import Trainer
-from elastic.bench.workload import NUM_SAMPLES
-from elastic.telemetry import parse_lines
-from ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from elastic.workload import NUM_SAMPLES
+from elastic.observability.events import parse_lines
+from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -45,8 +45,8 @@ def test_shrink_on_node_loss_then_grow_back(cluster, tmp_path):  # noqa: F811
         "scaling": {"num_workers": 3, "min_workers": 2, "max_workers": 3, "shrink_after_s": 2, "grow_check_s": 1},
         "failure": {"max_failures": 2},
         "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": 50},
-        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.testing.workloads:loss_slower_while_shrunk", "global_batch_size": 48},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "tests.support.workloads:loss_slower_while_shrunk", "global_batch_size": 48},
         "chaos": [{"action": "kill_node", "rank": 1, "at_step": 20}],
     }
     out = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ray_fixtures import free_port
+from tests.ray_fixtures import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -34,10 +34,10 @@ run: {name: NAME, num_steps: %d, seed: 3}
 scaling: {num_workers: 2}
 checkpoint: {storage_uri: "file://STORAGE", every_steps: %d, num_to_keep: 3}
 train:
-  model: elastic.bench.workload:build_model
-  dataset: elastic.bench.workload:build_dataset
-  loss: elastic.bench.workload:loss_fn
-  optimizer: elastic.bench.workload:build_optimizer
+  model: elastic.workload:build_model
+  dataset: elastic.workload:build_dataset
+  loss: elastic.workload:loss_fn
+  optimizer: elastic.workload:build_optimizer
   global_batch_size: 16
 """ % (NUM_STEPS, EVERY_STEPS)
 

@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from elastic import checkpoint as ckpt
-from elastic import staging
+from elastic.checkpoint import persister as ckpt
+from elastic.checkpoint import staging
 
 pytestmark = pytest.mark.timeout(60)
 
 # A process that takes a staging folder, writes a file into it, says where, and waits to be killed.
 OWNER = textwrap.dedent("""
     import sys, time
-    from elastic.staging import stage_folder
+    from elastic.checkpoint.staging import stage_folder
     with stage_folder(sys.argv[1]) as shards:
         open(shards + "/__0_0.distcp", "wb").write(b"x" * 1024)
         print(shards, flush=True)

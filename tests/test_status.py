@@ -9,9 +9,9 @@ import uuid
 import pytest
 
 from elastic.cli import main
-from elastic.status import format_status, summarize
+from elastic.observability.status import format_status, summarize
 from elastic.storage import Storage, join
-from elastic.telemetry import EVENTS_FILE, SEGMENTS_DIR
+from elastic.observability.events import EVENTS_FILE, SEGMENTS_DIR
 
 T0 = 1_800_000_000.0
 
@@ -328,7 +328,7 @@ def write_run(where: str, tmp_path, events: list[dict]) -> str:
 def test_cli_status_reads_the_run_folder(where, tmp_path, capsys, monkeypatch):
     events = a_run()
     run = write_run(where, tmp_path, events)
-    monkeypatch.setattr("elastic.status.time.time", lambda: events[-1]["t"] + 30)
+    monkeypatch.setattr("elastic.observability.status.time.time", lambda: events[-1]["t"] + 30)
     assert main(["status", run]) == 0
     assert capsys.readouterr().out == format_status(summarize(events, now=events[-1]["t"] + 30)) + "\n"
     assert main(["status", run, "--json"]) == 0

@@ -8,9 +8,9 @@ import uuid
 import pytest
 
 from elastic.cli import main
-from elastic.testing.flaky_fs import flaky_memory_fs
+from tests.support.flaky_fs import flaky_memory_fs
 from elastic.storage import Storage, join
-from elastic.telemetry import EventLog, read_events
+from elastic.observability.events import EventLog, read_events
 
 
 FlakyMemoryFS = flaky_memory_fs("flakylog")

@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from elastic.cli import main
-from elastic.timeline import load, plot, rank_marks, rank_spans
+from elastic.observability.timeline import load, plot, rank_marks, rank_spans
 from test_status import T0, Log, a_run, write_run  # the same synthetic runs as `elastic status`
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.bench.torchft_peer import summarise
+from benchmarks.torchft_peer import summarise
 
 N = 3  # replica groups
 FAULT_T = 100.0

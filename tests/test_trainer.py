@@ -14,7 +14,7 @@ import uuid
 import pytest
 import yaml
 
-from elastic.checkpoint import COMMIT_MARKER, MANIFEST, checkpoints_root, step_dir, validate
+from elastic.checkpoint.persister import COMMIT_MARKER, MANIFEST, checkpoints_root, step_dir, validate
 from elastic.cli import main
 from elastic.config import ConfigError
 from elastic.storage import Storage, join
@@ -161,7 +161,7 @@ class _ControllerThatDies:
         import threading
         import time
 
-        from elastic.checkpoint import latest_committed as newest
+        from elastic.checkpoint.persister import latest_committed as newest
 
         def die_after_a_commit():
             while newest(self.storage, self.root) is None:
@@ -187,8 +187,8 @@ def test_a_dead_controller_ends_the_run_with_training_failed_naming_the_last_che
     j = {"run": {"name": "dies", "num_steps": 100_000},
          "scaling": {"num_workers": 1},
          "checkpoint": {"storage_uri": f"file://{tmp_path}/runs", "every_steps": 3},
-         "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                   "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 16}}
+         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                   "loss": "elastic.workload:loss_fn", "global_batch_size": 16}}
     # address="local": a Ray of this test's own, even where another (a user's `ray start`) runs.
     ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
     try:

@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from elastic.config import ConfigError, parse_job
-from spawn_ranks import run_ranks
+from tests.spawn_ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def mlp_job(tmp_path, workers=2, steps=12, strategy="ddp", **train):
-    t = {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-         "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 16, "strategy": strategy, **train}
+    t = {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+         "loss": "elastic.workload:loss_fn", "global_batch_size": 16, "strategy": strategy, **train}
     return {"run": {"name": "f", "num_steps": steps, "seed": 3}, "scaling": {"num_workers": workers},
             "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 6}, "train": t}
 
 
-FEATURES = {"scheduler": "elastic.testing.faulty:warmup_cosine", "clip_grad_norm": 0.5, "precision": "bf16"}
+FEATURES = {"scheduler": "tests.support.faulty:warmup_cosine", "clip_grad_norm": 0.5, "precision": "bf16"}
 
 
 def test_schedule_clipping_and_bf16_resume_bit_identical_from_a_checkpoint(tmp_path):
@@ -44,8 +44,8 @@ def _one_step(tmp_path, name, strategy, workers, pp=1, **extra):
 def test_the_global_gradient_norm_is_the_same_under_ddp_fsdp_and_pipeline_stages(tmp_path):
     """The norm clipping uses covers every parameter once: replicas hold copies, FSDP ranks parts,
     pipeline stages different layers."""
-    from elastic.bench.workload import build_dataset, build_model, loss_fn
-    from elastic.data import GlobalOrder
+    from elastic.workload import build_dataset, build_model, loss_fn
+    from elastic.data.order import GlobalOrder
     from torch.utils.data import default_collate
     torch.manual_seed(3)
     model = build_model()
@@ -78,13 +78,13 @@ def test_fp16_loss_scale_is_saved_and_restored(tmp_path):
     assert all(math.isfinite(o[3]) for o in whole)
 
 
-POISON = {"dataset": "elastic.testing.faulty:poisoned_dataset", "loss": "elastic.testing.faulty:poisoned_loss"}
+POISON = {"dataset": "tests.support.faulty:poisoned_dataset", "loss": "tests.support.faulty:poisoned_loss"}
 
 
 def _poisoned_steps(n: int, steps: int) -> tuple[str, list[int]]:
     """Sample ids that poison steps 3 and 4 (1-based: the 3rd and 4th steps) of the data order."""
-    from elastic.data import GlobalOrder
-    from elastic.bench.workload import NUM_SAMPLES
+    from elastic.data.order import GlobalOrder
+    from elastic.workload import NUM_SAMPLES
     order = GlobalOrder(NUM_SAMPLES, 3)
     ids = [order.indices(s * 16, s * 16 + 1)[0] for s in (2, 3)][:n]
     return ",".join(map(str, ids)), [3, 4][:n]

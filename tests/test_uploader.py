@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from elastic import uploader
+from elastic.checkpoint import uploader
 
 
 def _folder(path, files: dict[str, bytes]) -> str:
@@ -94,7 +94,7 @@ def test_with_no_child_idle_an_upload_is_left_to_the_worker(tmp_path):
 def test_a_workers_first_upload_is_its_own_and_the_next_ones_are_the_childs(s3_server, monkeypatch):
     import torch
 
-    from elastic import checkpoint
+    from elastic.checkpoint import persister as checkpoint
     _no_children()
     in_worker = []
     real_upload = checkpoint.upload
@@ -122,7 +122,7 @@ def test_a_cancelled_upload_is_not_begun(tmp_path):
 
 
 def _slow_s3(s3_server, bytes_per_s: float):
-    from elastic.testing.slow_link import SlowLink
+    from tests.support.slow_link import SlowLink
     host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
     return SlowLink(host, int(port), bytes_per_s=bytes_per_s)
 
@@ -173,7 +173,7 @@ def test_an_upload_process_dies_with_its_worker_even_mid_upload(s3_server, tmp_p
         options = {**s3_server.storage_options, "endpoint_url": link.url}
         worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
             import sys, threading
-            from elastic import uploader
+            from elastic.checkpoint import uploader
             cuttable = threading.Event()
             uploader.prestart({s3_server.uri!r}, {{}})
             assert uploader.ready(60)
@@ -198,8 +198,8 @@ def test_an_upload_process_dies_with_its_worker_even_mid_upload(s3_server, tmp_p
 def test_only_filesystems_a_fresh_interpreter_can_reach_upload_in_a_child():
     import fsspec
 
-    from elastic.checkpoint import _process_private
-    from elastic.testing.flaky_fs import flaky_memory_fs
+    from elastic.checkpoint.persister import _process_private
+    from tests.support.flaky_fs import flaky_memory_fs
     assert _process_private(fsspec.filesystem("memory"))  # this process's memory
     assert _process_private(flaky_memory_fs("uploaderflaky")())  # registered at run time, and in memory
     assert not _process_private(fsspec.filesystem("file"))

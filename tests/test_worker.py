@@ -5,9 +5,9 @@ import socket
 
 import pytest
 
-from elastic.checkpoint import checkpoints_root
+from elastic.checkpoint.persister import checkpoints_root
 from elastic.config import JobConfig
-from elastic.worker import Worker
+from elastic.runtime.worker import Worker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,8 +24,8 @@ def worker(tmp_path):
         "run": {"name": "w", "num_steps": 20, "seed": 1},
         "scaling": {"num_workers": 1},
         "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 100},
-        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 8},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 8},
     })
     w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
     w.join("127.0.0.1", _port(), 0, 1, generation=1)
@@ -95,17 +95,17 @@ def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not
     """Storage out at step 5's checkpoint (every 5 steps): the run used to go without a commit
     until step 10, however soon storage came back. Now every rank agrees (in the step's
     all-reduce) to save again at the first step after the wait, and that commits."""
-    from elastic.checkpoint import committed_checkpoints
+    from elastic.checkpoint.persister import committed_checkpoints
     from elastic.storage import Storage
-    from elastic.testing.flaky_fs import flaky_memory_fs
+    from tests.support.flaky_fs import flaky_memory_fs
 
     fs = flaky_memory_fs("flakyretry")
     uri = f"flakyretry://{tmp_path.name}"
     job = JobConfig.model_validate({
         "run": {"name": "w", "num_steps": 12, "seed": 1}, "scaling": {"num_workers": 1},
         "checkpoint": {"storage_uri": uri, "every_steps": 5, "persist_retries": 0, "persist_retry_backoff_s": 0},
-        "train": {"model": "elastic.bench.workload:build_model", "dataset": "elastic.bench.workload:build_dataset",
-                  "loss": "elastic.bench.workload:loss_fn", "global_batch_size": 8},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 8},
     })
     root = checkpoints_root(uri, "w")
     w = Worker(job.model_dump_json(), root)

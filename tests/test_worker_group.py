@@ -21,9 +21,9 @@ import ray
 from ray import cloudpickle
 
 from elastic.config import JobConfig
-from elastic.heartbeat import Sidecar
+from elastic.runtime.heartbeat import Sidecar
 from elastic.policies.failure import FORMATION_SILENCE
-from elastic.worker_group import GroupError, Member, WorkerGroup
+from elastic.group.worker_group import GroupError, Member, WorkerGroup
 
 pytestmark = pytest.mark.timeout(120)
 

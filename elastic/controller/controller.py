@@ -28,10 +28,10 @@ from collections import deque
 
 import ray
 
-from elastic import metrics as run_metrics
-from elastic.checkpoint import abandon_after, checkpoints_root, committed_checkpoints, latest_committed
+from elastic.observability import metrics as run_metrics
+from elastic.checkpoint.persister import abandon_after, checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import JobConfig
-from elastic.fencing import FenceWriter, current_generation
+from elastic.checkpoint.fencing import FenceWriter, current_generation
 from elastic.controller.states import (
     TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, RunWatch, Starting, State,
     Swapping)
@@ -41,10 +41,10 @@ from elastic.policies.failure import (
 from elastic.policies.straggler import (Drop, Report, StragglerState, Swap, decide_straggler, flagged, observe,
                                         slow_steps, span, window_ratios)
 from elastic.storage import Storage, call_within, join
-from elastic.strategies import STRATEGIES
-from elastic.telemetry import EventLog
-from elastic.topology import Layout, grow_to, reassign, shrink_to, stage_sources
-from elastic.worker_group import GroupError, WorkerGroup, cause_of
+from elastic.parallel.strategies import STRATEGIES
+from elastic.observability.events import EventLog
+from elastic.parallel.topology import Layout, grow_to, reassign, shrink_to, stage_sources
+from elastic.group.worker_group import GroupError, WorkerGroup, cause_of
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Controller:
         self.storage = Storage(ck.storage_uri, ck.storage_options)
         self.run_dir = join(self.storage.uri, self.job.run.name)
         self.root = checkpoints_root(self.storage.uri, self.job.run.name)
-        # Prometheus metrics (elastic.metrics) are derived from every event as it is emitted, plus
+        # Prometheus metrics (elastic.observability.metrics) are derived from every event as it is emitted, plus
         # the progress of each poll and each straggler window, which are not events.
         self.metrics = run_metrics.for_run(self.job.run.name, clock=self.now)
         self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event)
@@ -95,7 +95,7 @@ class Controller:
         self.loss_curve: dict[int, tuple[float, int]] = {}  # step -> (global mean loss, world size)
         self.next_straggler_step = 0  # the next step to fold into the straggler state
         self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
-        # Where ranks sit (elastic.topology): ddp and fsdp are (pp=1, dp=world); a pipeline's layout
+        # Where ranks sit (elastic.parallel.topology): ddp and fsdp are (pp=1, dp=world); a pipeline's layout
         # walks the chain below `top` (replicas dropped, then stages) as capacity comes and goes.
         tr = self.job.train
         self.pipeline = tr.strategy == "pipeline"
@@ -804,7 +804,7 @@ class Controller:
         return Forming()
 
     def _replan(self, reason: str, t0: float) -> State:
-        """A pipeline short of ranks: the largest layout the survivors fill (elastic.topology).
+        """A pipeline short of ranks: the largest layout the survivors fill (elastic.parallel.topology).
         Whole replicas go first, each stage keeping a survivor that holds it, whose memory the
         new group copies; with one replica left the model is re-partitioned over fewer stages,
         and the lost stage's layers come from the latest committed checkpoint (DCP reads them

@@ -5,8 +5,8 @@ import statistics
 from dataclasses import dataclass
 
 from elastic.config import FailureConfig
-from elastic.heartbeat import STOPPED_STATES
-from elastic.topology import Layout, stage_sources
+from elastic.runtime.heartbeat import STOPPED_STATES
+from elastic.parallel.topology import Layout, stage_sources
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def silence_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:
 
 
 def node_says_running(beat, ping_timeout_s: float) -> bool:
-    """A rank's heartbeat (`elastic.heartbeat.Beat`) answered within ping_timeout_s and says its
+    """A rank's heartbeat (`elastic.runtime.heartbeat.Beat`) answered within ping_timeout_s and says its
     process runs or sleeps: its machine is up and the rank is busy, not lost."""
     return beat.age_s <= ping_timeout_s and beat.state not in STOPPED_STATES
 
@@ -130,7 +130,7 @@ def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_
     ("unresponsive", for `unanswered_s` seconds) while the group completed no step either.
     Returns (those ranks, reason), or None.
 
-    `beats` (rank -> `elastic.heartbeat.Beat`) is what each rank's node says from outside the
+    `beats` (rank -> `elastic.runtime.heartbeat.Beat`) is what each rank's node says from outside the
     rank's Python process; it decides where present:
       * its sidecar silent for longer than ping_timeout_s too: the machine stopped or is cut off;
       * it reports the process stopped or gone (SIGSTOP, a zombie): lost, after ping_timeout_s;
@@ -213,7 +213,7 @@ FORMATION_SILENCE = 5
 
 def formation_silent(unanswered_s: float, beat, ping_timeout_s: float) -> bool:
     """Whether a member whose ping has waited `unanswered_s` while the group forms is lost. With a
-    heartbeat (`elastic.heartbeat.Beat`): as soon as its ping and its node's heartbeat have both
+    heartbeat (`elastic.runtime.heartbeat.Beat`): as soon as its ping and its node's heartbeat have both
     been silent for ping_timeout_s, or the node says the process is stopped; never while the node
     says the process runs (a busy machine: the rendezvous timeout bounds the wait). Without one:
     after FORMATION_SILENCE x ping_timeout_s."""

@@ -1,0 +1,107 @@
+"""Benchmark output: one JSON object per result on stdout, a table of medians, and with
+`--out DIR` also results.jsonl, results.md and a PNG plot."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+
+def parse_systems(bench: str, arg: str | None, known: list[str]) -> list[str] | None:
+    """`--systems a,b` checked against the benchmark's systems (all of them by default); None,
+    after saying why on stderr, if one is unknown."""
+    systems = [s.strip() for s in (arg or ",".join(known)).split(",") if s.strip()]
+    unknown = set(systems) - set(known)
+    if unknown:
+        print(f"python -m benchmarks {bench}: --systems: unknown {sorted(unknown)}; choose from {', '.join(known)}",
+              file=sys.stderr)
+        return None
+    return systems
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record, default=str), flush=True)
+
+
+def append_results(out_dir: str, records) -> None:
+    """Append records to out_dir/results.jsonl, one JSON object a line (a run cut short keeps
+    what it measured)."""
+    with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+
+
+def append_markdown(out_dir: str, text: str) -> None:
+    with open(os.path.join(out_dir, "results.md"), "a") as f:
+        f.write(text)
+
+
+def medians(records: list[dict], metrics: list[str], key: str = "system") -> dict[str, dict[str, float | None]]:
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by[r[key]].append(r)
+    out = {}
+    for system, rs in by.items():
+        out[system] = {"n": len(rs)}
+        for m in metrics:
+            vals = [r[m] for r in rs if r.get(m) is not None]
+            out[system][m] = statistics.median(vals) if vals else None
+    return out
+
+
+def markdown_table(med: dict[str, dict], metrics: list[str], title: str, notes: list[str] = ()) -> str:
+    lines = [f"### {title}", "", "| system | reps | " + " | ".join(f"median {m}" for m in metrics) + " |",
+             "|---|---|" + "---|" * len(metrics)]
+    for system, row in med.items():
+        cells = [("-" if row[m] is None else f"{row[m]:.2f}") for m in metrics]
+        lines.append(f"| {system} | {row['n']} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def report_against_peer(bench: str, title: str, records: list[dict], med: dict[str, dict], metrics: list[str],
+                        ours: list[str], peer: str, notes: list[str], out_dir: str | None) -> None:
+    """The end of a comparison: the ratio of each of our systems' median `metrics[0]` to the
+    peer's (same run), a summary line, the table, and with `out_dir` the files and the plot."""
+    metric = metrics[0]
+    base = med.get(peer, {}).get(metric)
+    ratios = {s: med[s][metric] / base for s in ours if base and med.get(s, {}).get(metric)}
+    notes = list(notes) + [f"{metric} ratio {s} / {peer} (medians, same run): {r:.3f}" for s, r in ratios.items()]
+    emit({"bench": bench, "summary": True, **{f"ratio_{metric}_{s}_over_{peer}": r for s, r in ratios.items()},
+          **{f"median_{m}_{s}": v[m] for s, v in med.items() for m in metrics}})
+    table = markdown_table(med, metrics, title, notes)
+    print(table)
+    if out_dir:
+        write_outputs(out_dir, bench, records, table, metric)
+        print(f"wrote {out_dir}/results.jsonl, results.md, {bench}.png")
+
+
+def write_outputs(out_dir: str, name: str, records: list[dict], table_md: str, metric: str,
+                  key: str = "system") -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    append_results(out_dir, records)
+    append_markdown(out_dir, table_md + "\n")
+    _plot(os.path.join(out_dir, f"{name}.png"), records, metric, key, title=f"{name}: {metric} per repetition")
+
+
+def _plot(path: str, records: list[dict], metric: str, key: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r[key] for r in records))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, s in enumerate(systems):
+        vals = [r[metric] for r in records if r[key] == s and r.get(metric) is not None]
+        if not vals:
+            continue
+        ax.bar(i, statistics.median(vals), color="#8fb3d9", width=0.6)
+        ax.scatter([i] * len(vals), vals, color="#1f4e79", zorder=3, s=14)
+    ax.set_xticks(range(len(systems)), systems)
+    ax.set_ylabel(metric)
+    ax.set_title(title + " (bar: median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

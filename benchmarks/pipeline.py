@@ -1,0 +1,455 @@
+"""`python -m benchmarks pipeline`: elastic's pipeline strategy against its peers, in one run on one
+local multi-node cluster, systems interleaved within each repetition.
+
+Throughput (figure `pipeline_ratio`): steady-state steps/s of elastic's pipeline divided by
+the same schedule under plain `torch.distributed.pipelining` (`benchmarks.plain_pipeline`,
+plain processes under torchrun, no framework), at 2 stages x 1 replica and 2 stages x 2
+replicas. Both train `examples.gpt` at the same size, on the same data (its dataset,
+default_collate of the same indices), global batch, micro-batches, cut and optimizer. elastic
+checkpoints once, after the last step; the plain pipeline never. Steps/s is timed the same way
+for both: an optimizer post-step hook on global rank 0 logs every step's end
+(`plain_pipeline.timed_optimizer`); the first WARMUP_STEPS steps are left out.
+
+Stage loss (figures `recover_s`, fault -> first step completed after recovery, and
+`lost_steps`): elastic against Ray Train running the same pipeline in its training function
+(`TorchTrainer`, `FailureConfig`, checkpoints by `ray.train.report` every CKPT_EVERY steps, as
+elastic's), which restarts the whole group from its last registered checkpoint:
+
+* 2 stages x 2 replicas, the process of rank 1 (stage 1 of replica 0) killed: elastic copies
+  stage 1 from the surviving replica's memory;
+* 3 stages x 1 replica, the node of rank 1 (the middle stage) killed: no replica holds it, so
+  elastic returns every stage to its newest committed checkpoint.
+
+The fault lands after FAULT_STEPS[rep % 3] steps: several offsets from the last checkpoint, all
+after the second one, so that a checkpoint reported moments before the fault is not the only
+one a system could resume from (Ray Train registers a report only at its controller's next poll).
+The model's size reaches every Ray worker through the job's runtime env (`env_vars`), and the
+plain processes through theirs.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+from benchmarks.output import append_markdown, append_results, emit, markdown_table, medians, parse_systems
+from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
+
+SEED, GLOBAL_BATCH, MICROBATCHES = 0, 48, 6  # 6 micro-batches suit 2 and 3 stages under every schedule
+THROUGHPUT_LAYOUTS = [(2, 1), (2, 2)]  # (stages, replicas)
+THROUGHPUT_STEPS, WARMUP_STEPS = 60, 10
+RECOVERY_SCENARIOS = [  # (name, stages, replicas, fault)
+    ("2x2 kill_process", 2, 2, "kill_process"),
+    ("3x1 kill_node", 3, 1, "kill_node"),
+]
+RECOVERY_STEPS, CKPT_EVERY, FAULT_STEPS, FAULT_RANK = 34, 10, (22, 25, 28), 1
+NUM_NODES = 4  # one-CPU worker nodes: the largest layout (4 ranks), or 3 ranks and a node to replace one
+SYSTEMS = ["elastic", "torch-pipelining", "ray-train"]
+THROUGHPUT_METRICS = ["steps_per_s", "step_s", "median_step_s"]
+RECOVERY_METRICS = ["recover_s", "lost_steps", "detect_s"]
+
+
+# ---------------------------------------------------------------- settings (pure)
+def gpt_env(size: str) -> dict[str, str]:
+    """`--gpt LAYERS,DIM,CONTEXT` as the environment examples/gpt.py reads."""
+    try:
+        layers, dim, context = (int(v) for v in size.split(","))
+    except ValueError:
+        raise ValueError(f"--gpt: expected LAYERS,DIM,CONTEXT (three integers), got {size!r}") from None
+    if min(layers, dim, context) < 1 or dim % 4:
+        raise ValueError(f"--gpt: layers, dim and context must be >= 1 and dim a multiple of 4 (the heads), "
+                         f"got {size!r}")
+    return {"GPT_LAYERS": str(layers), "GPT_DIM": str(dim), "GPT_CONTEXT": str(context)}
+
+
+def chunks_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def fault_step(rep: int) -> int:
+    return FAULT_STEPS[rep % len(FAULT_STEPS)]
+
+
+def split_points(stages: int, schedule: str) -> list[str]:
+    """Where elastic's planner cuts examples.gpt (balanced by parameter count): the children that
+    begin stages 2, 3, ... The plain and Ray Train peers cut there too."""
+    from elastic.parallel.pipeline import plan_chunks, units_of
+    from examples.gpt import build_model
+    chunks = plan_chunks(units_of(build_model()), stages * chunks_per_rank(schedule))
+    return [c[0] for c in chunks[1:]]
+
+
+def elastic_job(stages: int, replicas: int, *, schedule: str, num_steps: int, every_steps: int, storage_uri: str,
+                storage_options: dict, chaos: list[dict] = ()) -> dict:
+    return {
+        "run": {"name": f"bench-pipeline-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
+        "scaling": {"num_workers": stages * replicas},
+        "failure": {"max_failures": 2},
+        "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": every_steps},
+        "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
+                  "optimizer": "benchmarks.plain_pipeline:timed_optimizer", "global_batch_size": GLOBAL_BATCH,
+                  "strategy": "pipeline",
+                  "pipeline": {"stages": stages, "schedule": schedule, "microbatches": MICROBATCHES,
+                               "loss": "examples.gpt:stage_loss"}},
+        "chaos": [dict(c) for c in chaos],
+    }
+
+
+def plain_command(stages: int, replicas: int, *, schedule: str, split: list[str], num_steps: int) -> list[str]:
+    """torchrun launching the plain pipeline, as torch's docs launch one."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages * replicas}",
+            "-m", "benchmarks.plain_pipeline", "--stages", str(stages), "--split", ",".join(split),
+            "--schedule", schedule, "--stages-per-rank", str(chunks_per_rank(schedule)),
+            "--microbatches", str(MICROBATCHES), "--global-batch", str(GLOBAL_BATCH), "--steps", str(num_steps),
+            "--seed", str(SEED)]
+
+
+def read_step_log(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def throughput_figures(lines: list[dict], num_steps: int) -> dict:
+    """Steps/s from one run's step log (global rank 0, one line per optimizer step)."""
+    if len(lines) != num_steps:
+        raise RuntimeError(f"the step log has {len(lines)} lines for {num_steps} steps: the step clock missed steps "
+                           f"or another run wrote to it")
+    return {**step_rate([x["t"] for x in lines], WARMUP_STEPS), "threads": lines[-1]["threads"]}
+
+
+# ---------------------------------------------------------------- throughput
+def run_elastic_throughput(stages: int, replicas: int, schedule: str, step_log: str, storage_uri: str,
+                           storage_options: dict) -> dict:
+    from elastic import Trainer
+    open(step_log, "w").close()
+    job = elastic_job(stages, replicas, schedule=schedule, num_steps=THROUGHPUT_STEPS, every_steps=THROUGHPUT_STEPS,
+                      storage_uri=storage_uri, storage_options=storage_options)
+    result = Trainer(job).fit(progress=False)
+    if result.events_of("recovered") or result.metrics["step"] != THROUGHPUT_STEPS:
+        raise RuntimeError(f"elastic's throughput run was not fault-free: {result.summary()}")
+    return throughput_figures(read_step_log(step_log), THROUGHPUT_STEPS)
+
+
+def run_plain_throughput(stages: int, replicas: int, schedule: str, step_log: str, env: dict[str, str]) -> dict:
+    open(step_log, "w").close()
+    cmd = plain_command(stages, replicas, schedule=schedule, split=split_points(stages, schedule),
+                        num_steps=THROUGHPUT_STEPS)
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"the plain pipeline failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return throughput_figures(read_step_log(step_log), THROUGHPUT_STEPS)
+
+
+# ---------------------------------------------------------------- stage loss: elastic
+def run_elastic_recovery(stages: int, replicas: int, fault: str, at_step: int, schedule: str, storage_uri: str,
+                         storage_options: dict) -> dict:
+    from elastic import Trainer
+    job = elastic_job(stages, replicas, schedule=schedule, num_steps=RECOVERY_STEPS, every_steps=CKPT_EVERY,
+                      storage_uri=storage_uri, storage_options=storage_options,
+                      chaos=[{"action": fault, "rank": FAULT_RANK, "at_step": at_step}])
+    t0 = time.time()
+    result = Trainer(job).fit(progress=False)
+    rec = (result.events_of("recovered") or [{}])[0]
+    plan = (result.events_of("restore_plan") or [{}])[0]
+    restored = result.events_of("restored")[-1]
+    return {"recover_s": rec.get("recover_s"), "lost_steps": rec.get("lost_steps"), "detect_s": rec.get("detect_s"),
+            "fault_step": rec.get("fault_step"), "resumed_step": rec.get("resumed_step"),
+            "restore_plan": plan.get("source"), "restore_source": restored["source"],
+            "final_step": result.metrics["step"], "total_s": time.time() - t0, "run_dir": result.run_dir}
+
+
+# ---------------------------------------------------------------- stage loss: Ray Train
+STAGE_FILE = "stage-{}.pt"
+
+
+def _ray_train_loop(config: dict) -> None:
+    """The per-worker training function: the plain pipeline (`plain_pipeline.build_pipeline`,
+    `run_step`) with Ray Train's documented checkpointing. Every rank of replica 0 writes its
+    stage's shard and reports it (Ray Train merges the workers' files into one checkpoint); the
+    other replicas report metrics only. A restarted group resumes from the newest checkpoint."""
+    import ray.train
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic.runtime import chaos
+    from benchmarks.plain_pipeline import build_pipeline, run_step
+    from benchmarks.ray_train_peer import FAULT_MARKER, _log_event
+    from elastic.data.order import GlobalOrder
+    from examples.gpt import build_dataset, build_model, stage_loss
+
+    timeline_dir, pp = config["timeline_dir"], config["stages"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    fault_marker = os.path.join(timeline_dir, FAULT_MARKER)
+    is_recovery = os.path.exists(fault_marker)  # the fault fired before this attempt started
+
+    mesh = init_device_mesh("cpu", (world // pp, pp), mesh_dim_names=("dp", "pp"))  # Ray Train's gloo group
+    torch.manual_seed(config["seed"])
+    me = build_pipeline(mesh, build_model(), config["split"], config["schedule"], config["microbatches"], stage_loss,
+                        config["stages_per_rank"])
+    step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, STAGE_FILE.format(me.stage)), weights_only=True)
+        for m, sd in zip(me.modules, state["modules"]):
+            getattr(m, "module", m).load_state_dict(sd)
+        me.optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    _log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery)
+
+    dataset = build_dataset()
+    order = GlobalOrder(len(dataset), config["seed"])
+    num_steps, fault_at = config["num_steps"], config["fault_step"]
+    logged_first = False
+    while step < num_steps:
+        if rank == FAULT_RANK and step == fault_at:
+            try:  # O_EXCL: the fault fires once per run, whatever restarts follow
+                fd = os.open(fault_marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                fd = None
+            if fd is not None:
+                t = time.time()
+                os.write(fd, json.dumps({"t": t, "step": step, "rank": rank}).encode())
+                os.close(fd)
+                _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=t)
+                chaos.inject(config["fault"])
+        loss = run_step(me, dataset, order, step, config["global_batch"])
+        step += 1
+        if rank == 0 and is_recovery and not logged_first:
+            _log_event(timeline_dir, "first_step_after_recovery", rank=rank, step=step)
+            logged_first = True
+        metrics = {"step": step, "loss": float(loss) if loss is not None else None}
+        if step % config["ckpt_every"] == 0:
+            if me.replica == 0:
+                with tempfile.TemporaryDirectory() as tmp:
+                    torch.save({"modules": [getattr(m, "module", m).state_dict() for m in me.modules],
+                                "optimizer": me.optimizer.state_dict(), "step": step},
+                               os.path.join(tmp, STAGE_FILE.format(me.stage)))
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step)
+            else:
+                ray.train.report(metrics)
+        elif step == num_steps:
+            ray.train.report(metrics)
+    if rank == 0:
+        _log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
+
+
+def run_ray_train_recovery(stages: int, replicas: int, fault: str, at_step: int, schedule: str,
+                           storage_dir: str) -> dict:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from benchmarks.ray_train_peer import EVENTS_FILE, _log_event, _read_events, _summarise, _TimelineCallback
+
+    name = f"ray-train-pipeline-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    timeline_dir = os.path.join(storage_dir, f"{name}-timeline")
+    os.makedirs(timeline_dir)
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"timeline_dir": timeline_dir, "stages": stages, "split": split_points(stages, schedule),
+                           "schedule": schedule, "stages_per_rank": chunks_per_rank(schedule),
+                           "microbatches": MICROBATCHES, "global_batch": GLOBAL_BATCH, "seed": SEED,
+                           "num_steps": RECOVERY_STEPS, "fault_step": at_step, "fault": fault,
+                           "ckpt_every": CKPT_EVERY},
+        scaling_config=ray.train.ScalingConfig(num_workers=stages * replicas, use_gpu=False,
+                                               resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(storage_path=storage_dir, name=name,
+                                       failure_config=ray.train.FailureConfig(max_failures=2),
+                                       callbacks=[_TimelineCallback(timeline_dir)]),
+    )
+    _log_event(timeline_dir, "fit_start")
+    t0 = time.time()
+    result = trainer.fit()
+    total_s = time.time() - t0
+    events = _read_events(timeline_dir)
+    done = [e for e in events if e["event"] == "train_fn_done"]
+    return {**_summarise(events, fault_step=at_step),
+            "final_step": done[-1]["step"] if done else (result.metrics or {}).get("step"),
+            "total_s": total_s, "timeline": os.path.join(timeline_dir, EVENTS_FILE)}
+
+
+# ---------------------------------------------------------------- the run
+def _connect_with_env(cluster, env: dict[str, str]) -> None:
+    """Reconnect the driver with a job-level runtime env: every actor of the job (elastic's
+    workers, Ray Train's controller and workers) starts with these variables."""
+    import logging
+
+    import ray
+    ray.shutdown()
+    ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+
+
+def summarise(records: list[dict]) -> tuple[dict, str]:
+    """Medians per (system, layout) and per (system, scenario), the ratios against the peers, and
+    the markdown tables."""
+    thr = [r for r in records if r["part"] == "throughput"]
+    rec = [r for r in records if r["part"] == "recovery"]
+    out: dict = {"throughput": {}, "recovery": {}}
+    md = []
+    if thr:
+        med = medians([{**r, "row": f"{r['system']} {r['layout']}"} for r in thr],
+                      THROUGHPUT_METRICS + ["pipeline_ratio"], key="row")
+        notes = []
+        for layout in dict.fromkeys(r["layout"] for r in thr):
+            mine, peer = med.get(f"elastic {layout}", {}), med.get(f"torch-pipelining {layout}", {})
+            entry = {"elastic_steps_per_s": mine.get("steps_per_s"), "plain_steps_per_s": peer.get("steps_per_s"),
+                     "median_of_rep_ratios": mine.get("pipeline_ratio")}
+            if entry["elastic_steps_per_s"] and entry["plain_steps_per_s"]:
+                entry["pipeline_ratio"] = entry["elastic_steps_per_s"] / entry["plain_steps_per_s"]
+                notes.append(f"pipeline_ratio {layout} (elastic / torch-pipelining, medians of the same run): "
+                             f"{entry['pipeline_ratio']:.3f}; median of the per-repetition ratios "
+                             f"{entry['median_of_rep_ratios']:.3f}")
+            out["throughput"][layout] = entry
+        md.append(markdown_table(med, THROUGHPUT_METRICS + ["pipeline_ratio"], "pipeline throughput (steady state)",
+                                 notes))
+    if rec:
+        med = medians([{**r, "row": f"{r['system']} {r['scenario']}"} for r in rec], RECOVERY_METRICS, key="row")
+        notes = []
+        for scenario in dict.fromkeys(r["scenario"] for r in rec):
+            mine, peer = med.get(f"elastic {scenario}", {}), med.get(f"ray-train {scenario}", {})
+            entry = {f"{s}_{m}": v.get(m) for s, v in (("elastic", mine), ("ray_train", peer))
+                     for m in RECOVERY_METRICS}
+            if mine.get("recover_s") and peer.get("recover_s"):
+                entry["recover_s_ratio"] = mine["recover_s"] / peer["recover_s"]
+                notes.append(f"recover_s ratio {scenario} (elastic / ray-train, medians of the same run): "
+                             f"{entry['recover_s_ratio']:.3f}")
+            out["recovery"][scenario] = entry
+        md.append(markdown_table(med, RECOVERY_METRICS, "pipeline stage loss", notes))
+    return out, "\n".join(md)
+
+
+def plot(path: str, records: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("throughput", "layout", "steps_per_s"), ("recovery", "scenario", "recover_s")]
+    parts = [p for p in parts if any(r["part"] == p[0] for r in records)]
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 3.8), squeeze=False)
+    for ax, (part, group, metric) in zip(axes[0], parts):
+        rows = list(dict.fromkeys((r[group], r["system"]) for r in records if r["part"] == part))
+        for i, (g, s) in enumerate(rows):
+            vals = [r[metric] for r in records if r["part"] == part and r[group] == g and r["system"] == s
+                    and r.get(metric) is not None]
+            if vals:
+                ax.bar(i, statistics.median(vals), color="#8fb3d9" if s == "elastic" else "#d9b38f", width=0.6)
+                ax.scatter([i] * len(vals), vals, color="#1f4e79", zorder=3, s=14)
+        ax.set_xticks(range(len(rows)), [f"{s}\n{g}" for g, s in rows], fontsize=7)
+        ax.set_ylabel(metric)
+        ax.set_title(f"pipeline {part}: {metric} (bar: median)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from elastic.local_cluster import local_cluster
+
+    systems = parse_systems("pipeline", args.systems, list(SYSTEMS))
+    if systems is None:
+        return 2
+    try:
+        env = gpt_env(args.gpt)
+    except ValueError as e:
+        print(f"python -m benchmarks pipeline: {e}", file=sys.stderr)
+        return 2
+    loaded = sys.modules.get("examples.gpt")
+    if loaded is not None and (loaded.N_LAYER, loaded.DIM, loaded.CONTEXT) != tuple(int(v) for v in env.values()):
+        print("python -m benchmarks pipeline: examples.gpt is already imported at another size in this process",
+              file=sys.stderr)
+        return 2
+    schedule = args.schedule
+    work = tempfile.mkdtemp(prefix="elastic-bench-pipeline-")
+    step_log = os.path.join(work, "steps.jsonl")
+    import examples
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))
+    paths = [repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    pythonpath = os.pathsep.join(dict.fromkeys(paths))
+    env = {**env, STEP_LOG_ENV: step_log, "PYTHONPATH": pythonpath}
+    # The driver builds the model and dataset too (elastic checks the cut there; the split is planned here).
+    os.environ.update(env)
+    from examples.gpt import build_model
+    params = sum(p.numel() for p in build_model().parameters())
+    common = {"bench": "pipeline", "schedule": schedule, "params": params, "gpt": args.gpt,
+              "global_batch": GLOBAL_BATCH, "microbatches": MICROBATCHES}
+    records: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        storage_uri, storage_options = "file://" + os.path.join(work, "runs"), {}
+        if args.storage == "s3":
+            from tests.support.seaweedfs import seaweedfs_server
+            s3 = stack.enter_context(seaweedfs_server())
+            storage_uri, storage_options = f"{s3.uri}/bench", s3.storage_options
+        cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_NODES, cpus_per_node=1))
+        _connect_with_env(cluster, env)
+        for rep in range(args.reps):
+            # Throughput: the two systems back to back per layout, their order alternating by repetition.
+            order = [s for s in ("elastic", "torch-pipelining") if s in systems]
+            if rep % 2:
+                order.reverse()
+            for stages, replicas in THROUGHPUT_LAYOUTS:
+                layout = f"{stages}x{replicas}"
+                got = {}
+                for system in order:
+                    cluster.ensure_worker_nodes(NUM_NODES)
+                    t0 = time.time()
+                    if system == "elastic":
+                        figs = run_elastic_throughput(stages, replicas, schedule, step_log, storage_uri,
+                                                      storage_options)
+                    else:
+                        figs = run_plain_throughput(stages, replicas, schedule, step_log, env)
+                    got[system] = {**common, "part": "throughput", "system": system, "layout": layout,
+                                   "stages": stages, "replicas": replicas, "rep": rep, "num_steps": THROUGHPUT_STEPS,
+                                   "warmup_steps": WARMUP_STEPS, **figs, "total_s": time.time() - t0}
+                if "elastic" in got and "torch-pipelining" in got:
+                    got["elastic"]["pipeline_ratio"] = (got["elastic"]["steps_per_s"]
+                                                        / got["torch-pipelining"]["steps_per_s"])
+                for r in got.values():
+                    records.append(r)
+                    emit(r)
+            # Stage loss.
+            at = fault_step(rep)
+            for scenario, stages, replicas, fault in RECOVERY_SCENARIOS:
+                for system in [s for s in ("elastic", "ray-train") if s in systems]:
+                    cluster.ensure_worker_nodes(NUM_NODES)
+                    if system == "elastic":
+                        figs = run_elastic_recovery(stages, replicas, fault, at, schedule, storage_uri,
+                                                    storage_options)
+                    else:
+                        figs = run_ray_train_recovery(stages, replicas, fault, at, schedule, work)
+                    r = {**common, "part": "recovery", "system": system, "scenario": scenario, "stages": stages,
+                         "replicas": replicas, "fault": fault, "fault_rank": FAULT_RANK, "rep": rep,
+                         "ckpt_every": CKPT_EVERY, "num_steps": RECOVERY_STEPS,
+                         "storage": args.storage if system == "elastic" else "file", **figs}
+                    records.append(r)
+                    emit(r)
+    summary, table = summarise(records)
+    faults = ", ".join(str(fault_step(r)) for r in range(min(args.reps, len(FAULT_STEPS))))
+    notes = (f"examples/gpt.py at GPT_LAYERS,GPT_DIM,GPT_CONTEXT={args.gpt} ({params:,} parameters), schedule "
+             f"{schedule}, global batch {GLOBAL_BATCH} in {MICROBATCHES} micro-batches per replica; local "
+             f"ray.cluster_utils.Cluster of {NUM_NODES} one-CPU nodes; steps/s timed from the end of step "
+             f"{WARMUP_STEPS + 1} to the end of step {THROUGHPUT_STEPS} by an optimizer post-step hook on global "
+             f"rank 0; stage loss: checkpoint every {CKPT_EVERY} steps, fault after step {faults} (by repetition) "
+             f"of {RECOVERY_STEPS}")
+    emit({"bench": "pipeline", "summary": True, **summary})
+    print(table)
+    print(f"- {notes}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        append_results(args.out, records)
+        append_markdown(args.out, table + f"\n- {notes}\n\n")
+        with open(os.path.join(args.out, "pipeline.json"), "w") as f:
+            json.dump({"command": " ".join(["elastic", *sys.argv[1:]]) if sys.argv else None, "notes": notes,
+                       **summary}, f, indent=2)
+        plot(os.path.join(args.out, "pipeline.png"), records)
+        print(f"wrote {args.out}/results.jsonl, results.md, pipeline.json, pipeline.png")
+    return 0

@@ -1,1 +1,0 @@
-"""Benchmarks users run on their own clusters: `elastic bench recovery`."""

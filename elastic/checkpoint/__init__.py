@@ -1,0 +1,1 @@
+"""Checkpoints: layout, commit protocol and retention, DCP I/O, persister, uploader, staging, fencing."""

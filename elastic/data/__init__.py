@@ -1,0 +1,1 @@
+"""Data: the world-size-independent sample order, read-ahead, Parquet datasets."""

@@ -1,0 +1,1 @@
+"""The worker group: placement, ranks, spares and process-group (re)formation."""

@@ -1,0 +1,137 @@
+"""The strategy interface shared by DDP and FSDP (and, later, pipeline stages)."""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+_cleared = threading.local()
+
+
+def forget_old_meshes(generation: int) -> None:
+    """Drop DTensor's sharding-propagation caches once per process-group generation, in the
+    calling thread. They are keyed by DeviceMesh equality, which ignores the process group and
+    this process's coordinate in it: after a rank re-forms a same-shaped mesh under another rank
+    number (a resize, a renumbering), a cached result hands out the old mesh, and DCP then writes
+    this rank's shards at another rank's offsets. The Python cache is per thread, so every thread
+    that touches sharded tensors calls this first."""
+    if getattr(_cleared, "generation", None) != generation:
+        # Imported here: the debug module costs 0.7 s of every worker's start-up otherwise.
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
+        _cleared.generation = generation
+
+
+class Strategy(ABC):
+    name = "base"
+    sharded = False  # True: a rank holds only its part of the state, so no single survivor holds it all
+    # True: after `reduce_gradients` every rank of the world holds the same whole gradient, bit for
+    # bit, so a rank's own sum of squares is the global one (no collective needed to learn it).
+    whole_grads_everywhere = False
+
+    layout_key = None  # what a rank's built model depends on besides the seed (a pipeline: its stage)
+    needs_data = True  # whether this rank reads the step's samples (a pipeline's middle stages do not)
+
+    def __init__(self, mesh, spec=None):
+        self.mesh = mesh  # a DeviceMesh with named axes; "dp" for data parallel
+        self.spec = spec  # the job's TrainSpec (strategy options)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def grad_copies(self) -> int:
+        """How many ranks hold each gradient element after the reduction (replicas hold copies,
+        shards hold parts): a sum of squares over the world divided by this is the global one."""
+        return self.world_size
+
+    def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
+        """This rank's gradient tensors (the local shards of sharded ones)."""
+        return [g.to_local() if hasattr(g, "to_local") else g
+                for g in (p.grad for p in model.parameters()) if g is not None]
+
+    @property
+    def loss_ranks(self) -> int:
+        """How many ranks contribute a loss to the step's sum over the world."""
+        return self.world_size
+
+    def note_optimizer(self, full_model: nn.Module, make_opt) -> None:
+        """Called with the unsplit model before `prepare` (a pipeline records the param groups)."""
+
+    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int) -> torch.Tensor:
+        """Forward and backward of this rank's samples `idx` (global sample ids) in micro-batches
+        of `micro`; `load(ids)` returns the collated batch. The loss is a mean over each
+        micro-batch; weighted so the sum over micro-batches and ranks (after the average over
+        ranks) is the mean over the global batch. Returns this rank's weighted loss sum.
+        Gradients are reduced by `reduce_gradients`, after."""
+        local_loss = None
+        for i in range(0, len(idx), micro):
+            chunk = idx[i:i + micro]
+            self.set_gradient_sync(model, i + micro >= len(idx))
+            loss = loss_fn(model, load(chunk)) * (len(chunk) / len(idx))
+            loss.backward()
+            local_loss = loss.detach() if local_loss is None else local_loss + loss.detach()
+        return local_loss
+
+    def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:
+        """This rank's part of the state for a re-shard in memory at a planned resize."""
+        from elastic.parallel import resharding
+        return resharding.offer(state, rank, world, step)
+
+    def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
+        """Wrap a freshly built model for this strategy. `sync_init`: make every rank's initial
+        weights rank 0's first (a fresh start; skipped when state is about to be loaded anyway)."""
+        if sync_init:
+            group = self.mesh.get_group("dp")
+            broadcast_tensors(list(model.state_dict().values()), dist.get_global_rank(group, 0), group)
+        return model
+
+    def set_gradient_sync(self, model: nn.Module, on: bool) -> None:
+        """Called before each micro-batch's backward; off for all but the last one of a step."""
+
+    @abstractmethod
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
+        """Make every rank's model and optimizer state equal to `src_rank`'s (replicated strategies)."""
+
+    @abstractmethod
+    def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """After the last micro-batch's backward: gradients averaged over the `dp` axis, ready to step.
+        `extra`: a few values (the step's statistics) to sum over the whole world. A strategy whose
+        reduction spans the whole world sums them in place on the same group, after its last
+        gradient, and returns them: no sync point of their own. Others return None, and the caller
+        sums them itself."""
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Model and optimizer state keyed by fully-qualified names, as DCP saves it (sharded
+        tensors stay sharded)."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def full_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole (unsharded) state on every rank, for digests and comparisons. Collective."""
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Copy `src`'s values into every rank's tensors, in place: one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for dtype in sorted(by_dtype, key=str):
+            ts = by_dtype[dtype]
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,81 @@
+"""Fully sharded data parallel with PyTorch's `fully_shard` (FSDP2).
+
+Each rank holds 1/W of every parameter, gradient and optimizer moment (dim-0
+shards, DTensors on the `dp` mesh axis). Forward and backward all-gather one
+block's parameters at a time; backward reduce-scatters its gradients, averaged
+over the ranks. So the model is wrapped block by block (`train.fsdp.blocks`,
+or a default: the elements of every `nn.ModuleList`, else the children of an
+`nn.Sequential` root), then the root.
+
+Sharded state means no single survivor holds it all: a rank lost to a fault
+takes its shards with it, so a failure restores from the newest committed
+checkpoint (DCP re-shards on load to whatever the world size is). Planned
+changes (growth, a straggler swapped or dropped) re-shard in memory from every
+old rank's shards (`elastic.parallel.resharding`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from elastic.parallel.base import Strategy
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        return [b for ml in lists for b in ml if any(True for _ in b.parameters())]
+    if isinstance(model, nn.Sequential):
+        return [c for c in model.children() if any(True for _ in c.parameters())]
+    return []
+
+
+def select_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
+    if class_names is None:
+        return default_blocks(model)
+    wanted = set(class_names)
+    blocks = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+    if not blocks:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"train.fsdp.blocks={class_names}: no submodule of that class; the model has {present}")
+    # Nested matches would be sharded twice: keep the outermost.
+    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
+    return [b for b in blocks if id(b) not in inner]
+
+
+class FullyShardedDataParallel(Strategy):
+    name = "fsdp"
+    sharded = True
+    grad_copies = 1  # every rank holds its own part of each gradient
+
+    def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
+        model = super().prepare(model, sync_init)  # rank 0's init, broadcast before sharding
+        fs = self.spec.fsdp
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fs.param_dtype),
+                                  reduce_dtype=getattr(torch, fs.reduce_dtype))
+        if self.spec.precision != "fp32" and fs.param_dtype == fs.reduce_dtype == "float32" and _on_gpu(model):
+            # train.precision sets FSDP's compute and reduce dtypes unless train.fsdp sets them (GPU only:
+            # on CPU, autocast alone; gloo's reduce-scatter is float32 there).
+            dtype = torch.bfloat16 if self.spec.precision == "bf16" else torch.float16
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        kw = dict(mesh=self.mesh, mp_policy=mp)
+        for block in select_blocks(model, fs.blocks):
+            fully_shard(block, reshard_after_forward=fs.reshard_after_forward, **kw)
+        fully_shard(model, **kw)
+        return model
+
+    def set_gradient_sync(self, model: nn.Module, on: bool) -> None:
+        model.set_requires_gradient_sync(on)
+
+    def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> None:
+        """Nothing left to do: the last micro-batch's backward reduce-scattered the gradients,
+        averaged over the ranks."""
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
+        raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "
+                           "shards (elastic.parallel.resharding) or load a checkpoint")
+
+
+def _on_gpu(model: nn.Module) -> bool:
+    return any(p.is_cuda for p in model.parameters())

@@ -1,0 +1,1 @@
+"""The worker side: the worker actor, its step, process groups and abortable collectives, heartbeat, chaos."""

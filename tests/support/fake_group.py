@@ -1,0 +1,414 @@
+"""A worker group without Ray: simulated ranks on a fake clock, for stepping the controller.
+
+The controller talks to its workers only through the group, so this stand-in
+lets tests drive it one iteration at a time (`Controller.step_once`) through
+frozen ranks, partial stop deliveries, failures during a recovery or a resize,
+and lets `python -m benchmarks controller` measure an iteration's cost at 10,000
+ranks. Training is simulated as in a real all-reduce group: every `step_s` of
+fake time all ranks complete a step together, unless one of them is frozen or
+dead, in which case the others wait (blocked in the collective) until they are
+aborted. Every call the controller makes is recorded in `calls`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from elastic.runtime.heartbeat import Beat
+from elastic.group.worker_group import GroupError
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@dataclass
+class FakeRank:
+    rank: int
+    node_id: str
+    pid: int
+    handle: object = None
+    calib_s: float | None = 0.01
+    on_demand: bool = False
+    step: int = 0
+    generation: int = 0
+    frozen_at: float | None = None  # silent from then on (a stopped machine)
+    frozen_how: str = "machine"  # its heartbeat: "machine" silent too, "process" says stopped (T), "held" says S
+    dead: bool = False  # Ray reports it dead
+    run_out: dict | None = None  # what its run() returned, once it returned
+    running: bool = False
+    stop: bool = False
+    logged: int = 0  # the last step whose compute time it reported
+    slow: tuple[int, float, float] | None = None  # (after step, factor, for steps): computes that much slower
+    finish_at: float | None = None  # its last persist ends then (until then it reports storage_wait)
+
+
+@dataclass
+class FakeGroup:
+    clock: FakeClock
+    num_steps_hint: int = 0
+    step_s: float = 0.05  # fake seconds per training step
+    spare_warm_s: float = 0.5  # fake seconds for a spare to become ready
+    members: dict = field(default_factory=dict)
+    ready_spares: list = field(default_factory=list)
+    newly_ready: list = field(default_factory=list)
+    spare_starts: list = field(default_factory=list)  # (n, on_demand, background) per add_spares that started any
+    calibrated_starts: list = field(default_factory=list)  # whether those spares calibrate before they are ready
+    lost_spares: list = field(default_factory=list)
+    suspect_nodes: set = field(default_factory=set)
+    calls: list = field(default_factory=list)  # (method, args) in order
+    # test hooks
+    fail_promote: int = 0  # the next N promote() calls raise (replacements that never come)
+    die_on_form: list = field(default_factory=list)  # ranks that die during the next form()
+    stop_undelivered: set = field(default_factory=set)  # ranks a request_stop does not reach
+    self_s: float = 0.0  # real seconds spent inside this fake (to subtract from controller timings)
+    persisting: bool = False  # every rank reports a checkpoint persist in flight
+    commits: list = field(default_factory=list)  # checkpoint uris rank 0 reports committed at its next answer
+    retried: list = field(default_factory=list)  # steps rank 0 reports saved again (a failed checkpoint), next answer
+    report_compute: bool = False  # answers carry each step's compute time (for the straggler policy)
+    slowest_poll_answer_s: float = 0.0
+    final_commits: bool = True  # the run's last checkpoint commits (False: storage was out at the end)
+    commit_on_save_again: int = 1  # the final state saved again commits at this try (0: never)
+    save_again_s: float = 30.0  # fake seconds one more save of the final state takes
+    final_persist_s: dict = field(default_factory=dict)  # rank -> fake seconds its last persist outlasts the others'
+    stalled_until: float = 0.0  # no rank completes a step before this fake time (a long checkpoint)
+    # restore(): each call with candidates takes the next entry: a reason every candidate fails with
+    # (storage out, a mismatched model); with none left, the newest candidate loads.
+    load_failures: list = field(default_factory=list)
+    heartbeats: bool = False  # each rank has a heartbeat sidecar (else the controller judges by polls alone)
+
+    def __post_init__(self):
+        self._pending: list[float] = []  # fake times at which pending spares become ready
+        self._next_pid = 10_000
+        self._num_steps = 0
+        self._last_advance = self.clock()
+        self._polls_sent = 0
+
+    # ---------------------------------------------------------------- helpers for tests
+    def _new_rank(self, rank: int, on_demand: bool = False) -> FakeRank:
+        self._next_pid += 1
+        return FakeRank(rank, f"node{self._next_pid:06d}" + "0" * 44, self._next_pid, on_demand=on_demand)
+
+    def freeze(self, rank: int, how: str = "machine") -> None:
+        """`rank` answers no poll from now on: its machine stopped ("machine": its heartbeat is
+        silent too), its process was stopped ("process": the heartbeat says T), or its Python is
+        held ("held": the heartbeat says S; `thaw` lets it go)."""
+        m = self.members[rank]
+        m.frozen_at, m.frozen_how = self.clock(), how
+
+    def slow_down(self, rank: int, after_step: int, factor: float, steps: float = float("inf")) -> None:
+        """The process holding `rank` computes `factor` x slower for `steps` steps after
+        `after_step` (a process that replaces it does not)."""
+        self.members[rank].slow = (after_step, factor, steps)
+
+    def thaw(self, rank: int) -> None:
+        """A rank that was only slow to answer answers again (it was never lost)."""
+        m = self.members[rank]
+        self.slowest_poll_answer_s = max(self.slowest_poll_answer_s, self.clock() - m.frozen_at)
+        m.frozen_at = None
+
+    def kill_process(self, rank: int) -> None:
+        self.members[rank].dead = True
+
+    def _advance_training(self) -> None:
+        """All ranks step together while none is frozen or dead (an all-reduce needs everyone)."""
+        now = self.clock()
+        live = [m for m in self.members.values() if m.running]
+        blocked = any(m.frozen_at is not None or m.dead for m in self.members.values())
+        if now < self.stalled_until:
+            self._last_advance = now
+            return
+        while now - self._last_advance >= self.step_s:
+            self._last_advance += self.step_s
+            if blocked or not live or len(live) != len(self.members):
+                continue
+            stop = any(m.stop for m in live)
+            for m in live:
+                m.step += 1
+                if m.step >= self._num_steps:
+                    m.running = False
+                    if m.rank in self.final_persist_s:  # still waiting for storage, then done
+                        m.finish_at = now + self.final_persist_s[m.rank]
+                    else:
+                        m.run_out = self._done(m)
+                    if m.rank == 0 and self.final_commits:  # the run's last checkpoint
+                        self.commits.append(f"memory://fake/step_{m.step:09d}")
+                elif stop:
+                    m.running, m.stop = False, False
+                    m.run_out = {"status": "stopped", "step": m.step, "generation": m.generation}
+            if any(not m.running for m in live):
+                return
+
+    # ---------------------------------------------------------------- start and spares
+    def start(self, ranks, timeout_s) -> None:
+        self.calls.append(("start", tuple(ranks)))
+        for r in ranks:
+            self.members[r] = self._new_rank(r)
+
+    def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
+                   calibrate: bool | None = None) -> None:
+        if n > 0:
+            self.spare_starts.append((n, on_demand, background))
+            self.calibrated_starts.append(not on_demand if calibrate is None else calibrate)
+        for _ in range(max(0, n)):
+            self._pending.append(self.clock() + self.spare_warm_s)
+
+    def wait_spares_ready(self, timeout_s: float) -> bool:
+        self.clock.advance(self.spare_warm_s)
+        self.refresh_spares()
+        return not self._pending
+
+    def num_spares(self) -> int:
+        return len(self.ready_spares) + len(self._pending)
+
+    def refresh_spares(self, wait_s: float = 0.0) -> list[str]:
+        now = self.clock()
+        for t in [t for t in self._pending if t <= now]:
+            self._pending.remove(t)
+            m = self._new_rank(-1)
+            self.ready_spares.append(m)
+            self.newly_ready.append((m.node_id[:12], m.pid, False))
+        return []
+
+    def check_spares(self, timeout_s: float) -> list[str]:
+        return []
+
+    def calibrate_spares(self, timeout_s: float) -> list[str]:
+        return []  # fake spares are calibrated when they become ready
+
+    def probe_suspects(self) -> list[str]:
+        return []
+
+    def trim_spares(self, keep: int) -> None:
+        while self.num_spares() > keep:
+            (self._pending.pop() if self._pending else self.ready_spares.pop())
+
+    def suspect(self, node_id: str) -> None:
+        self.suspect_nodes.add(node_id)
+
+    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float):
+        self.refresh_spares()
+        if not self.ready_spares:
+            return None
+        m = self.ready_spares.pop(0)
+        m.rank = rank
+        self.members[rank] = m
+        return m
+
+    def promote(self, ranks, timeout_s, ping_timeout_s) -> dict[int, str]:
+        self.calls.append(("promote", tuple(ranks)))
+        if self.fail_promote > 0:
+            self.fail_promote -= 1
+            self.clock.advance(timeout_s)
+            raise GroupError(f"no worker could be started for ranks {list(ranks)}", {r: "unavailable" for r in ranks})
+        how = {}
+        self.refresh_spares()
+        for r in ranks:
+            if self.ready_spares:
+                m = self.ready_spares.pop(0)
+                how[r] = "warm spare"
+            else:
+                m = self._new_rank(r, on_demand=True)
+                how[r] = "started on demand"
+            m.rank = r
+            self.members[r] = m
+        return how
+
+    def renumber(self, mapping: dict[int, int] | None = None) -> dict[int, int]:
+        mapping = mapping if mapping is not None else {old: new for new, old in enumerate(sorted(self.members))}
+        for o in [o for o in self.members if o not in mapping]:
+            self.kill(o)
+        self.members = {mapping[o]: m for o, m in self.members.items()}
+        for r, m in self.members.items():
+            m.rank = r
+        return mapping
+
+    # ---------------------------------------------------------------- group
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> float:
+        self.calls.append(("form", generation) if pp == 1 else ("form", (generation, pp)))
+        dying, self.die_on_form = self.die_on_form, []
+        for r in dying:
+            self.members[r].dead = True
+        if dying:
+            bad = {r: "process_died" for r in dying}
+            bad.update({r: "error: peer failed during formation" for r in self.members if r not in dying})
+            raise GroupError(f"process group formation failed for ranks {sorted(bad)}", bad)
+        for m in self.members.values():
+            m.generation = generation
+        return 0.0  # the slowest ping answer
+
+    def _restored(self, step: int, source: str) -> dict[int, dict]:
+        for m in self.members.values():
+            m.step = m.logged = step
+        return {r: {"step": step, "uri": None, "skipped": [], "restore_s": 0.01, "source": source}
+                for r in self.members}
+
+    def restore(self, candidates, timeout_s) -> dict[int, dict]:
+        self.calls.append(("restore", len(candidates)))
+        if not candidates:
+            return self._restored(0, "init")
+        if self.load_failures:
+            why = self.load_failures.pop(0)
+            return {r: {"step": 0, "uri": None, "skipped": [(u, why) for u in candidates], "restore_s": 0.01,
+                        "source": "none loaded"} for r in self.members}
+        out = self._restored(int(candidates[0].rsplit("_", 1)[1]), "storage")
+        for o in out.values():
+            o["uri"] = candidates[0]
+        return out
+
+    def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple = ()) -> dict[int, dict]:
+        self.calls.append(("restore_from_peer", src_rank) if not stage_sources else
+                          ("restore_from_peer", (src_rank, tuple(stage_sources))))
+        return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
+
+    def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1) -> dict[int, dict]:
+        self.calls.append(("restore_from_shards", old_world) if old_pp == 1 else
+                          ("restore_from_shards", (old_world, old_pp)))
+        step = max(m.step for m in self.members.values())
+        return self._restored(step, f"re-sharded in memory from {old_world} ranks")
+
+    def offer_shards(self, timeout_s: float, keep: frozenset = frozenset()):
+        self.calls.append(("offer_shards", tuple(sorted(keep))))  # the ranks that keep their part
+        return {r: object() for r in self.members}, []
+
+    def request_stop(self, generation: int, timeout_s: float) -> dict[int, int]:
+        self.calls.append(("request_stop", generation))
+        for r, m in self.members.items():
+            if r not in self.stop_undelivered:
+                m.stop = True
+        if self.stop_undelivered:
+            bad = {r: "unresponsive" for r in self.stop_undelivered}
+            self.stop_undelivered = set()
+            raise GroupError(f"request_stop failed for ranks {sorted(bad)}", bad)
+        return {r: m.step for r, m in self.members.items()}
+
+    # ---------------------------------------------------------------- run and poll
+    def run(self, num_steps: int, faults, skip_steps=()) -> dict[int, object]:
+        self.calls.append(("run", num_steps))
+        self._num_steps = num_steps
+        self._last_advance = self.clock()
+        for m in self.members.values():
+            m.running, m.run_out = True, None
+        return {r: ("run", r, m.generation) for r, m in self.members.items()}
+
+    def collect_runs(self, refs: dict, timeout_s: float):
+        t0 = time.perf_counter()
+        self.clock.advance(timeout_s)
+        self._advance_training()
+        results, died = {}, {}
+        for r in list(refs):
+            m = self.members.get(r)
+            if m is None:
+                continue
+            if m.dead:
+                died[r] = ("process_died", "killed")
+                del refs[r]
+            elif m.finish_at is not None and self.clock() >= m.finish_at:
+                m.finish_at, m.run_out = None, self._done(m)
+            if m.run_out is not None:
+                results[r] = m.run_out
+                del refs[r]
+        self.self_s += time.perf_counter() - t0
+        return results, died
+
+    @staticmethod
+    def _done(m: FakeRank) -> dict:
+        return {"status": "done", "step": m.step, "digest": "d", "generation": m.generation}
+
+    def _answer(self, m: FakeRank) -> dict:
+        persists, retried = [], []
+        if m.rank == 0:
+            persists = [{"committed": True, "uri": u, "step": m.step, "persist_s": 1.0, "attempts": 1, "metrics": {}}
+                        for u in self.commits]
+            self.commits = []
+            retried, self.retried = self.retried, []
+        compute_log = [(s, self.step_s / 2 * (m.slow[1] if m.slow and 0 < s - m.slow[0] <= m.slow[2] else 1.0), 1.0)
+                       for s in range(m.logged + 1, m.step + 1)] if self.report_compute else []
+        m.logged = m.step
+        status = "storage_wait" if m.finish_at is not None else "running" if m.running else "idle"
+        return {"step": m.step, "status": status, "loss": 1.0, "step_s": self.step_s,
+                "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": persists,
+                "persisting": self.persisting, "compute_log": compute_log, "ledger": [], "deferred": [],
+                "retried": retried}
+
+    def poll_nowait(self, ping_timeout_s: float):
+        t0 = time.perf_counter()
+        now = self.clock()
+        answers, silent = {}, {}
+        for r, m in self.members.items():
+            self._polls_sent += 1
+            if m.dead:
+                silent[r] = "process_died"
+            elif m.frozen_at is not None:
+                if now - m.frozen_at > ping_timeout_s:
+                    silent[r] = "unresponsive"
+            else:
+                answers[r] = self._answer(m)
+        self.self_s += time.perf_counter() - t0
+        return answers, silent
+
+    def unanswered_s(self) -> dict[int, float]:
+        now = self.clock()
+        return {r: now - m.frozen_at for r, m in self.members.items() if m.frozen_at is not None and not m.dead}
+
+    def beats(self) -> dict:
+        if not self.heartbeats:
+            return {}
+        now, out = self.clock(), {}
+        for r, m in self.members.items():
+            if m.frozen_at is None:
+                out[r] = Beat(0.0, "R")
+            elif m.frozen_how == "machine":
+                out[r] = Beat(now - m.frozen_at, "R")  # its last answer, from before it stopped
+            elif not m.dead:
+                out[r] = Beat(0.0, "T" if m.frozen_how == "process" else "S")
+        return out
+
+    def poll(self, timeout_s: float):
+        answers, silent = self.poll_nowait(0.0)
+        return answers, {r: w for r, w in silent.items()}
+
+    def drain_polls(self, timeout_s: float) -> dict:
+        return {}
+
+    # ---------------------------------------------------------------- failure handling
+    def kill(self, rank: int) -> None:
+        self.calls.append(("kill", rank))
+        self.members.pop(rank, None)
+
+    def abort_all(self, generation: int, timeout_s: float, only=None) -> dict[int, str]:
+        self.calls.append(("abort_all", generation))
+        for r, m in self.members.items():
+            if (only is None or r in only) and m.generation == generation and m.running and m.frozen_at is None:
+                m.running, m.run_out = False, {"status": "aborted", "step": m.step, "error": "aborted",
+                                               "generation": generation}
+        return {r: "unresponsive" for r, m in self.members.items() if m.frozen_at is not None}
+
+    def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]:
+        return {r: "unresponsive" for r in refs if r in self.members and self.members[r].running}
+
+    def save_again(self, timeout_s: float) -> dict[int, str]:
+        tries = 1 + sum(name == "save_again" for name, _ in self.calls)
+        self.calls.append(("save_again", tries))
+        if self.save_again_s > timeout_s:
+            self.clock.advance(timeout_s)
+            return {r: "unresponsive" for r in self.members}
+        self.clock.advance(self.save_again_s)
+        if self.commit_on_save_again and tries >= self.commit_on_save_again:
+            self.commits.append(f"memory://fake/step_{self.members[0].step:09d}")
+        return {}
+
+    def leave_all(self, timeout_s: float) -> dict[int, str]:
+        return {}
+
+    def shutdown(self) -> None:
+        self.members.clear()
+        self.ready_spares.clear()
+        self._pending.clear()
