@@ -1,0 +1,203 @@
+"""Every message between the controller, the worker group and the workers, as typed records.
+
+Workers answer the group's calls (`poll`, `run`, `restore*`, `abort`, `info`/`warm`) with these
+dataclasses; the group passes them to the controller unchanged. A field renamed on one side is
+an AttributeError on the other, not a key that silently reads as missing. The real worker group
+(`elastic.group.worker_group.WorkerGroup`) and the fake one the controller tests step against
+(`tests/support/fake_group.py`) both implement `WorkerGroupProtocol`; a test compares them.
+
+The string enums compare equal to their values (`RunStatus.DONE == "done"`), so the event log,
+which is JSON, carries the same words as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+
+class RankStatus(str, Enum):
+    """What a worker is doing, as its last poll answer says."""
+
+    IDLE = "idle"  # started, in no group yet
+    JOINED = "joined"  # in a group, state not restored yet
+    RESTORED = "restored"
+    RUNNING = "running"
+    STORAGE_WAIT = "storage_wait"  # waiting for a checkpoint persist (storage slow or down): not a hang
+    STOPPED = "stopped"  # at an agreed step boundary (a planned change)
+    ROLLBACK = "rollback"
+    ABORTED = "aborted"
+    USER_ERROR = "user_error"
+    DONE = "done"
+
+
+class RunStatus(str, Enum):
+    """How a worker's `run()` ended."""
+
+    DONE = "done"  # trained every step; `digest` is set
+    STOPPED = "stopped"  # stopped at the step boundary every rank agreed on
+    ROLLBACK = "rollback"  # train.bad_step=rollback: `bad_steps` made no update in a row
+    ABORTED = "aborted"  # a collective failed (a peer is gone, or the controller aborted it); `error`
+    USER_ERROR = "user_error"  # the user's model, loss or data raised; `error`, `traceback`
+
+
+class LostCause(str, Enum):
+    """Why the controller counts a rank as lost."""
+
+    PROCESS_DIED = "process_died"  # its process exited (Ray reports the actor dead)
+    NODE_DIED = "node_died"  # Ray reports its node dead
+    UNREACHABLE = "unreachable"  # Ray cannot reach its actor
+    UNRESPONSIVE = "unresponsive"  # answers no poll while the group waits on it (a stopped machine)
+    HANG = "hang"  # no progress within the hang bound
+    ERROR = "error"  # its call raised; the process lives (a survivor)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    status: RunStatus
+    step: int
+    generation: int
+    error: str | None = None
+    traceback: str | None = None
+    bad_steps: tuple[int, ...] = ()
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What one rank restored: the step, where from (`source`, for the event), how long it took."""
+
+    step: int
+    source: str  # "storage" | "init" | "none loaded" | "peer rank N" | "stage replicas [...]" | "re-sharded ..."
+    restore_s: float
+    uri: str | None = None  # the checkpoint loaded, on the storage path
+    skipped: tuple[tuple[str, str], ...] = ()  # (checkpoint uri, why it did not load)
+    phases: dict[str, float] | None = None  # seconds per phase, where timed (a re-shard in memory)
+
+
+@dataclass(frozen=True)
+class AbortResult:
+    aborted: bool
+    reason: str | None = None  # why not (a stale generation)
+    transports: int = 0  # connections cut
+    running: bool = False  # run() was in a step when the abort came
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    node_id: str
+    ip: str
+    pid: int
+    actor_id: str
+    hb_port: int | None = None  # the heartbeat sidecar's port; None where it cannot run
+    calib_s: float | None = None  # warm(): compute seconds of one step's share (None: not calibrated)
+    started_low: bool = False  # warm(): started at the lowest CPU priority beside training
+
+
+@dataclass
+class PersistResult:
+    """One checkpoint persist that ended, reported once by the rank that ran it."""
+
+    step: int
+    uri: str
+    committed: bool
+    persist_s: float
+    attempts: int
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+    reused: bool = False  # the step's folder was committed already (a redone step): nothing written
+    stall_s: float = 0.0  # how long save() held the training thread (waiting for the previous persist, snapshot)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One completed step on one rank: its own compute time (the straggler signal) and the loss."""
+
+    step: int
+    compute_s: float
+    loss: float
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """The sample ids one dp replica trained on at `step` (train.sample_ledger)."""
+
+    step: int
+    world: int  # the dp size the step ran at
+    replica: int
+    sample_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PollReport:
+    """A worker's answer to `poll()`: its progress now, and everything that happened since its
+    last answer (each persist, step, skip and retry is reported exactly once)."""
+
+    rank: int
+    generation: int
+    status: RankStatus
+    step: int
+    loss: float | None = None
+    step_s: float | None = None  # wall time of the last step
+    compute_s: float | None = None  # own compute of the last step
+    step_end: float | None = None  # wall-clock end of the last step
+    first_step_end: float | None = None  # wall-clock end of the group's first step (recovery and resize times)
+    grad_norm: float | None = None
+    ckpt_stall_s: float | None = None
+    persisting: bool = False  # a checkpoint persist is in flight
+    persists: tuple[PersistResult, ...] = ()
+    compute_log: tuple[StepRecord, ...] = ()
+    ledger: tuple[LedgerEntry, ...] = ()
+    skipped: tuple[tuple[int, str], ...] = ()  # (step, why it made no update)
+    abandoned: tuple[int, ...] = ()  # persists of a failed group left to end on their own
+    retried: tuple[int, ...] = ()  # steps that saved again after a failed checkpoint
+    deferred: tuple[int, ...] = ()  # checkpoint steps skipped while a persist was still running
+
+
+class WorkerGroupProtocol(Protocol):
+    """What the controller asks of a worker group. Mechanics only: every decision is the
+    controller's. `WorkerGroup` implements it on Ray; the controller tests' `FakeGroup` without."""
+
+    members: dict[int, Any]  # rank -> Member (node_id, calib_s, ...)
+    ready_spares: list
+    suspect_nodes: set[str]
+    lost_spares: list[str]
+    newly_ready: list[tuple[str, int, bool]]
+    slowest_poll_answer_s: float
+
+    def start(self, ranks: list[int], timeout_s: float) -> None: ...
+    def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
+                   calibrate: bool | None = None) -> None: ...
+    def wait_spares_ready(self, timeout_s: float) -> bool: ...
+    def num_spares(self) -> int: ...
+    def refresh_spares(self, wait_s: float = 0.0) -> list[str]: ...
+    def check_spares(self, timeout_s: float) -> list[str]: ...
+    def trim_spares(self, keep: int) -> None: ...
+    def calibrate_spares(self, timeout_s: float) -> list[str]: ...
+    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float) -> Any: ...
+    def suspect(self, node_id: str) -> None: ...
+    def probe_suspects(self) -> list[str]: ...
+    def request_stop(self, generation: int, timeout_s: float) -> dict[int, int]: ...
+    def renumber(self, mapping: dict[int, int] | None = None) -> dict[int, int]: ...
+    def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]: ...
+    def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> float: ...
+    def abort_all(self, generation: int, timeout_s: float, only: list[int] | None = None) -> dict[int, str]: ...
+    def restore(self, candidates: list[str], timeout_s: float) -> dict[int, RestoreResult]: ...
+    def restore_from_peer(self, src_rank: int, timeout_s: float,
+                          stage_sources: tuple[int, ...] = ()) -> dict[int, RestoreResult]: ...
+    def restore_from_shards(self, offers: dict, old_world: int, timeout_s: float,
+                            old_pp: int = 1) -> dict[int, RestoreResult]: ...
+    def offer_shards(self, timeout_s: float, keep: frozenset[int] = frozenset()) -> tuple[dict, list[int]]: ...
+    def collect_runs(self, refs: dict, timeout_s: float) -> tuple[dict[int, RunResult], dict[int, tuple]]: ...
+    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = ()) -> dict: ...
+    def drain_polls(self, timeout_s: float) -> dict[int, PollReport]: ...
+    def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]: ...
+    def poll(self, timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]: ...
+    def unanswered_s(self) -> dict[int, float]: ...
+    def beats(self) -> dict: ...
+    def kill(self, rank: int) -> None: ...
+    def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]: ...
+    def save_again(self, timeout_s: float) -> dict[int, str]: ...
+    def leave_all(self, timeout_s: float) -> dict[int, str]: ...
+    def shutdown(self) -> None: ...
