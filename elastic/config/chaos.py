@@ -1,0 +1,46 @@
+"""Injected faults (the job's `chaos` list): drills, tests and the demo."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from elastic.config.base import _Strict
+
+
+class ChaosFault(_Strict):
+    """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
+    when it has completed `at_step` steps and before it starts the next one."""
+
+    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow", "hold_gil"]
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=0)
+    factor: float = Field(3.0, gt=1, description="slow only: the process computes this many times slower from then on")
+    thaw_after_s: float | None = Field(
+        None, gt=0, description="freeze_node / freeze_process only: resume (SIGCONT) the frozen processes this "
+                                "many seconds later, as a machine back from a partition; default never")
+    hold_s: float | None = Field(
+        None, gt=0, le=3600, description="hold_gil only: the rank's Python is held this many seconds by one C call "
+                                         "that keeps the GIL (as a C extension may): its polls go unanswered while "
+                                         "its process sleeps; it then trains on")
+    during_upload: bool = Field(
+        False, description="at at_step, first wait until this rank's checkpoint is being written to storage, then "
+                           "fire: the drill for a machine lost mid-upload. Waits at most "
+                           "failure.collective_timeout_s; fires at once if no persist is in flight (the "
+                           "fault_injected event says whether an upload was under way)")
+    after_persist: bool = Field(
+        False, description="at at_step, first wait until this rank's checkpoint persist in flight has ended, then "
+                           "fire: the drill for a machine lost just after a checkpoint, whose restore from storage "
+                           "must lose only the steps since it. Waits at most failure.collective_timeout_s")
+
+    @model_validator(mode="after")
+    def _check_thaw(self) -> "ChaosFault":
+        if self.during_upload and self.after_persist:
+            raise ValueError("during_upload and after_persist exclude each other: fire during a checkpoint's "
+                             "upload, or after its persist")
+        if self.thaw_after_s is not None and self.action not in ("freeze_node", "freeze_process"):
+            raise ValueError(f"thaw_after_s is for freeze_node and freeze_process, not {self.action}")
+        if (self.hold_s is None) != (self.action != "hold_gil"):
+            raise ValueError("hold_gil needs hold_s (seconds the rank's Python is held)" if self.hold_s is None
+                             else f"hold_s is for hold_gil, not {self.action}")
+        return self

@@ -1,0 +1,110 @@
+"""The whole job: its sections, and the checks that need more than one of them (the batch plan for
+every world size the run may take, pipeline layouts, chaos ranks and steps)."""
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from elastic.config.base import _Strict
+from elastic.config.chaos import ChaosFault
+from elastic.config.sections import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, StragglerConfig
+from elastic.config.train import FsdpSpec, TrainSpec
+
+
+def batch_plan(global_batch_size: int, world_size: int, micro_batch_size: int | None) -> tuple[int, int]:
+    """(per-rank micro-batch, accumulation steps) for a world size; ValueError if it does not split."""
+    if global_batch_size % world_size:
+        raise ValueError(f"train.global_batch_size={global_batch_size} is not divisible by {world_size} workers")
+    per_rank = global_batch_size // world_size
+    micro = micro_batch_size or per_rank
+    if per_rank % micro:
+        raise ValueError(
+            f"train.micro_batch_size={micro} does not divide the per-rank batch {per_rank} "
+            f"(global {global_batch_size} / {world_size} workers)"
+        )
+    return micro, per_rank // micro
+
+
+class JobConfig(_Strict):
+    run: RunConfig = Field(default_factory=RunConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    failure: FailureConfig = Field(default_factory=FailureConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    train: TrainSpec
+    stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
+    chaos: list[ChaosFault] = Field(default_factory=list, description="Faults to inject (drills, tests, demo).")
+
+    @model_validator(mode="after")
+    def _check_plan(self) -> "JobConfig":
+        # The global batch is a constant of the run: it must split for every world size the run may take.
+        sc, tr = self.scaling, self.train
+        if tr.strategy == "pipeline":
+            self._check_pipeline()
+            return self._check_chaos()
+        bad = {}
+        for w in range(sc.min_size, sc.max_size + 1):
+            try:
+                batch_plan(tr.global_batch_size, w, tr.micro_batch_size)
+            except ValueError as e:
+                bad[w] = str(e)
+        if bad and sc.min_size == sc.max_size:
+            raise ValueError(next(iter(bad.values())) + "; choose a multiple of scaling.num_workers")
+        if bad:
+            raise ValueError(
+                f"train.global_batch_size={tr.global_batch_size} cannot be split for world sizes {sorted(bad)} "
+                f"allowed by scaling.min_workers..max_workers={sc.min_size}..{sc.max_size}: "
+                + "; ".join(f"{w}: {why}" for w, why in bad.items())
+                + ". Choose a global batch divisible by every allowed size, or narrow the range.")
+        fs = tr.fsdp
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(fs, name) != "float32" and not sc.use_gpu:
+                raise ValueError(f"train.fsdp.{name}={getattr(fs, name)}: mixed precision is a GPU setting; set "
+                                 f"scaling.use_gpu: true, or leave it at float32 on CPU")
+        if tr.strategy != "fsdp" and fs != FsdpSpec():
+            raise ValueError(f"train.fsdp is set but train.strategy={tr.strategy}: set train.strategy: fsdp")
+        return self._check_chaos()
+
+    def _check_pipeline(self) -> None:
+        """Every layout the run may take (replicas dropped, then stages: elastic.parallel.topology.chain)
+        must split the global batch and suit the schedule."""
+        from elastic.parallel.topology import Layout, chain
+        sc, tr = self.scaling, self.train
+        pl = tr.pipeline
+        for field, n in (("num_workers", sc.num_workers), ("max_workers", sc.max_size)):
+            if n % pl.stages:
+                raise ValueError(f"scaling.{field}={n} is not a multiple of train.pipeline.stages={pl.stages}: a "
+                                 f"pipeline runs whole replicas of {pl.stages} stages")
+        for lay in chain(Layout(pl.stages, sc.max_size // pl.stages), sc.min_size):
+            pipeline_plan(tr.global_batch_size, lay.dp, pl.microbatches)
+            if pl.schedule == "1f1b" and pl.microbatches < lay.pp:
+                raise ValueError(f"train.pipeline.microbatches={pl.microbatches} < {lay.pp} stages: the 1f1b schedule "
+                                 f"needs at least one micro-batch per stage")
+            if pl.schedule == "interleaved_1f1b" and pl.microbatches % lay.pp:
+                raise ValueError(f"train.pipeline.microbatches={pl.microbatches} is not a multiple of {lay.pp} "
+                                 f"stages, which interleaved_1f1b needs (a layout this run may take: {lay})")
+        if pl.split is not None and len(pl.split) != pl.stages * pl.chunks_per_rank - 1:
+            raise ValueError(f"train.pipeline.split names {len(pl.split)} split points; {pl.stages} stages x "
+                             f"{pl.chunks_per_rank} chunk(s) per rank need {pl.stages * pl.chunks_per_rank - 1}")
+        if tr.fsdp != FsdpSpec():
+            raise ValueError("train.fsdp is set but train.strategy=pipeline: set train.strategy: fsdp")
+        if self.stragglers.enabled:
+            raise ValueError("stragglers.enabled: straggler swaps are not built for pipelines yet (a stage's step "
+                             "time includes waiting for its neighbours); leave it off with train.strategy: pipeline")
+        if pl.split is not None and sc.min_size < pl.stages:
+            raise ValueError("train.pipeline.split fixes the stage boundaries, so the pipeline cannot be re-planned "
+                             "onto fewer stages: leave split unset, or set scaling.min_workers to num_workers")
+
+    def _check_chaos(self) -> "JobConfig":
+        for i, f in enumerate(self.chaos):
+            if f.rank >= self.scaling.num_workers:
+                raise ValueError(f"chaos[{i}].rank={f.rank} but scaling.num_workers={self.scaling.num_workers}")
+            if f.at_step >= self.run.num_steps:
+                raise ValueError(f"chaos[{i}].at_step={f.at_step} must be < run.num_steps={self.run.num_steps}")
+        return self
+
+
+def pipeline_plan(global_batch_size: int, dp: int, microbatches: int) -> int:
+    """Samples per micro-batch of one pipeline replica; ValueError if the batch does not split."""
+    if global_batch_size % (dp * microbatches):
+        raise ValueError(f"train.global_batch_size={global_batch_size} does not split into {dp} replica(s) x "
+                         f"train.pipeline.microbatches={microbatches}")
+    return global_batch_size // (dp * microbatches)

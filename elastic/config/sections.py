@@ -1,0 +1,121 @@
+"""The job's sections about how the run is kept alive: run, scaling, failure, checkpoint, stragglers."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from elastic.config.base import _Strict
+
+
+class ScalingConfig(_Strict):
+    num_workers: int = Field(2, ge=1, description="Training ranks (one Ray actor each); the target size.")
+    min_workers: int | None = Field(
+        None, ge=1, description="Shrink down to this many ranks when lost ones cannot be replaced; default num_workers.")
+    max_workers: int | None = Field(
+        None, ge=1, description="Grow up to this many ranks when capacity appears; default num_workers.")
+    shrink_after_s: float = Field(
+        10.0, ge=0, description="How long a recovery waits for a replacement before shrinking (min_workers < size).")
+    grow_check_s: float = Field(10.0, gt=0, description="How often a run below max_workers looks for capacity.")
+    num_spares: int = Field(
+        0, ge=0, description="Warm spare workers (model built, ready to receive state) that replace lost or slow ranks.")
+    wait_for_spares: bool = Field(
+        False, description="Start training only once the spares are warm (drills and benchmarks of the spare path).")
+    low_priority_refills: bool = Field(
+        True, description="Spares that refill the pool while the group trains start under SCHED_IDLE (the lowest CPU "
+                          "priority) until built, where the OS lets them return to normal (elastic/priority.py).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor.")
+    use_gpu: bool = Field(False, description="One GPU per worker and NCCL; gloo on CPU otherwise.")
+
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ScalingConfig":
+        lo, hi = self.min_size, self.max_size
+        if not lo <= self.num_workers <= hi:
+            raise ValueError(f"scaling: need min_workers <= num_workers <= max_workers, got {lo} <= "
+                             f"{self.num_workers} <= {hi}")
+        return self
+
+    @property
+    def min_size(self) -> int:
+        return self.min_workers if self.min_workers is not None else self.num_workers
+
+    @property
+    def max_size(self) -> int:
+        return self.max_workers if self.max_workers is not None else self.num_workers
+
+
+class FailureConfig(_Strict):
+    max_failures: int = Field(3, ge=0, description="Recoveries allowed before the run stops with an error.")
+    peer_restore: bool = Field(
+        True, description="Recover state from a surviving replica's memory when one exists; false: always from storage.")
+    hang_factor: float = Field(
+        10.0, gt=1, description="A hang is no progress for hang_factor x the median step time..."
+    )
+    hang_floor_s: float = Field(20.0, gt=0, description="...but never less than this many seconds.")
+    ping_timeout_s: float = Field(
+        1.0, gt=0, description="A rank that answers no poll for this long while the group makes no progress is "
+                               "lost (a stopped machine, a partition, a stopped process); its peers' blocked "
+                               "collectives are then aborted and they keep their state.")
+    silence_factor: float = Field(
+        2.0, gt=0, description="...and only once the group has made no progress for silence_factor x the median "
+                               "step time, when that is longer than ping_timeout_s: a rank busy in a long step "
+                               "(a large model, a checkpoint's first snapshot) may answer a poll late without "
+                               "being lost.")
+    heartbeat: bool = Field(
+        True, description="Run a small heartbeat process beside each worker that answers the controller over UDP "
+                          "with the worker process's state, from outside its Python: a rank whose Python is held "
+                          "(a C extension keeping the GIL) is then kept, and a stopped machine or process is found "
+                          "after ping_timeout_s whatever the step time. Needs Linux and UDP from the driver to "
+                          "the workers' nodes; without an answer a rank is judged by its polls alone.")
+    rendezvous_timeout_s: float = Field(
+        60.0, gt=0, description="Process-group formation timeout (the rendezvous store and connecting the ranks).")
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="Backstop timeout of one collective; hangs are caught earlier by the controller."
+    )
+    replacement_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for resources to start a replacement worker."
+    )
+
+
+class CheckpointConfig(_Strict):
+    storage_uri: str = Field("file://./runs", description="fsspec URI of the run root: file://, s3://, memory://.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, key, secret for s3)."
+    )
+    every_steps: int = Field(10, ge=1, description="Checkpoint after every this many steps.")
+    num_to_keep: int = Field(3, ge=1, description="Committed checkpoints kept; the newest is never removed.")
+    persist_retries: int = Field(5, ge=0, description="Retries of a background persist on storage errors.")
+    persist_retry_backoff_s: float = Field(1.0, ge=0, description="First backoff between persist retries (doubles).")
+    final_wait_s: float = Field(
+        300.0, ge=0, description="If the run's last checkpoint did not commit (storage out longer than the persist's "
+                                 "retries, a fence not landed yet), the ranks save the final state again until it "
+                                 "commits, for at most this long; past it the run fails, naming the newest "
+                                 "committed checkpoint. 0: no second try.")
+    restore_wait_s: float = Field(
+        300.0, ge=0, description="A restore that can only come from storage (no survivor holds the state) waits for "
+                                 "storage this long: to list the committed checkpoints, and while none of them loads "
+                                 "(asked again with backoff). Past it the run fails, naming the newest committed "
+                                 "checkpoint. It never starts over from step 0 while committed checkpoints exist.")
+
+
+class StragglerConfig(_Strict):
+    """Straggler detection and mitigation (see elastic/policies/straggler.py)."""
+
+    enabled: bool = Field(False, description="Watch for stragglers and act on them.")
+    threshold: float = Field(1.5, gt=1, description="A rank's step is slow when its compute time is above "
+                                                     "threshold x the other ranks' median at that step.")
+    window_steps: int = Field(5, ge=1, description="Act on a rank slow in more than half of its last window_steps "
+                                                   "steps...")
+    consecutive_windows: int = Field(2, ge=1, description="...and more than half of its last window_steps x "
+                                                          "consecutive_windows steps (the window slides by one step).")
+    cooldown_s: float = Field(30.0, ge=0, description="No new action this soon after the last one.")
+
+
+class RunConfig(_Strict):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run folder name.")
+    seed: int = Field(0, ge=0)
+    num_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    sample_ledger: bool = Field(
+        False, description="Record which sample ids every step trained on (ledger.json in the run dir): "
+                           "proof of exact-once data across failures and resizes. Costs memory; for drills.")

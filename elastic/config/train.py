@@ -1,0 +1,180 @@
+"""What to train (the job's `train` section): the user's callables, the strategy and its settings,
+the data, precision and bad-step handling."""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable, Literal
+
+from pydantic import Field, model_validator
+
+from elastic.config.base import _Strict
+
+
+def _import_ref(ref: str, field: str) -> Callable:
+    if not isinstance(ref, str) or ref.count(":") != 1:
+        raise ValueError(f"{field}: expected 'module:function', got {ref!r}")
+    mod_name, fn_name = ref.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+        raise ValueError(f"{field}: cannot import module {mod_name!r} ({type(e).__name__}: {e}); "
+                         f"is it on PYTHONPATH / in the job's working dir?") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"{field}: module {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+DTYPES = Literal["float32", "bfloat16", "float16"]
+
+
+class FsdpSpec(_Strict):
+    """Settings of the fully-sharded strategy (train.strategy: fsdp), PyTorch's fully_shard (FSDP2)."""
+
+    blocks: list[str] | None = Field(
+        None, description="Class names of the submodules sharded as one unit each (e.g. [TransformerBlock]); "
+                          "default: every element of every nn.ModuleList, else every child of an "
+                          "nn.Sequential root that has parameters. The root is always sharded last.")
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward.")
+    param_dtype: DTYPES = Field("float32", description="Dtype of gathered parameters in forward/backward (GPU only).")
+    reduce_dtype: DTYPES = Field("float32", description="Dtype of the gradient reduce-scatter (GPU only).")
+
+
+SCHEDULES = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+class PipelineSpec(_Strict):
+    """Settings of the pipeline strategy (train.strategy: pipeline): the model is cut into stages at
+    the children of its nn.Sequential root, one stage per rank (two or more with interleaved_1f1b),
+    and torch.distributed.pipelining runs the schedule. scaling.num_workers = stages x replicas."""
+
+    stages: int = Field(ge=1, description="Pipeline stages (ranks per pipeline replica).")
+    schedule: SCHEDULES = Field("1f1b", description="gpipe | 1f1b | interleaved_1f1b (torch.distributed.pipelining).")
+    microbatches: int = Field(ge=1, description="Micro-batches per replica per step; they split the replica's share "
+                                                "of the global batch evenly.")
+    stages_per_rank: int | None = Field(
+        None, ge=1, description="Model chunks per rank (interleaved_1f1b only; default 2 there, 1 otherwise).")
+    split: list[str] | None = Field(
+        None, description="Names of the root's children where stages 2, 3, ... begin (one fewer than the number of "
+                          "chunks); default: balanced by parameter count.")
+    loss: str = Field(description="module:function(output, target) -> scalar loss, mean over the micro-batch; "
+                                  "the last stage calls it with its output and the batch's last element.")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule == "interleaved_1f1b" else 1
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "PipelineSpec":
+        if self.stages_per_rank not in (None, 1) and self.schedule != "interleaved_1f1b":
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule: interleaved_1f1b "
+                             f"(gpipe and 1f1b run one stage per rank)")
+        if self.schedule == "interleaved_1f1b" and self.chunks_per_rank < 2:
+            raise ValueError("schedule interleaved_1f1b needs stages_per_rank >= 2")
+        return self
+
+
+class DataSpec(_Strict):
+    """A built-in dataset (train.data), instead of a dataset function."""
+
+    format: Literal["parquet"] = Field(description="parquet: rows of Parquet files, by global index.")
+    uri: str = Field(description="fsspec URI of the files: one file, a folder, or a glob (s3://bucket/corpus/*.parquet).")
+    columns: list[str] | None = Field(None, description="Columns, in the order each sample's tuple has them; default all.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, key, secret for s3).")
+
+    def factory(self) -> Callable:
+        return functools.partial(_parquet_dataset, self.uri, self.columns, self.storage_options)
+
+
+def _parquet_dataset(uri: str, columns, storage_options):
+    from elastic.data.parquet import ParquetDataset  # pyarrow: imported only by jobs that read Parquet
+    return ParquetDataset(uri, columns, storage_options)
+
+
+class TrainSpec(_Strict):
+    """What to train. Each callable is given as 'module:function' so workers can import it."""
+
+    model: str = Field(description="module:function() -> torch.nn.Module")
+    dataset: str | None = Field(None, description="module:function() -> map-style dataset (len, getitem)")
+    data: DataSpec | None = Field(None, description="A built-in dataset ({format: parquet, uri, columns}) instead of "
+                                                    "train.dataset.")
+    loss: str | None = Field(None, description="module:function(model, batch) -> scalar loss, mean over the batch "
+                                              "(ddp, fsdp; a pipeline uses train.pipeline.loss)")
+    optimizer: str | None = Field(None, description="module:function(params) -> optimizer; default AdamW(lr=1e-3)")
+    global_batch_size: int = Field(ge=1, description="Samples per optimizer step, constant for the run.")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Samples per forward/backward on one rank; default: the whole per-rank share."
+    )
+    strategy: Literal["ddp", "fsdp", "pipeline"] = Field(
+        "ddp", description="ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
+                           "state sharded across ranks (re-sharded on every resize); pipeline: the model cut "
+                           "into stages, one per rank, with data-parallel replicas of the whole pipeline.")
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Used when strategy is fsdp.")
+    pipeline: PipelineSpec | None = Field(None, description="Required when strategy is pipeline.")
+    scheduler: str | None = Field(
+        None, description="module:function(optimizer) -> torch LRScheduler, stepped once per training step; its state "
+                          "is a function of the step, replayed on every restore.")
+    clip_grad_norm: float | None = Field(
+        None, gt=0, description="Clip gradients to this global L2 norm (over every rank's parameters: replicas, "
+                                "shards and stages alike).")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32; bf16 (autocast, CPU and GPU); fp16 (autocast with dynamic loss scaling, whose "
+                            "scale is saved and restored with the state).")
+    bad_step: Literal["raise", "skip", "rollback"] = Field(
+        "raise", description="A step whose loss (or, with clipping or fp16, gradient norm) is not finite on any rank: "
+                             "raise: stop with an error naming the step; skip: no update on any rank (the samples are "
+                             "marked skipped); rollback: skip, and after bad_step_limit in a row return to the newest "
+                             "committed checkpoint and skip every batch from there to the last bad one.")
+    prefetch: bool = Field(
+        False, description="Collate the next step's batches on a background thread while this step computes (same "
+                           "samples, same order). Leave off if the dataset draws from torch's global RNG: a draw on "
+                           "another thread would make runs irreproducible.")
+    data_workers: int = Field(
+        0, ge=0, description="DataLoader worker processes per rank that read and collate the rank's upcoming batches "
+                             "while it trains (same samples, same order; pinned memory on GPU). They use CPU beyond "
+                             "scaling.cpus_per_worker. 0: the rank reads each batch when it needs it.")
+    data_prefetch_factor: int = Field(
+        2, ge=1, description="With data_workers: batches each data worker reads ahead (DataLoader prefetch_factor).")
+    data_workers_start: Literal["forkserver", "spawn", "fork"] = Field(
+        "forkserver", description="How data workers start. forkserver and spawn pickle the dataset to them (as "
+                                  "Ray's docs advise inside Ray workers); fork copies the rank's process.")
+    bad_step_limit: int = Field(3, ge=1, description="Bad steps in a row that end a skip (error) or trigger a rollback.")
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> "TrainSpec":
+        if self.strategy == "pipeline" and self.pipeline is None:
+            raise ValueError("train.strategy=pipeline needs train.pipeline: {stages, microbatches, loss}")
+        if self.strategy != "pipeline" and self.pipeline is not None:
+            raise ValueError(f"train.pipeline is set but train.strategy={self.strategy}: set train.strategy: pipeline")
+        if (self.dataset is None) == (self.data is None):
+            raise ValueError("set exactly one of train.dataset (module:function) and train.data ({format: parquet, "
+                             "uri, columns})")
+        if self.strategy != "pipeline" and self.loss is None:
+            raise ValueError(f"train.loss is required with train.strategy={self.strategy}")
+        if self.strategy == "pipeline" and self.micro_batch_size is not None:
+            raise ValueError("train.micro_batch_size is not used by a pipeline: set train.pipeline.microbatches")
+        if self.prefetch and self.data_workers:
+            raise ValueError(f"train.prefetch (a thread) and train.data_workers={self.data_workers} (processes) both "
+                             "read ahead: set one of them")
+        return self
+
+    @property
+    def dataset_ref(self) -> str:
+        """How the job names its data, for messages."""
+        return self.dataset or f"train.data ({self.data.format} at {self.data.uri})"
+
+    def resolve(self) -> dict[str, Callable | None]:
+        """Import every callable; raises ValueError naming the field that fails."""
+        return {
+            "model": _import_ref(self.model, "train.model"),
+            "dataset": _import_ref(self.dataset, "train.dataset") if self.dataset else self.data.factory(),
+            "loss": _import_ref(self.loss, "train.loss") if self.loss else None,
+            "stage_loss": _import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
+            "scheduler": _import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
+            "optimizer": _import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
+        }
