@@ -23,7 +23,8 @@ RANKS = (1_000, 10_000)
 
 def measure(num_ranks: int, iters: int = 20) -> dict:
     from elastic.config import JobConfig
-    from elastic.controller.controller import POLL_INTERVAL_S, Controller
+    from elastic.controller.controller import Controller
+    from elastic.controller.running import POLL_INTERVAL_S
     from elastic.controller.states import Recovering
     from tests.support.fake_group import FakeClock, FakeGroup
 

@@ -6,17 +6,17 @@ an AttributeError on the other, not a key that silently reads as missing. The re
 (`elastic.group.worker_group.WorkerGroup`) and the fake one the controller tests step against
 (`tests/support/fake_group.py`) both implement `WorkerGroupProtocol`; a test compares them.
 
-The string enums compare equal to their values (`RunStatus.DONE == "done"`), so the event log,
-which is JSON, carries the same words as before.
+The enums are `StrEnum`s: equal to their values (`RunStatus.DONE == "done"`), printed and
+written to JSON as those values, so events and messages carry the same words as plain strings.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Protocol
 
 
-class RankStatus(str, Enum):
+class RankStatus(StrEnum):
     """What a worker is doing, as its last poll answer says."""
 
     IDLE = "idle"  # started, in no group yet
@@ -31,7 +31,7 @@ class RankStatus(str, Enum):
     DONE = "done"
 
 
-class RunStatus(str, Enum):
+class RunStatus(StrEnum):
     """How a worker's `run()` ended."""
 
     DONE = "done"  # trained every step; `digest` is set
@@ -41,7 +41,7 @@ class RunStatus(str, Enum):
     USER_ERROR = "user_error"  # the user's model, loss or data raised; `error`, `traceback`
 
 
-class LostCause(str, Enum):
+class LostCause(StrEnum):
     """Why the controller counts a rank as lost."""
 
     PROCESS_DIED = "process_died"  # its process exited (Ray reports the actor dead)

@@ -368,7 +368,7 @@ def test_a_rank_whose_python_is_held_is_kept_by_its_heartbeat_and_only_by_it():
             drive(c, lambda c: isinstance(c.state, Recovering))
             (hang,) = kinds(c, "hang_detected")
             assert hang["ranks"] == [1] and hang["heartbeat"]["1"]["state"] == "S" and not kinds(c, "silence_detected")
-            assert sorted(c._beats) == [0, 1, 2]  # what run_finished reports as heartbeat_ranks
+            assert sorted(c.house.beats) == [0, 1, 2]  # what run_finished reports as heartbeat_ranks
         else:  # the same hold without a heartbeat is taken for a stopped machine
             (silence,) = kinds(c, "silence_detected")
             assert silence["ranks"] == [1] and silence["heartbeat"] == {"1": None}
@@ -446,7 +446,7 @@ def test_a_committed_final_checkpoint_is_not_saved_again():
 
 
 def test_a_restore_from_storage_waits_out_a_storage_outage(monkeypatch):
-    from elastic.controller import controller as ctl
+    from elastic.controller import restoring as ctl  # where the restore reads the listing
     from elastic.storage import StorageError
     real, failures = ctl.committed_checkpoints, [2]
 
@@ -466,7 +466,7 @@ def test_a_restore_from_storage_waits_out_a_storage_outage(monkeypatch):
 
 
 def test_a_restore_from_storage_that_never_answers_fails_the_run_saying_so(monkeypatch):
-    from elastic.controller import controller as ctl
+    from elastic.controller import restoring as ctl  # where the restore reads the listing
     from elastic.storage import StorageError
 
     def down(*a, **kw):
@@ -484,8 +484,8 @@ def test_a_restore_from_storage_that_never_answers_fails_the_run_saying_so(monke
 
 def _committed_at(monkeypatch, step: int) -> str:
     """Storage lists one committed checkpoint, of `step` (the fake group 'loads' it by its name)."""
-    from elastic.checkpoint.persister import CommittedCheckpoint, Manifest
-    from elastic.controller import controller as ctl
+    from elastic.checkpoint.layout import CommittedCheckpoint, Manifest
+    from elastic.controller import restoring as ctl  # where the restore reads the listing
     uri = f"memory://fake/run/checkpoints/step_{step:09d}"
     found = [CommittedCheckpoint(uri, Manifest(step, step * 48, 3, "ddp", {}, 0.0))]
     monkeypatch.setattr(ctl, "committed_checkpoints", lambda *a, **kw: list(found))

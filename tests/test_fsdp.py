@@ -49,7 +49,7 @@ from elastic.workload import NUM_SAMPLES
 from elastic.parallel.resharding import flatten
 from tests.support.workloads import build_smooth_model
 from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
-from test_resize import Blocker, wait_for
+from tests.test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 

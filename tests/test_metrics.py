@@ -18,8 +18,13 @@ import pytest
 
 from elastic.observability import metrics as m
 from elastic.controller.states import Finished
+from elastic.protocol import PollReport, RankStatus
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "elastic.json"
+
+
+def report(rank: int, **progress) -> PollReport:
+    return PollReport(rank=rank, generation=1, status=RankStatus.RUNNING, **progress)
 
 
 def feed(events, run="r", backend=None):
@@ -136,7 +141,7 @@ def test_checkpoints_by_outcome_and_persist_times():
 
 def test_progress_gives_step_loss_rates_and_per_rank_times_and_redone_steps_count_again():
     rm, be = feed(started(n=2))
-    answers = {r: {"step": 12, "step_s": 0.2 + r * 0.05, "compute_s": 0.1, "ckpt_stall_s": 0.01 * r} for r in (0, 1)}
+    answers = {r: report(r, step=12, step_s=0.2 + r * 0.05, compute_s=0.1, ckpt_stall_s=0.01 * r) for r in (0, 1)}
     be.apply(rm.progress(12, 2.5, answers))
     assert be.get("elastic_step") == 12 and be.get("elastic_loss") == 2.5 and be.get("elastic_steps") == 12
     assert be.get("elastic_step_seconds", rank=1) == 0.25 and be.get("elastic_compute_seconds", rank=0) == 0.1
@@ -156,7 +161,7 @@ def test_progress_gives_step_loss_rates_and_per_rank_times_and_redone_steps_coun
 
 def test_a_shrink_ends_the_series_of_the_ranks_that_are_gone():
     rm, be = feed(started(n=3))
-    be.apply(rm.progress(5, 1.0, {r: {"step": 5, "step_s": 0.1, "compute_s": 0.05} for r in range(3)}))
+    be.apply(rm.progress(5, 1.0, {r: report(r, step=5, step_s=0.1, compute_s=0.05) for r in range(3)}))
     be.apply(rm.window({0: 1.0, 1: 1.0, 2: 2.0}))
     be.apply(rm.event({"kind": "resized", "old_world_size": 3, "new_world_size": 2, "path": "memory", "reason": "x",
                        "decide_s": 0.1}))
@@ -190,7 +195,7 @@ def test_a_failing_backend_never_breaks_the_caller_and_is_logged_once(caplog):
     with caplog.at_level(logging.WARNING, logger="elastic.observability.metrics"):
         for ev in started():
             hook.on_event(ev)
-        hook.on_progress(3, 1.0, {0: {"step": 3, "step_s": 0.1}})
+        hook.on_progress(3, 1.0, {0: report(0, step=3, step_s=0.1)})
         hook.on_window({0: 1.0})
         hook.on_event({"kind": "failure_detected", "lost": "not a list of dicts", "step": 1})  # a bad event too
     assert len([r for r in caplog.records if "metrics not updated" in r.message]) == 1
@@ -218,7 +223,7 @@ def test_without_ray_there_is_no_backend_and_nothing_to_do(monkeypatch):
 
 # ---------------------------------------------------------------------- the controller feeds it
 def test_the_controller_derives_metrics_from_its_events_and_polls(monkeypatch):
-    from test_controller import drive, make
+    from tests.test_controller import drive, make
 
     backend = m.MemoryBackend()
     monkeypatch.setattr(m, "_default_backend", lambda: backend)

@@ -21,7 +21,7 @@ import ray
 
 from elastic import Trainer
 from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
-from test_resize import Blocker, wait_for
+from tests.test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 

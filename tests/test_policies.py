@@ -1,8 +1,9 @@
 """The failure policy and hang detection, with a fake clock: decisions and their reasons."""
 from elastic.config import FailureConfig
 from elastic.policies.failure import (
-    FailureObservation, FromPeer, FromStorage, LostRank, Raise, Restart, choose_restore, decide_failure, decide_silence,
-    detect_hang, excused_by_heartbeat, formation_silent, hang_bound_s, silence_bound_s)
+    FailureObservation, LostRank, Raise, Restart, decide_failure, decide_silence, detect_hang, excused_by_heartbeat,
+    formation_silent, hang_bound_s, silence_bound_s)
+from elastic.policies.restore import FromPeer, FromStorage, choose_restore
 from elastic.runtime.heartbeat import Beat
 
 CFG = FailureConfig(max_failures=2, hang_factor=10, hang_floor_s=5)

@@ -7,7 +7,7 @@ import pytest
 
 from elastic.cli import main
 from elastic.observability.timeline import load, plot, rank_marks, rank_spans
-from test_status import T0, Log, a_run, write_run  # the same synthetic runs as `elastic status`
+from tests.test_status import T0, Log, a_run, write_run  # the same synthetic runs as `elastic status`
 
 
 def test_timeline_png_from_an_event_log(tmp_path):

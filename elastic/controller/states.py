@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic.policies.failure import LostRank
+from elastic.protocol import RunResult
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,14 @@ class RunWatch:
     """What the run loop learns across its iterations; it lives in the Running state."""
 
     refs: dict  # rank -> run() call still in flight
-    done: dict = field(default_factory=dict)  # rank -> run() result, for ranks that finished
-    stopped: set = field(default_factory=set)  # ranks that stopped at an agreed step boundary
-    aborted: set = field(default_factory=set)  # ranks whose collective failed
-    lost: dict = field(default_factory=dict)  # rank -> LostRank
+    done: dict[int, RunResult] = field(default_factory=dict)  # ranks that finished
+    stopped: set[int] = field(default_factory=set)  # ranks that stopped at an agreed step boundary
+    aborted: set[int] = field(default_factory=set)  # ranks whose collective failed
+    lost: dict[int, LostRank] = field(default_factory=dict)
     failing_since: float | None = None  # first failure signal; then we settle who is lost
     planned: "Swapping | Growing | Dropping | None" = None  # a planned stop in progress
     storage_wait_logged: bool = False
-    rollback: dict = field(default_factory=dict)  # rank -> run() result asking for a rollback (bad steps)
+    rollback: dict[int, RunResult] = field(default_factory=dict)  # ranks asking for a rollback (bad steps)
 
 
 @dataclass(frozen=True)

@@ -272,16 +272,17 @@ class RunMetrics:
         self._counted_step = step
         return [self._u("elastic_steps", step - base)]
 
-    def progress(self, step: int, loss: float | None, answers: dict[int, dict]) -> list[Update]:
+    def progress(self, step: int, loss: float | None, answers: dict) -> list[Update]:
         """The controller's step and loss, and each answering rank's last step, compute and
-        checkpoint-stall times (a poll's answers, as `Worker.poll` returns them)."""
+        checkpoint-stall times (a poll's answers: `elastic.protocol.PollReport`s)."""
         out = [self._u("elastic_step", step)] + self.steps(step)
         if loss is not None and math.isfinite(loss):
             out.append(self._u("elastic_loss", loss))
         for name, key in (("elastic_step_seconds", "step_s"), ("elastic_compute_seconds", "compute_s"),
                           ("elastic_checkpoint_stall_seconds", "ckpt_stall_s")):
-            out += [self._u(name, a[key], rank=r) for r, a in sorted(answers.items()) if a.get(key) is not None]
-        step_s = [a["step_s"] for a in answers.values() if a.get("step_s")]
+            out += [self._u(name, getattr(a, key), rank=r) for r, a in sorted(answers.items())
+                    if getattr(a, key) is not None]
+        step_s = [a.step_s for a in answers.values() if a.step_s]
         if step_s:
             out.append(self._u("elastic_steps_per_second", 1.0 / max(step_s)))
         return out
@@ -384,7 +385,7 @@ class MetricsHook:
     def on_event(self, ev: dict) -> None:
         self._apply(lambda: self.mapping.event(ev))
 
-    def on_progress(self, step: int, loss: float | None, answers: dict[int, dict]) -> None:
+    def on_progress(self, step: int, loss: float | None, answers: dict) -> None:
         if self.backend is None:
             return
         # Gauges at most once a second (Ray exports no faster); the steps counter on every poll.

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from elastic.parallel.shape import Shape
+
 _cleared = threading.local()
 
 
@@ -39,6 +41,12 @@ class Strategy(ABC):
     def __init__(self, mesh, spec=None):
         self.mesh = mesh  # a DeviceMesh with named axes; "dp" for data parallel
         self.spec = spec  # the job's TrainSpec (strategy options)
+
+    @classmethod
+    def shape(cls, spec) -> Shape:
+        """How this strategy's layout grows and shrinks (the controller asks this, never the name):
+        flat by default, every rank a data-parallel replica."""
+        return Shape(sharded=cls.sharded)
 
     @property
     def world_size(self) -> int:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from elastic.parallel.ddp import DataParallel
+from elastic.parallel.shape import Shape
 from elastic.parallel.topology import Layout
 
 
@@ -101,6 +102,11 @@ class Pipeline(DataParallel):
     name = "pipeline"
     overlap = False  # the schedule runs many backwards per step: one flat all-reduce after them
     whole_grads_everywhere = False  # each stage holds its own parameters' gradients
+
+    @classmethod
+    def shape(cls, spec) -> Shape:
+        """Whole layouts of the topology's chain: replicas come and go first, then stages."""
+        return Shape(stages=spec.pipeline.stages, sharded=cls.sharded, staged=True)
 
     def __init__(self, mesh, spec, layout: Layout, rank: int):
         super().__init__(mesh, spec)

@@ -3,6 +3,7 @@
 Strategies know nothing about failures; the worker and controller own that.
 """
 from elastic.parallel.base import Strategy
+from elastic.parallel.shape import Shape
 from elastic.parallel.ddp import DataParallel
 from elastic.parallel.fsdp import FullyShardedDataParallel
 from elastic.parallel.pipeline import Pipeline
@@ -16,3 +17,8 @@ def make_strategy(spec, mesh, layout, rank: int) -> Strategy:
     if spec.strategy == "pipeline":
         return Pipeline(mesh, spec, layout, rank)
     return STRATEGIES[spec.strategy](mesh, spec)
+
+
+def shape_for(spec) -> Shape:
+    """The job's strategy's `Shape`: how its layout grows and shrinks (elastic/parallel/shape.py)."""
+    return STRATEGIES[spec.strategy].shape(spec)

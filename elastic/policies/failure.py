@@ -6,13 +6,12 @@ from dataclasses import dataclass
 
 from elastic.config import FailureConfig
 from elastic.runtime.heartbeat import STOPPED_STATES
-from elastic.parallel.topology import Layout, stage_sources
 
 
 @dataclass(frozen=True)
 class LostRank:
     rank: int
-    cause: str  # "process_died" | "node_died" | "unreachable" | "unresponsive" | "hang" | "error"
+    cause: str  # an elastic.protocol.LostCause: process_died, node_died, unreachable, unresponsive, hang, error
     detail: str = ""
 
 
@@ -31,30 +30,6 @@ class Restart:
     Where state comes from is decided after the survivors are known (`choose_restore`)."""
 
     ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class FromPeer:
-    src_rank: int
-    step: int
-    stage_sources: tuple[int, ...] = ()  # a pipeline: per stage, the replica every rank of it copies
-
-
-@dataclass(frozen=True)
-class FromStorage:
-    max_step: int | None = None  # a rollback: the newest committed checkpoint at or before this step
-
-
-@dataclass(frozen=True)
-class FromShards:
-    """Re-shard in memory from every old rank's offered part (object refs by old rank)."""
-    offers: dict
-    old_world: int
-    step: int
-    old_pp: int = 1  # a pipeline re-partitioned from this many stages (offers by name, rank = old stage)
-
-
-RestoreSource = FromPeer | FromStorage | FromShards
 
 
 @dataclass(frozen=True)
@@ -78,33 +53,6 @@ def decide_failure(obs: FailureObservation, cfg: FailureConfig, now: float) -> t
     ranks = tuple(sorted(x.rank for x in obs.lost))
     return (Restart(ranks),
             f"{what}; recovery {obs.failures_so_far + 1}/{cfg.max_failures}: replace {list(ranks) or 'no rank'}")
-
-
-def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
-                   sharded: bool = False, layout: Layout | None = None) -> tuple[RestoreSource, str]:
-    """Memory first: a surviving replica that finished the newest step holds exact state (its
-    gradient all-reduce completed, so it includes every rank's contribution). Storage when no
-    replica survived, when the state is sharded (a lost rank's shards existed only in its
-    memory), or when the user asked for storage. A pipeline (`layout.pp` > 1) needs a surviving
-    replica of every stage at that step."""
-    if not cfg.peer_restore:
-        return FromStorage(), "failure.peer_restore is off: restore from the latest committed checkpoint"
-    if sharded:
-        return FromStorage(), ("fully sharded state: the lost rank's shards existed only in its memory; "
-                               "restore from the latest committed checkpoint, re-sharded on load")
-    if not survivor_steps:
-        return FromStorage(), "no surviving replica holds state in memory: restore from the latest committed checkpoint"
-    step = max(survivor_steps.values())
-    if layout is not None and layout.pp > 1:
-        sources = stage_sources(layout, {r: r for r in survivor_steps}, layout, survivor_steps)
-        if sources is None:
-            held = sorted({layout.stage_of(r) for r, s in survivor_steps.items() if s == step})
-            return FromStorage(), (f"pipeline: no surviving replica holds every stage at step {step} (stages held: "
-                                   f"{held} of {layout.pp}); every stage restores the latest committed checkpoint")
-        return FromPeer(sources[0], step, sources), (f"every stage from a surviving replica's memory (ranks "
-                                                     f"{list(sources)}, step {step}), no storage read")
-    src = min(r for r, s in survivor_steps.items() if s == step)
-    return FromPeer(src, step), f"state from the memory of rank {src} (step {step}), no storage read"
 
 
 def silence_bound_s(step_times_s: list[float], cfg: FailureConfig) -> float:

@@ -7,15 +7,19 @@ and lets `python -m benchmarks controller` measure an iteration's cost at 10,000
 ranks. Training is simulated as in a real all-reduce group: every `step_s` of
 fake time all ranks complete a step together, unless one of them is frozen or
 dead, in which case the others wait (blocked in the collective) until they are
-aborted. Every call the controller makes is recorded in `calls`.
+aborted. Every call the controller makes is recorded in `calls`. It implements
+`elastic.protocol.WorkerGroupProtocol`, as the real group does, and answers
+with the same typed messages (tests/test_protocol.py checks the two agree).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from elastic.runtime.heartbeat import Beat
 from elastic.group.worker_group import GroupError
+from elastic.protocol import (PersistResult, PollReport, RankStatus, RestoreResult, RunResult, RunStatus,
+                              StepRecord)
+from elastic.runtime.heartbeat import Beat
 
 
 class FakeClock:
@@ -42,7 +46,7 @@ class FakeRank:
     frozen_at: float | None = None  # silent from then on (a stopped machine)
     frozen_how: str = "machine"  # its heartbeat: "machine" silent too, "process" says stopped (T), "held" says S
     dead: bool = False  # Ray reports it dead
-    run_out: dict | None = None  # what its run() returned, once it returned
+    run_out: RunResult | None = None  # what its run() returned, once it returned
     running: bool = False
     stop: bool = False
     logged: int = 0  # the last step whose compute time it reported
@@ -142,7 +146,7 @@ class FakeGroup:
                         self.commits.append(f"memory://fake/step_{m.step:09d}")
                 elif stop:
                     m.running, m.stop = False, False
-                    m.run_out = {"status": "stopped", "step": m.step, "generation": m.generation}
+                    m.run_out = RunResult(RunStatus.STOPPED, m.step, m.generation)
             if any(not m.running for m in live):
                 return
 
@@ -244,31 +248,27 @@ class FakeGroup:
             m.generation = generation
         return 0.0  # the slowest ping answer
 
-    def _restored(self, step: int, source: str) -> dict[int, dict]:
+    def _restored(self, step: int, source: str, uri: str | None = None) -> dict[int, RestoreResult]:
         for m in self.members.values():
             m.step = m.logged = step
-        return {r: {"step": step, "uri": None, "skipped": [], "restore_s": 0.01, "source": source}
-                for r in self.members}
+        return {r: RestoreResult(step, source, 0.01, uri) for r in self.members}
 
-    def restore(self, candidates, timeout_s) -> dict[int, dict]:
+    def restore(self, candidates, timeout_s) -> dict[int, RestoreResult]:
         self.calls.append(("restore", len(candidates)))
         if not candidates:
             return self._restored(0, "init")
         if self.load_failures:
             why = self.load_failures.pop(0)
-            return {r: {"step": 0, "uri": None, "skipped": [(u, why) for u in candidates], "restore_s": 0.01,
-                        "source": "none loaded"} for r in self.members}
-        out = self._restored(int(candidates[0].rsplit("_", 1)[1]), "storage")
-        for o in out.values():
-            o["uri"] = candidates[0]
-        return out
+            return {r: RestoreResult(0, "none loaded", 0.01, skipped=tuple((u, why) for u in candidates))
+                    for r in self.members}
+        return self._restored(int(candidates[0].rsplit("_", 1)[1]), "storage", candidates[0])
 
-    def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple = ()) -> dict[int, dict]:
+    def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple = ()) -> dict[int, RestoreResult]:
         self.calls.append(("restore_from_peer", src_rank) if not stage_sources else
                           ("restore_from_peer", (src_rank, tuple(stage_sources))))
         return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
 
-    def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1) -> dict[int, dict]:
+    def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1) -> dict[int, RestoreResult]:
         self.calls.append(("restore_from_shards", old_world) if old_pp == 1 else
                           ("restore_from_shards", (old_world, old_pp)))
         step = max(m.step for m in self.members.values())
@@ -319,24 +319,24 @@ class FakeGroup:
         return results, died
 
     @staticmethod
-    def _done(m: FakeRank) -> dict:
-        return {"status": "done", "step": m.step, "digest": "d", "generation": m.generation}
+    def _done(m: FakeRank) -> RunResult:
+        return RunResult(RunStatus.DONE, m.step, m.generation, digest="d")
 
-    def _answer(self, m: FakeRank) -> dict:
+    def _answer(self, m: FakeRank) -> PollReport:
         persists, retried = [], []
         if m.rank == 0:
-            persists = [{"committed": True, "uri": u, "step": m.step, "persist_s": 1.0, "attempts": 1, "metrics": {}}
-                        for u in self.commits]
+            persists = [PersistResult(m.step, u, committed=True, persist_s=1.0, attempts=1) for u in self.commits]
             self.commits = []
             retried, self.retried = self.retried, []
-        compute_log = [(s, self.step_s / 2 * (m.slow[1] if m.slow and 0 < s - m.slow[0] <= m.slow[2] else 1.0), 1.0)
+        compute_log = [StepRecord(s, self.step_s / 2 * (m.slow[1] if m.slow and 0 < s - m.slow[0] <= m.slow[2]
+                                                        else 1.0), 1.0)
                        for s in range(m.logged + 1, m.step + 1)] if self.report_compute else []
         m.logged = m.step
-        status = "storage_wait" if m.finish_at is not None else "running" if m.running else "idle"
-        return {"step": m.step, "status": status, "loss": 1.0, "step_s": self.step_s,
-                "compute_s": self.step_s / 2, "generation": m.generation, "rank": m.rank, "persists": persists,
-                "persisting": self.persisting, "compute_log": compute_log, "ledger": [], "deferred": [],
-                "retried": retried}
+        status = (RankStatus.STORAGE_WAIT if m.finish_at is not None else RankStatus.RUNNING if m.running
+                  else RankStatus.IDLE)
+        return PollReport(rank=m.rank, generation=m.generation, status=status, step=m.step, loss=1.0,
+                          step_s=self.step_s, compute_s=self.step_s / 2, persisting=self.persisting,
+                          persists=tuple(persists), compute_log=tuple(compute_log), retried=tuple(retried))
 
     def poll_nowait(self, ping_timeout_s: float):
         t0 = time.perf_counter()
@@ -387,8 +387,7 @@ class FakeGroup:
         self.calls.append(("abort_all", generation))
         for r, m in self.members.items():
             if (only is None or r in only) and m.generation == generation and m.running and m.frozen_at is None:
-                m.running, m.run_out = False, {"status": "aborted", "step": m.step, "error": "aborted",
-                                               "generation": generation}
+                m.running, m.run_out = False, RunResult(RunStatus.ABORTED, m.step, generation, error="aborted")
         return {r: "unresponsive" for r, m in self.members.items() if m.frozen_at is not None}
 
     def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]:

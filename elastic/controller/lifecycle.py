@@ -1,0 +1,101 @@
+"""Starting and Forming, the fence and its generations, and the background care of spares."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from elastic.checkpoint.fencing import current_generation
+from elastic.controller.recovery import lost_from
+from elastic.controller.states import Errored, Forming, Restoring, Starting, State
+from elastic.group.worker_group import GroupError
+from elastic.storage import call_within
+
+if TYPE_CHECKING:
+    from elastic.controller.controller import Controller
+
+
+def on_starting(ctl: Controller, _: Starting) -> State:
+    continue_generations(ctl)
+    n = ctl.job.scaling.num_workers
+    try:
+        ctl.group.start(list(range(n)), ctl.job.failure.replacement_timeout_s)
+    except GroupError as e:
+        return Errored(str(e))
+    ctl.events.emit("workers_started", ranks=list(range(n)),
+                    nodes={r: m.node_id[:12] for r, m in ctl.group.members.items()})
+    ctl.group.add_spares(ctl.job.scaling.num_spares)
+    if ctl.job.scaling.wait_for_spares and ctl.job.scaling.num_spares:
+        t0 = ctl.now()
+        ok = ctl.group.wait_spares_ready(ctl.job.failure.replacement_timeout_s)
+        ctl.events.emit("spares_ready" if ok else "spares_not_ready", num_ready=len(ctl.group.ready_spares),
+                        wait_s=ctl.now() - t0)
+    return Forming()
+
+
+def on_forming(ctl: Controller, _: Forming) -> State:
+    t0 = ctl.now()
+    cfg = ctl.job.failure
+    ctl.generation += 1
+    write_fence(ctl)
+    try:
+        slowest_ping_s = ctl.group.form(ctl.generation, cfg.rendezvous_timeout_s, cfg.ping_timeout_s, ctl.layout.pp)
+    except GroupError as e:
+        return lost_from(ctl, e, "group formation")
+    extra = {"stages": ctl.layout.pp, "replicas": ctl.layout.dp} if ctl.shape.staged else {}
+    ctl.events.emit("group_formed", world_size=len(ctl.group.members), form_s=ctl.now() - t0,
+                    generation=ctl.generation, slowest_ping_s=slowest_ping_s, **extra)
+    return Restoring()
+
+
+def continue_generations(ctl: Controller) -> None:
+    """A resubmitted run (same name: a new `ray job submit`, or the driver rerun after a head
+    loss) numbers its generations on from the fence an earlier submission left, so a zombie
+    of that submission (a frozen node that comes back) holds an older generation than every
+    group of this one and can never pass the fence."""
+    answered, prior, error = call_within(lambda: current_generation(ctl.storage, ctl.root), ctl.grace_s)
+    if not answered or error is not None:
+        ctl.events.emit("storage_unanswered", op="read the fence", waited_s=ctl.grace_s,
+                        error=str(error)[:300] if error else None,
+                        using="generation 1 (an earlier submission's zombie is then fenced only "
+                              "until this run reaches its generation)")
+    elif prior:
+        ctl.generation = prior
+        ctl.events.emit("generations_continued", after=prior)
+
+
+def write_fence(ctl: Controller) -> None:
+    """The fence: the newest generation, in storage beside the checkpoints. A worker may write
+    checkpoints only while the fence shows its own generation (a frozen worker that comes back
+    finds itself fenced off). Written before the group forms when storage answers within 3 x
+    ping_timeout_s; else (an outage) the group forms anyway, the write goes on in the
+    background until it lands, and until then this generation writes no checkpoint."""
+    wait_s = ctl.grace_s
+    if not ctl.fence.announce(ctl.generation, wait_s):
+        why = f"failed: {ctl.fence.last_error}" if ctl.fence.last_error else "no answer"
+        ctl.events.emit("fence_not_written", generation=ctl.generation,
+                        error=f"storage did not take the fence within {wait_s:.1f} s ({why})"[:300],
+                        then="written in the background until it lands; no checkpoint of this "
+                             "generation is written before")
+
+
+def tend(ctl: Controller) -> None:
+    """Background care, every 2 s: suspect nodes that answer again become usable; spares that
+    finished warming are noticed, dead ones replaced."""
+    now = ctl.now()
+    if now - ctl.house.spares_checked_at < 2.0:
+        return
+    ctl.house.spares_checked_at = now
+    group = ctl.group
+    for node in group.probe_suspects():
+        ctl.events.emit("node_cleared", node=node[:12], reason="answers again, or Ray declared it dead")
+    if ctl.job.scaling.num_spares == 0:
+        return
+    lost = group.refresh_spares() + group.check_spares(ctl.job.failure.ping_timeout_s)
+    lost += group.lost_spares
+    group.lost_spares = []
+    for node, pid, low in group.newly_ready:
+        ctl.events.emit("spare_ready", node=node, pid=pid, num_ready=len(group.ready_spares), started_low=low)
+    group.newly_ready.clear()
+    for why in lost:
+        ctl.events.emit("spare_lost", reason=why)
+    if lost:
+        group.add_spares(ctl.job.scaling.num_spares - group.num_spares(), background=True)

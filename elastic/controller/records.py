@@ -1,0 +1,111 @@
+"""The controller's run state, in typed records: what it knows across states and iterations.
+
+Each record has one owner among the controller's modules (named in its docstring); the others
+only read it. What lives within one state (a run loop's watch, a recovery's lost ranks) is in
+that state's object (elastic/controller/states.py), not here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from elastic.storage import Storage, join
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Where training stands, from the polls (owner: reports.py)."""
+
+    step: int = 0  # the step every rank has completed
+    max_step_seen: int = 0  # the furthest step any rank reported (a resize's or a fault's lost steps)
+    loss: float | None = None
+    step_times: deque = field(default_factory=lambda: deque(maxlen=50))  # recent step times, for the hang bound
+    last_progress_at: float = 0.0
+    rank_status: dict = field(default_factory=dict)  # rank -> its last reported RankStatus
+    persisting: dict = field(default_factory=dict)  # rank -> a persist of its was in flight at its last poll
+
+
+@dataclass
+class Checkpoints:
+    """What is committed, as the ranks report it and storage confirms (owner: reports.py; the
+    restore, recovery and finish handlers refresh `last_committed` from storage)."""
+
+    last_committed: str | None = None
+    committed_steps: set = field(default_factory=set)  # steps whose checkpoint a rank reported committed
+
+
+@dataclass
+class RecoveryRecord:
+    """A recovery in progress, until the recovered group completes a step (owner: recovery.py
+    opens it, reports.py closes it with the `recovered` event)."""
+
+    fault_t: float  # wall-clock time of the fault (injected) or of its detection
+    detected_t: float
+    fault_step: int
+    resumed_step: int = 0  # set once the group restored
+
+
+@dataclass
+class ResizeRecord:
+    """A resize in progress, until the first step at the new size (owner: resize.py opens it,
+    reports.py closes it with the `resize_completed` event)."""
+
+    decided_t: float
+    old_world_size: int
+    new_world_size: int
+    reason: str
+    path: str | None = None  # "memory" | "storage" | "storage (after a failed re-shard in memory)"
+    restore_s: float | None = None  # set once the group restored at the new size
+    source: str | None = None
+    resumed_step: int | None = None
+    reached_step: int | None = None
+
+
+@dataclass
+class RunLog:
+    """What the run leaves beside its checkpoints: the loss curve (metrics.json), the sample ledger
+    (ledger.json) and the steps that made no update (owner: reports.py folds, finish.py writes)."""
+
+    loss_curve: dict = field(default_factory=dict)  # step -> (global mean loss, world size)
+    # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
+    ledger: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)  # step -> why it made no update (bad step, fp16 overflow, rollback)
+    skip_steps: set = field(default_factory=set)  # steps whose batches a rollback skips (no update)
+
+    def write_metrics(self, storage: Storage, run_dir: str) -> None:
+        """metrics.json: the loss of every step and the world size it ran at (redone steps: the
+        attempt that counted)."""
+        body = {str(s): {"loss": x, "world_size": w} for s, (x, w) in sorted(self.loss_curve.items())}
+        try:
+            storage.write_bytes(join(run_dir, "metrics.json"), json.dumps(body).encode())
+        except Exception as e:  # noqa: BLE001 - metrics are best effort; the run's outcome is not
+            log.warning("metrics.json not written: %s", e)
+
+    def write_ledger(self, storage: Storage, run_dir: str) -> None:
+        """ledger.json: for every step, the world size it ran at and each rank's sample ids."""
+        body = {str(s): {"world_size": w, "ranks": {str(r): ids for r, ids in sorted(by_rank.items())},
+                         **({"skipped": self.skipped[s]} if s in self.skipped else {})}
+                for s, (w, by_rank) in sorted(self.ledger.items())}
+        storage.write_bytes(join(run_dir, "ledger.json"), json.dumps(body).encode())
+
+
+@dataclass
+class GrowDeferral:
+    """A grow waiting for the checkpoint persist in flight to end (owner: resize.py)."""
+
+    last_committed: str | None  # the newest commit when the grow was deferred
+
+
+@dataclass
+class Housekeeping:
+    """Timers and once-only notes of the background care (owners: lifecycle.py, reports.py)."""
+
+    grow_checked_at: float = 0.0
+    spares_checked_at: float = 0.0
+    excused: set = field(default_factory=set)  # silent ranks kept alive by their heartbeat, this silent spell
+    beats: dict = field(default_factory=dict)  # rank -> Beat at the run loop's last look (run_finished)
+    stale: set = field(default_factory=set)  # (rank, generation) of stale answers already logged

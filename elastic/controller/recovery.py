@@ -1,0 +1,117 @@
+"""Recovering: settle who is lost, ask the failure policy, keep the survivors' state, replace.
+
+A survivor blocked in a collective on a silent peer is aborted (it keeps its state), one that
+does not come back is replaced; the restore plan follows from the survivors' steps; missing
+ranks are taken by spares or new workers, or the world shrinks (resize.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from elastic.checkpoint.layout import latest_committed
+from elastic.controller import reports
+from elastic.controller.records import RecoveryRecord
+from elastic.controller.states import Errored, Forming, Recovering, State
+from elastic.group.worker_group import GroupError, cause_of
+from elastic.policies.failure import FailureObservation, LostRank, Raise, decide_failure
+from elastic.policies.restore import choose_restore
+from elastic.protocol import LostCause
+from elastic.storage import call_within
+
+if TYPE_CHECKING:
+    from elastic.controller.controller import Controller
+
+
+def on_recovering(ctl: Controller, st: Recovering) -> State:
+    from elastic.controller.resize import shrink  # resize.py returns to this state: imported late
+
+    cfg = ctl.job.failure
+    ctl.resize = None  # a planned resize cut short by a failure: the recovery decides the size
+    fault = ctl.last_fault
+    # Storage, not what polls happened to report before the fault, says what is committed,
+    # when it answers: an outage at the same time must not hold up a recovery that may not
+    # need storage at all (from the survivors' memory). Else the last commit reported stands.
+    answered, latest, error = call_within(lambda: latest_committed(ctl.storage, ctl.root), ctl.grace_s)
+    if answered and error is None:
+        ctl.checkpoints.last_committed = latest.uri if latest else None
+    else:
+        ctl.events.emit("storage_unanswered", op="list committed checkpoints", waited_s=ctl.grace_s,
+                        error=str(error)[:300] if error else None,
+                        using=f"the last commit reported: {ctl.last_committed or 'none'}")
+    obs = FailureObservation(st.lost, len(ctl.group.members), ctl.failures, st.user_error, ctl.last_committed)
+    decision, reason = decide_failure(obs, cfg, ctl.wall())
+    ctl.events.emit("failure_detected", lost=[x.__dict__ for x in st.lost], step=ctl.step,
+                    detect_s=(st.detected_at - fault["t"]) if fault else None)
+    ctl.events.emit("decision", decision=type(decision).__name__, ranks=list(getattr(decision, "ranks", ())),
+                    reason=reason)
+    if isinstance(decision, Raise):
+        return Errored(decision.error)
+    ctl.failures += 1
+    if ctl.recovery is None:  # a failure during a recovery keeps the original fault
+        fault_step = fault["step"] if fault else ctl.training.max_step_seen
+        ctl.recovery = RecoveryRecord(fault_t=fault["t"] if fault else st.detected_at, detected_t=st.detected_at,
+                                      fault_step=fault_step)
+    ctl.last_fault = None
+    t0 = ctl.now()
+    group = ctl.group
+    causes = {x.rank: x.cause for x in st.lost}
+    for x in decision.ranks:
+        m = group.members.get(x)
+        if m is not None and causes.get(x) != LostCause.PROCESS_DIED:
+            # Its machine may be stopped or cut off while Ray still lists it as alive: place
+            # nothing new there until it answers again.
+            group.suspect(m.node_id)
+        group.kill(x)
+    # A survivor blocked in a collective on a silent peer never sees an error of its own: abort
+    # its collectives (a stale abort is ignored), so run() returns with the state of its last
+    # completed step. One that still does not return cannot safely join a new group: replace it.
+    grace_s = ctl.grace_s
+    unanswered = group.abort_all(ctl.generation, grace_s)
+    # Which of the two a survivor missed goes into the event: they fail for different reasons.
+    stuck = {r: (why, "its run() did not return after the abort")
+             for r, why in group.wait_runs(ctl.run_refs, grace_s).items()}
+    for r, why in group.leave_all(grace_s).items():
+        stuck.setdefault(r, (why, "it did not leave its group"))
+    ctl.run_refs = {}
+    if group.suspect_nodes or unanswered:
+        ctl.events.emit("collectives_aborted", generation=ctl.generation,
+                        ranks=sorted(r for r in group.members if r not in unanswered),
+                        unanswered=unanswered, suspect_nodes=sorted(n[:12] for n in group.suspect_nodes))
+    for rank, (why, what) in stuck.items():
+        ctl.events.emit("worker_replaced", rank=rank, reason=f"{what} within {grace_s:g} s: {why}")
+        if cause_of(why) != LostCause.PROCESS_DIED and rank in group.members:
+            group.suspect(group.members[rank].node_id)
+        group.kill(rank)
+    answers, silent = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
+    for rank in silent:
+        group.kill(rank)
+    ctl.survivor_steps = {r: a.step for r, a in answers.items()}
+    ctl.restore_plan, why = choose_restore(ctl.survivor_steps, cfg, ctl.shape.sharded, ctl.layout)
+    ctl.events.emit("restore_plan", source=type(ctl.restore_plan).__name__, reason=why)
+    sc = ctl.job.scaling
+    missing = [r for r in range(ctl.world_size) if r not in group.members]
+    may_shrink = sc.min_size <= len(group.members) < ctl.world_size
+    try:
+        how = group.promote(missing, sc.shrink_after_s if may_shrink else cfg.replacement_timeout_s,
+                            cfg.ping_timeout_s)
+    except GroupError as e:
+        if len(group.members) < sc.min_size:
+            return Errored(f"{e}; scaling.min_workers={sc.min_size}; "
+                           f"last committed checkpoint: {ctl.last_committed or 'none'}")
+        return shrink(ctl, str(e), t0)
+    ctl.events.emit("workers_replaced", ranks=missing, start_s=ctl.now() - t0, how=how,
+                    nodes={r: group.members[r].node_id[:12] for r in missing})
+    return Forming()
+
+
+def lost_from(ctl: Controller, e: GroupError, during: str) -> State:
+    """Only ranks that are gone or silent are lost. A rank whose join or restore raised because
+    a peer failed is a survivor: it keeps its state, which may be the newest there is."""
+    gone = {r: w for r, w in e.ranks.items() if cause_of(w) != LostCause.ERROR}
+    survivors = sorted(r for r in e.ranks if r not in gone)
+    ctl.events.emit("group_error", during=during, error=str(e)[:500], lost=sorted(gone), survivors=survivors)
+    return Recovering(tuple(LostRank(r, cause_of(w), _last_line(w)) for r, w in gone.items()), ctl.wall())
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in str(text).strip().splitlines() if x.strip()]
+    return lines[-1][:300] if lines else ""

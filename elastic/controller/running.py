@@ -1,0 +1,167 @@
+"""Running: start every rank's run(), then one observe -> decide iteration per call.
+
+Each iteration collects the run() results and one round of polls, folds the reports in, and
+decides: go on, finish, roll back, stop for a planned change, or recover. Silence, hangs and
+failed collectives all end in `Recovering`, with the lost ranks and why."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from elastic.checkpoint.layout import abandon_after, committed_checkpoints
+from elastic.controller import finish, lifecycle, reports, resize, stragglers
+from elastic.controller.states import Recovering, Restoring, Running, RunWatch, State
+from elastic.group.worker_group import cause_of
+from elastic.policies.failure import LostRank, decide_silence, detect_hang, excused_by_heartbeat
+from elastic.policies.restore import FromStorage
+from elastic.protocol import LostCause, RankStatus, RunStatus
+
+if TYPE_CHECKING:
+    from elastic.controller.controller import Controller
+
+POLL_INTERVAL_S = 0.2
+
+
+def on_running(ctl: Controller, st: Running) -> State:
+    """The state machine steps through a run one poll at a time (and tests can drive it that way)."""
+    if st.watch is None:
+        with ctl.fault_lock:
+            faults = list(ctl.pending_faults)
+        ctl.run_refs = ctl.group.run(ctl.job.run.num_steps, faults, sorted(ctl.run_log.skip_steps))
+        ctl.training.rank_status = {}
+        ctl.training.last_progress_at = ctl.now()
+        return Running(RunWatch(dict(ctl.run_refs)))
+    return tick(ctl, st.watch) or st
+
+
+def tick(ctl: Controller, w: RunWatch) -> State | None:
+    """One iteration of the run loop: collect run() results and polls, then decide. None: go on."""
+    cfg = ctl.job.failure
+    tr = ctl.training
+    results, died = ctl.group.collect_runs(w.refs, POLL_INTERVAL_S)
+    for rank, (cause, detail) in died.items():
+        w.lost[rank] = LostRank(rank, cause, detail)
+    for rank, out in results.items():
+        if out.status == RunStatus.DONE:
+            w.done[rank] = out
+        elif out.status == RunStatus.STOPPED:
+            w.stopped.add(rank)
+            tr.max_step_seen = max(tr.max_step_seen, out.step)  # where a planned stop left training
+        elif out.status == RunStatus.ROLLBACK:
+            w.rollback[rank] = out
+        elif out.status == RunStatus.USER_ERROR:
+            ctl.events.emit("user_error", rank=rank, step=out.step, error=out.error, traceback=out.traceback)
+            return Recovering((), ctl.wall(), user_error=f"rank {rank} at step {out.step}: {out.error}")
+        else:
+            w.aborted.add(rank)
+            ctl.events.emit("collective_failed", rank=rank, step=out.step, error=out.error[:300])
+    answers, silent = ctl.group.poll_nowait(cfg.ping_timeout_s)
+    reports.absorb(ctl, answers)
+    lifecycle.tend(ctl)
+    for r, why in silent.items():
+        if why != LostCause.UNRESPONSIVE and r not in w.lost:  # Ray says it is dead: no need to wait
+            w.lost[r] = LostRank(r, cause_of(why), why)
+    beats: dict = {}
+    if w.failing_since is None:
+        unanswered = ctl.group.unanswered_s()
+        beats = ctl.house.beats = ctl.group.beats() if cfg.heartbeat else {}
+        idle = ctl.now() - tr.last_progress_at
+        decision = decide_silence(silent, unanswered, idle, cfg, list(tr.step_times), beats)
+        note_excused(ctl, silent, unanswered, idle, beats)
+        if decision is not None:
+            # Silence while the others wait: a stopped or cut-off machine. Its peers are blocked on
+            # it and will never see an error of their own; the recovery aborts their collectives.
+            quiet, why = decision
+            ctl.events.emit("silence_detected", ranks=list(quiet), reason=why,
+                            unanswered_s={r: round(unanswered[r], 2) for r in quiet},
+                            heartbeat={r: ({"age_s": round(beats[r].age_s, 2), "state": beats[r].state}
+                                           if r in beats else None) for r in quiet})
+            for r in quiet:
+                w.lost[r] = LostRank(r, LostCause.UNRESPONSIVE, why)
+            return Recovering(tuple(w.lost[r] for r in sorted(w.lost)), ctl.wall())
+    members = set(ctl.group.members)
+    # A stop is agreed in one all-reduce, so either every rank stopped or none did.
+    if w.stopped and w.stopped == members and w.failing_since is None:
+        if w.planned is not None:
+            reports.collect(ctl)
+            return w.planned
+        # A stop nobody planned any more (the request reached only some ranks, and the plan
+        # was dropped): carry on training.
+        ctl.events.emit("stop_without_plan", step=ctl.step)
+        return Running()
+    if members and set(w.done) == members:
+        return finish.finish(ctl, w.done)
+    if members and set(w.rollback) == members and w.failing_since is None:
+        return rollback(ctl, list(next(iter(w.rollback.values())).bad_steps))
+    if (w.lost or w.aborted) and w.failing_since is None:
+        w.failing_since = ctl.now()
+        # Start a replacement now, while we settle exactly who is lost: the slow part of a new
+        # worker (process start, imports, model build) overlaps with detection.
+        ctl.group.add_spares(max(len(w.lost), 1) - ctl.group.num_spares(), on_demand=True)
+    if w.failing_since is not None:
+        for r, why in silent.items():
+            w.lost.setdefault(r, LostRank(r, cause_of(why), why))
+        unaccounted = members - w.aborted - w.stopped - set(w.done) - set(w.lost)
+        # Settled: every rank has failed its collective, finished, or is lost. Or the bound
+        # passed: a rank that still answers pings but never aborts is dealt with as stuck.
+        if not unaccounted or ctl.now() - w.failing_since > cfg.ping_timeout_s + 1.0:
+            return Recovering(tuple(w.lost[r] for r in sorted(w.lost)), ctl.wall())
+        return None
+    if w.planned is None and ctl.job.stragglers.enabled:
+        w.planned = stragglers.check(ctl)
+    if w.planned is None:
+        w.planned = resize.check_growth(ctl)
+    # Ranks that are done are waiting for nobody: at the last step DDP's rank 0 commits alone,
+    # after the others' part of the persist ended and they returned.
+    waiting = members - set(w.done)
+    if waiting and all(tr.rank_status.get(r) == RankStatus.STORAGE_WAIT for r in waiting):
+        # Every rank waits for a persist (storage slow or down): not a hang. Persists retry with
+        # backoff and then fail, reported; training never pays for storage with a step.
+        if not w.storage_wait_logged:
+            w.storage_wait_logged = True
+            ctl.events.emit("storage_wait", step=ctl.step,
+                            reason="every rank waits for a checkpoint persist; not counted as a hang")
+        tr.last_progress_at = ctl.now()
+    hung, reason = detect_hang(tr.last_progress_at, list(tr.step_times), cfg, ctl.now())
+    if hung:
+        culprits = silent or {r: "no progress" for r in members}
+        ctl.events.emit("hang_detected", reason=reason, ranks=sorted(culprits),
+                        heartbeat={r: {"age_s": round(b.age_s, 2), "state": b.state, "cpu_ticks": b.cpu_ticks}
+                                   for r, b in sorted(beats.items()) if r in culprits})
+        return Recovering(tuple(LostRank(r, LostCause.HANG, reason) for r in culprits), ctl.wall())
+    return None
+
+
+def note_excused(ctl: Controller, silent: dict[int, str], unanswered: dict[int, float], idle: float,
+                 beats: dict) -> None:
+    """Once per silent spell: a rank the poll-only rule would have called lost, kept because its
+    heartbeat says the process runs (its Python is held, its machine is up)."""
+    house = ctl.house
+    house.excused &= {r for r, why in silent.items() if why == LostCause.UNRESPONSIVE}
+    excused = excused_by_heartbeat(silent, unanswered, idle, ctl.job.failure, list(ctl.training.step_times), beats)
+    for r, state in sorted(excused.items()):
+        if r not in house.excused:
+            house.excused.add(r)
+            ctl.events.emit("silence_excused", rank=r, step=ctl.step, unanswered_s=round(unanswered[r], 2),
+                            idle_s=round(idle, 2), state=state, heartbeat_age_s=round(beats[r].age_s, 2))
+
+
+def rollback(ctl: Controller, bad_steps: list[int]) -> State:
+    """train.bad_step=rollback: bad_step_limit steps in a row made no update. Every rank stopped
+    at the same step; back to the newest checkpoint committed before the first of them, and
+    skip every batch from there to the last (a replay of the same batches would go bad
+    again). The checkpoints of the abandoned timeline are un-committed."""
+    reports.collect(ctl)
+    first, last = min(bad_steps), max(bad_steps)
+    before = [c for c in committed_checkpoints(ctl.storage, ctl.root) if c.step < first]
+    to_step = before[0].step if before else 0
+    abandoned = abandon_after(ctl.storage, ctl.root, to_step)
+    ctl.checkpoints.committed_steps = {st for st in ctl.checkpoints.committed_steps if st <= to_step}
+    ctl.run_log.skip_steps |= set(range(to_step + 1, last + 1))
+    ctl.events.emit("rolled_back", to_step=to_step, bad_steps=bad_steps, skip_from=to_step + 1, skip_to=last,
+                    abandoned=abandoned,
+                    reason=f"{len(bad_steps)} bad steps in a row (train.bad_step_limit="
+                           f"{ctl.job.train.bad_step_limit}): back to step {to_step}, skipping the batches of "
+                           f"steps {to_step + 1}..{last}")
+    ctl.restore_plan = FromStorage(max_step=to_step)
+    ctl.run_refs = {}
+    return Restoring()

@@ -1,0 +1,50 @@
+"""How a strategy's layout grows and shrinks: what the controller asks instead of naming a strategy.
+
+A `Shape` is pure data plus pure functions over `elastic.parallel.topology`. Each strategy class
+says which shape it has (`Strategy.shape(spec)`); the controller sizes, grows, shrinks and
+re-plans through it and never tests a strategy's name:
+  * flat (ddp, fsdp): every rank is a data-parallel replica (pp = 1); any world size between
+    scaling.min_workers and max_workers; a shrink renumbers the survivors 0..k-1;
+  * staged (pipeline): ranks come and go in whole layouts of the topology's chain (replicas
+    first, then stages); a shrink keeps each survivor on its stage where it can.
+`sharded` says whether one rank holds only its part of the state (fsdp): then no single
+survivor holds it all, and a planned change moves every rank's part.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.parallel.topology import Layout, grow_to, reassign, shrink_to
+
+
+@dataclass(frozen=True)
+class Shape:
+    stages: int = 1  # pipeline stages at full size
+    sharded: bool = False
+    staged: bool = False  # resizes walk the topology's chain of whole layouts
+
+    def layout(self, world_size: int) -> Layout:
+        return Layout(self.stages, world_size // self.stages)
+
+    def grow(self, top: Layout, current: Layout, extra: int) -> Layout | None:
+        """The layout `extra` more ranks make; None when they make none (staged: not a whole one)."""
+        if self.staged:
+            return grow_to(top, current, extra)
+        return Layout(1, current.world_size + extra)
+
+    def shrink(self, top: Layout, old: Layout, survivors: list[int], min_size: int) -> tuple[Layout, dict[int, int]]:
+        """The layout the survivors fill, and old rank -> new rank for those that keep a place."""
+        if self.staged:
+            new = shrink_to(top, len(survivors), min_size)
+            return new, reassign(old, sorted(survivors), new)
+        return Layout(1, len(survivors)), {old_rank: new for new, old_rank in enumerate(sorted(survivors))}
+
+    def offer_keepers(self, members: list[int], leaving: int | None) -> frozenset[int] | None:
+        """At a planned change, the ranks that keep their part of the state in memory (moved rank to
+        rank later); the others publish theirs. None: nothing is offered (a replica holds it all).
+        A pipeline's parts are published by every rank: a re-partition moves them by name."""
+        if self.staged:
+            return frozenset()
+        if self.sharded:
+            return frozenset(r for r in members if r != leaving)
+        return None

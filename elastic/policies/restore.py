@@ -1,0 +1,107 @@
+"""Where a group's state comes from after a failure or a planned change: pure decisions.
+
+Memory first (a survivor's replica, or every rank's offered part re-sharded), storage when memory
+cannot hold the newest state. The controller asks here and does what the answer says; the
+strategy's `Shape` (elastic/parallel/shape.py) says what its state looks like.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.config import FailureConfig
+from elastic.parallel.shape import Shape
+from elastic.parallel.topology import Layout, stage_sources
+
+
+@dataclass(frozen=True)
+class FromPeer:
+    src_rank: int
+    step: int
+    stage_sources: tuple[int, ...] = ()  # a pipeline: per stage, the replica every rank of it copies
+
+
+@dataclass(frozen=True)
+class FromStorage:
+    max_step: int | None = None  # a rollback: the newest committed checkpoint at or before this step
+
+
+@dataclass(frozen=True)
+class FromShards:
+    """Re-shard in memory from every old rank's offered part (object refs by old rank)."""
+    offers: dict
+    old_world: int
+    step: int
+    old_pp: int = 1  # a pipeline re-partitioned from this many stages (offers by name, rank = old stage)
+
+
+RestoreSource = FromPeer | FromStorage | FromShards
+
+
+
+
+def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
+                   sharded: bool = False, layout: Layout | None = None) -> tuple[RestoreSource, str]:
+    """Memory first: a surviving replica that finished the newest step holds exact state (its
+    gradient all-reduce completed, so it includes every rank's contribution). Storage when no
+    replica survived, when the state is sharded (a lost rank's shards existed only in its
+    memory), or when the user asked for storage. A pipeline (`layout.pp` > 1) needs a surviving
+    replica of every stage at that step."""
+    if not cfg.peer_restore:
+        return FromStorage(), "failure.peer_restore is off: restore from the latest committed checkpoint"
+    if sharded:
+        return FromStorage(), ("fully sharded state: the lost rank's shards existed only in its memory; "
+                               "restore from the latest committed checkpoint, re-sharded on load")
+    if not survivor_steps:
+        return FromStorage(), "no surviving replica holds state in memory: restore from the latest committed checkpoint"
+    step = max(survivor_steps.values())
+    if layout is not None and layout.pp > 1:
+        sources = stage_sources(layout, {r: r for r in survivor_steps}, layout, survivor_steps)
+        if sources is None:
+            held = sorted({layout.stage_of(r) for r, s in survivor_steps.items() if s == step})
+            return FromStorage(), (f"pipeline: no surviving replica holds every stage at step {step} (stages held: "
+                                   f"{held} of {layout.pp}); every stage restores the latest committed checkpoint")
+        return FromPeer(sources[0], step, sources), (f"every stage from a surviving replica's memory (ranks "
+                                                     f"{list(sources)}, step {step}), no storage read")
+    src = min(r for r, s in survivor_steps.items() if s == step)
+    return FromPeer(src, step), f"state from the memory of rank {src} (step {step}), no storage read"
+
+
+def planned_restore(shape: Shape, peer_restore: bool, step: int, offers: dict, old_world: int,
+                    src_rank: int = 0, old_layout: Layout | None = None,
+                    new_layout: Layout | None = None) -> RestoreSource:
+    """How state reaches the new group after a planned stop (every old rank alive, all at the
+    same step): rank `src_rank`'s broadcast (a replica holds it all), a re-shard of every rank's
+    offered part (sharded), or, with failure.peer_restore off, the checkpoint taken at the stop.
+    A staged layout that keeps its stages copies each stage from replica 0 (ranks 0..pp-1, which
+    keep their numbers); one re-partitioned moves every unit's state by name."""
+    if not peer_restore:
+        return FromStorage()
+    if shape.staged and old_layout is not None:
+        if old_layout.pp == new_layout.pp:
+            return FromPeer(0, step, tuple(range(new_layout.pp)))
+        return FromShards(offers, old_world, step, old_layout.pp)
+    if shape.sharded:
+        return FromShards(offers, old_world, step)
+    return FromPeer(src_rank, step)
+
+
+def restore_after_shrink(shape: Shape, plan: RestoreSource, old: Layout, mapping: dict[int, int], new: Layout,
+                         survivor_steps: dict[int, int], peer_restore: bool) -> RestoreSource:
+    """The restore plan once the survivors are renumbered (`mapping`: old rank -> new rank). A
+    replica source keeps its state under its new number. A staged layout re-plans: each stage
+    from a survivor that kept it at the newest step; with one replica left and the model
+    re-partitioned over fewer stages, the lost stage's layers come from the latest committed
+    checkpoint (DCP reads them by name into the new stages)."""
+    if shape.staged:
+        sources = stage_sources(old, mapping, new, survivor_steps) if peer_restore else None
+        if sources:
+            return FromPeer(sources[0], max(survivor_steps.values()), sources)
+        return FromStorage()
+    if isinstance(plan, FromPeer):
+        return FromPeer(mapping[plan.src_rank], plan.step)
+    return plan
+
+
+def path_of(plan: RestoreSource) -> str:
+    """The resize path an event reports: "storage" or "memory"."""
+    return "storage" if isinstance(plan, FromStorage) else "memory"
