@@ -12,9 +12,15 @@ class ChaosFault(_Strict):
     """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
     when it has completed `at_step` steps and before it starts the next one."""
 
-    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow", "hold_gil"]
-    rank: int = Field(ge=0)
-    at_step: int = Field(ge=0)
+    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow", "hold_gil"] = Field(
+        description="kill_node: SIGKILL the raylet and every process on the rank's node; kill_process: SIGKILL the "
+                    "rank's worker; freeze_node: SIGSTOP the raylet and every process on the node (a machine that "
+                    "loses power: nothing exits, no socket closes); freeze_process: SIGSTOP the worker only; hang: "
+                    "SIGSTOP the rank (alive, silent, holding its sockets); slow: the process computes factor x "
+                    "slower from then on; hold_gil: the rank's Python held hold_s seconds (busy, not lost).")
+    rank: int = Field(ge=0, description="The rank the fault hits (below scaling.num_workers).")
+    at_step: int = Field(ge=0, description="Fires right after the rank has completed this many steps (below "
+                                           "run.num_steps).")
     factor: float = Field(3.0, gt=1, description="slow only: the process computes this many times slower from then on")
     thaw_after_s: float | None = Field(
         None, gt=0, description="freeze_node / freeze_process only: resume (SIGCONT) the frozen processes this "

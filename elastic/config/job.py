@@ -25,12 +25,19 @@ def batch_plan(global_batch_size: int, world_size: int, micro_batch_size: int | 
 
 
 class JobConfig(_Strict):
-    run: RunConfig = Field(default_factory=RunConfig)
-    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
-    failure: FailureConfig = Field(default_factory=FailureConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    train: TrainSpec
-    stragglers: StragglerConfig = Field(default_factory=StragglerConfig)
+    """A whole job: `elastic train job.yaml`, or `Trainer(dict)`."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="The run's name, seed and length.")
+    scaling: ScalingConfig = Field(
+        default_factory=ScalingConfig, description="Ranks, the elastic world size, spares and resources.")
+    failure: FailureConfig = Field(
+        default_factory=FailureConfig, description="Fault detection (silence, heartbeat, hangs) and the recovery "
+                                                   "budget.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoint storage, interval, retention and storage waits.")
+    train: TrainSpec = Field(description="What to train: the callables, the strategy, data, precision.")
+    stragglers: StragglerConfig = Field(
+        default_factory=StragglerConfig, description="Straggler detection and mitigation.")
     chaos: list[ChaosFault] = Field(default_factory=list, description="Faults to inject (drills, tests, demo).")
 
     @model_validator(mode="after")

@@ -9,6 +9,8 @@ from elastic.config.base import _Strict
 
 
 class ScalingConfig(_Strict):
+    """How many ranks, how far the world may shrink and grow, spares and resources."""
+
     num_workers: int = Field(2, ge=1, description="Training ranks (one Ray actor each); the target size.")
     min_workers: int | None = Field(
         None, ge=1, description="Shrink down to this many ranks when lost ones cannot be replaced; default num_workers.")
@@ -18,12 +20,13 @@ class ScalingConfig(_Strict):
         10.0, ge=0, description="How long a recovery waits for a replacement before shrinking (min_workers < size).")
     grow_check_s: float = Field(10.0, gt=0, description="How often a run below max_workers looks for capacity.")
     num_spares: int = Field(
-        0, ge=0, description="Warm spare workers (model built, ready to receive state) that replace lost or slow ranks.")
+        0, ge=0, description="Warm spare workers (model built, compute calibrated, ready to receive state) that replace lost "
+                 "or slow ranks; placed on other nodes where the cluster allows.")
     wait_for_spares: bool = Field(
         False, description="Start training only once the spares are warm (drills and benchmarks of the spare path).")
     low_priority_refills: bool = Field(
         True, description="Spares that refill the pool while the group trains start under SCHED_IDLE (the lowest CPU "
-                          "priority) until built, where the OS lets them return to normal (elastic/priority.py).")
+                          "priority) until built, where the OS lets them return to normal (elastic/runtime/priority.py).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor.")
     use_gpu: bool = Field(False, description="One GPU per worker and NCCL; gloo on CPU otherwise.")
 
@@ -46,22 +49,27 @@ class ScalingConfig(_Strict):
 
 
 class FailureConfig(_Strict):
+    """How faults are detected (silence, heartbeat, hangs) and how many recoveries a run may make."""
+
     max_failures: int = Field(3, ge=0, description="Recoveries allowed before the run stops with an error.")
     peer_restore: bool = Field(
-        True, description="Recover state from a surviving replica's memory when one exists; false: always from storage.")
+        True, description="Take state from memory when it holds everything (a surviving DDP replica; every FSDP rank's "
+                      "shards at a planned resize); false: always through storage (a planned resize then "
+                      "checkpoints the stop step first).")
     hang_factor: float = Field(
-        10.0, gt=1, description="A hang is no progress for hang_factor x the median step time..."
+        10.0, gt=1, description="A hang is no completed step for max(hang_floor_s, hang_factor x the median step "
+                                "time); the ranks that then answer no ping are the culprits."
     )
-    hang_floor_s: float = Field(20.0, gt=0, description="...but never less than this many seconds.")
+    hang_floor_s: float = Field(20.0, gt=0, description="The least time without a completed step that counts as a hang (see hang_factor).")
     ping_timeout_s: float = Field(
         1.0, gt=0, description="A rank that answers no poll for this long while the group makes no progress is "
                                "lost (a stopped machine, a partition, a stopped process); its peers' blocked "
                                "collectives are then aborted and they keep their state.")
     silence_factor: float = Field(
-        2.0, gt=0, description="...and only once the group has made no progress for silence_factor x the median "
-                               "step time, when that is longer than ping_timeout_s: a rank busy in a long step "
-                               "(a large model, a checkpoint's first snapshot) may answer a poll late without "
-                               "being lost.")
+        2.0, gt=0, description="For a rank without a heartbeat, the silence bound is the longer of ping_timeout_s "
+                               "and silence_factor x the median step time, for the rank's silence and the group's "
+                               "lack of progress alike: a rank busy in a long step (a large model, a checkpoint's "
+                               "first snapshot) may answer a poll late without being lost.")
     heartbeat: bool = Field(
         True, description="Run a small heartbeat process beside each worker that answers the controller over UDP "
                           "with the worker process's state, from outside its Python: a rank whose Python is held "
@@ -71,7 +79,8 @@ class FailureConfig(_Strict):
     rendezvous_timeout_s: float = Field(
         60.0, gt=0, description="Process-group formation timeout (the rendezvous store and connecting the ranks).")
     collective_timeout_s: float = Field(
-        120.0, gt=0, description="Backstop timeout of one collective; hangs are caught earlier by the controller."
+        120.0, gt=0, description="Backstop timeout of one collective of the training and checkpoint groups; a "
+                                 "collective blocked on a silent peer is aborted by the controller long before."
     )
     replacement_timeout_s: float = Field(
         60.0, gt=0, description="How long to wait for resources to start a replacement worker."
@@ -79,7 +88,13 @@ class FailureConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    storage_uri: str = Field("file://./runs", description="fsspec URI of the run root: file://, s3://, memory://.")
+    """Where checkpoints go, how often, how many are kept, and how long storage is waited for."""
+
+    storage_uri: str = Field(
+        "file://./runs", description="fsspec URI of the run root: file://, s3:// (s3fs) or memory://. Shards bound for "
+                                     "anything but file:// are staged in the local temp dir (TMPDIR) first, so each "
+                                     "worker needs its share of one checkpoint free there, and uploaded from a child "
+                                     "process of each worker (memory:// uploads in the worker).")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, key, secret for s3)."
     )
@@ -95,26 +110,33 @@ class CheckpointConfig(_Strict):
     restore_wait_s: float = Field(
         300.0, ge=0, description="A restore that can only come from storage (no survivor holds the state) waits for "
                                  "storage this long: to list the committed checkpoints, and while none of them loads "
-                                 "(asked again with backoff). Past it the run fails, naming the newest committed "
+                                 "(asked again with backoff; the same failures twice while storage answers end it at "
+                                 "once). Past it the run fails, naming the newest committed "
                                  "checkpoint. It never starts over from step 0 while committed checkpoints exist.")
 
 
 class StragglerConfig(_Strict):
     """Straggler detection and mitigation (see elastic/policies/straggler.py)."""
 
-    enabled: bool = Field(False, description="Watch for stragglers and act on them.")
+    enabled: bool = Field(False, description="Watch each rank's own compute time; swap a persistent straggler for a "
+                                             "spare, else drop it if the world may shrink, else report it.")
     threshold: float = Field(1.5, gt=1, description="A rank's step is slow when its compute time is above "
                                                      "threshold x the other ranks' median at that step.")
     window_steps: int = Field(5, ge=1, description="Act on a rank slow in more than half of its last window_steps "
-                                                   "steps...")
-    consecutive_windows: int = Field(2, ge=1, description="...and more than half of its last window_steps x "
+                                                   "steps (it is still slow now) and of its last window_steps x "
+                                                   "consecutive_windows steps; checked at every step.")
+    consecutive_windows: int = Field(2, ge=1, description="The longer span of window_steps: window_steps x "
                                                           "consecutive_windows steps (the window slides by one step).")
     cooldown_s: float = Field(30.0, ge=0, description="No new action this soon after the last one.")
 
 
 class RunConfig(_Strict):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run folder name.")
-    seed: int = Field(0, ge=0)
+    """The run's name, seed and length."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="Run folder name: <storage_uri>/<name>/. A job submitted again with the same name and "
+                                  "storage resumes from that run's latest committed checkpoint.")
+    seed: int = Field(0, ge=0, description="Model init, data order and per-step RNG all derive from it.")
     num_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
     sample_ledger: bool = Field(
         False, description="Record which sample ids every step trained on (ledger.json in the run dir): "

@@ -35,7 +35,8 @@ class FsdpSpec(_Strict):
     blocks: list[str] | None = Field(
         None, description="Class names of the submodules sharded as one unit each (e.g. [TransformerBlock]); "
                           "default: every element of every nn.ModuleList, else every child of an "
-                          "nn.Sequential root that has parameters. The root is always sharded last.")
+                          "nn.Sequential root that has parameters. The root is always sharded last. Checked "
+                          "on the meta device before any worker starts.")
     reshard_after_forward: bool = Field(
         True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward.")
     param_dtype: DTYPES = Field("float32", description="Dtype of gathered parameters in forward/backward (GPU only).")
@@ -53,7 +54,8 @@ class PipelineSpec(_Strict):
     stages: int = Field(ge=1, description="Pipeline stages (ranks per pipeline replica).")
     schedule: SCHEDULES = Field("1f1b", description="gpipe | 1f1b | interleaved_1f1b (torch.distributed.pipelining).")
     microbatches: int = Field(ge=1, description="Micro-batches per replica per step; they split the replica's share "
-                                                "of the global batch evenly.")
+                                                "of the global batch evenly; the global batch must split into replicas x "
+                                                "microbatches for every layout the run may take.")
     stages_per_rank: int | None = Field(
         None, ge=1, description="Model chunks per rank (interleaved_1f1b only; default 2 there, 1 otherwise).")
     split: list[str] | None = Field(
@@ -118,18 +120,22 @@ class TrainSpec(_Strict):
     pipeline: PipelineSpec | None = Field(None, description="Required when strategy is pipeline.")
     scheduler: str | None = Field(
         None, description="module:function(optimizer) -> torch LRScheduler, stepped once per training step; its state "
-                          "is a function of the step, replayed on every restore.")
+                          "is a function of the step, replayed on every restore. ReduceLROnPlateau is "
+                          "refused (it follows a metric).")
     clip_grad_norm: float | None = Field(
         None, gt=0, description="Clip gradients to this global L2 norm (over every rank's parameters: replicas, "
                                 "shards and stages alike).")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="fp32; bf16 (autocast, CPU and GPU); fp16 (autocast with dynamic loss scaling, whose "
-                            "scale is saved and restored with the state).")
+        "fp32", description="fp32; bf16 (autocast, CPU and GPU); fp16 (autocast with dynamic loss scaling: start "
+                            "2^16, halved on overflow, doubled after 2000 good steps; the scale is saved and "
+                            "restored with the state). On GPU, FSDP's parameter and reduce dtypes follow it unless "
+                            "train.fsdp sets them.")
     bad_step: Literal["raise", "skip", "rollback"] = Field(
         "raise", description="A step whose loss (or, with clipping or fp16, gradient norm) is not finite on any rank: "
                              "raise: stop with an error naming the step; skip: no update on any rank (the samples are "
                              "marked skipped); rollback: skip, and after bad_step_limit in a row return to the newest "
-                             "committed checkpoint and skip every batch from there to the last bad one.")
+                             "committed checkpoint and skip every batch from there to the last bad one. Skipped "
+                             "steps are step_skipped events and marked in the sample ledger.")
     prefetch: bool = Field(
         False, description="Collate the next step's batches on a background thread while this step computes (same "
                            "samples, same order). Leave off if the dataset draws from torch's global RNG: a draw on "
@@ -142,7 +148,8 @@ class TrainSpec(_Strict):
         2, ge=1, description="With data_workers: batches each data worker reads ahead (DataLoader prefetch_factor).")
     data_workers_start: Literal["forkserver", "spawn", "fork"] = Field(
         "forkserver", description="How data workers start. forkserver and spawn pickle the dataset to them (as "
-                                  "Ray's docs advise inside Ray workers); fork copies the rank's process.")
+                                  "Ray's docs advise inside Ray workers; a dataset that does not pickle is refused "
+                                  "before any worker starts); fork copies the rank's process.")
     bad_step_limit: int = Field(3, ge=1, description="Bad steps in a row that end a skip (error) or trigger a rollback.")
 
     @model_validator(mode="after")
