@@ -44,6 +44,7 @@ from elastic.checkpoint import uploader
 from elastic.checkpoint.staging import stage_folder
 from elastic.storage import Storage, StorageError, join
 from elastic.checkpoint.uploader import UploadCut
+from elastic.protocol import PersistResult
 
 log = logging.getLogger(__name__)
 
@@ -346,19 +347,6 @@ def staging_for(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(staging_for(v) for v in state)
     return None
-
-
-@dataclass
-class PersistResult:
-    step: int
-    uri: str
-    committed: bool
-    persist_s: float
-    attempts: int
-    error: str | None = None
-    metrics: dict = field(default_factory=dict)
-    reused: bool = False  # the step's folder was committed already (a redone step): nothing written
-    stall_s: float = 0.0  # how long save() held the training thread (waiting for the previous persist, snapshot)
 
 
 # What rank 0 finds in a step's folder before saving into it, shared with every rank so that all
