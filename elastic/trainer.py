@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.checkpoint.persister import checkpoints_root, latest_committed
+from elastic.checkpoint.layout import checkpoints_root, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.controller import Controller
 from elastic.data.prefetch import check_data_workers

@@ -7,7 +7,7 @@ import socket
 
 import torch
 
-from elastic.checkpoint.persister import checkpoints_root
+from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
 
 

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from elastic import Trainer, TrainingFailed
-from elastic.checkpoint.persister import latest_committed, step_dir
+from elastic.checkpoint.layout import latest_committed, step_dir
 from elastic.storage import Storage, join
 from elastic.observability.events import parse_lines
 from elastic.workload import NUM_SAMPLES
@@ -367,7 +367,7 @@ def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_p
     persists in the background: training goes on at full speed (the next checkpoint step is
     deferred on every rank, not waited for), the last step's wait for storage is not taken for a
     hang, nothing is redone, and every checkpoint that ends up committed is whole."""
-    from elastic.checkpoint.persister import committed_checkpoints, validate
+    from elastic.checkpoint.layout import committed_checkpoints, validate
 
     uri = f"{s3_server.uri}/outage-{uuid.uuid4().hex[:6]}"
     j = job(tmp_path, storage_uri=uri, storage_options=s3_server.storage_options)
@@ -404,7 +404,7 @@ def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline,
     memory, redo nothing and end bit-identical. Their uploads are cut short when the group fails
     (they used to run on beside the new group, and its next persist waited for them before
     writing), so nothing is left running; every checkpoint committed is whole."""
-    from elastic.checkpoint.persister import committed_checkpoints, validate
+    from elastic.checkpoint.layout import committed_checkpoints, validate
     from tests.support.slow_link import SlowLink
 
     host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")
@@ -439,7 +439,7 @@ def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waitin
     controller used to wait for it twice: its look at the committed checkpoints and the new
     generation's fence). The fence lands after the outage, and the last checkpoint commits only
     then; bit-identical, nothing redone, every committed checkpoint whole."""
-    from elastic.checkpoint.persister import committed_checkpoints, validate
+    from elastic.checkpoint.layout import committed_checkpoints, validate
     from elastic.checkpoint.fencing import current_generation
 
     uri = f"{s3_server.uri}/outage-kill-{uuid.uuid4().hex[:6]}"
@@ -474,7 +474,7 @@ def test_a_final_checkpoint_lost_to_a_storage_outage_is_saved_again_once_storage
     has trained every step and its ranks still hold the final state: they save it again, and once
     storage is back (at the first retry) the final checkpoint commits, whole, every rank's state
     identical. Before, the run ended "finished" without a checkpoint."""
-    from elastic.checkpoint.persister import committed_checkpoints, validate
+    from elastic.checkpoint.layout import committed_checkpoints, validate
     from tests.support.slow_link import SlowLink
 
     host, port = s3_server.endpoint_url.rsplit("/", 1)[1].split(":")

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint.persister import (
-    COMMIT_MARKER, MANIFEST, AsyncCheckpointer, Manifest, apply_retention, commit, committed_checkpoints,
-    latest_committed, load_shards, step_dir)
+from elastic.checkpoint.dcp_io import load_shards
+from elastic.checkpoint.layout import (
+    COMMIT_MARKER, MANIFEST, Manifest, apply_retention, commit, committed_checkpoints, latest_committed, step_dir)
+from elastic.checkpoint.persister import AsyncCheckpointer
 from tests.support.flaky_fs import flaky_memory_fs
 from elastic.storage import Storage, StorageError, join
 
@@ -483,7 +484,7 @@ def test_on_s3_a_redone_step_and_a_lost_attempts_leftovers(s3_server, one_rank_g
 
 def test_snapshot_reuses_the_previous_buffers_and_copies_values():
     import torch
-    from elastic.checkpoint.persister import snapshot
+    from elastic.checkpoint.dcp_io import snapshot
     state = {"model": {"w": torch.ones(3, 2)}, "optim": {"state": {"w": {"step": torch.tensor(1.0)}}, "lr": 0.1}}
     first = snapshot(state)
     state["model"]["w"].mul_(5)
@@ -501,7 +502,7 @@ def test_remote_shards_are_staged_on_local_disk_then_uploaded_and_the_stage_remo
 
     import fsspec
 
-    from elastic.checkpoint.persister import _written_files, save_shards
+    from elastic.checkpoint.dcp_io import _written_files, save_shards
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the stage goes
     folder = f"memory://stage-{uuid.uuid4().hex}/run/checkpoints/step_000000001"
     metadata = save_shards(model_state(0), folder, {}, one_rank_group)
@@ -527,7 +528,7 @@ def test_a_save_says_when_it_starts_writing_to_storage_and_not_before(one_rank_g
     collective planning and before any of this rank's files reach the folder."""
     import fsspec
 
-    from elastic.checkpoint.persister import save_shards
+    from elastic.checkpoint.dcp_io import save_shards
     base = f"file://{tmp_path}" if protocol == "file" else f"memory://w-{uuid.uuid4().hex}"
     folder = f"{base}/run/checkpoints/step_000000001"
     fs, path = fsspec.core.url_to_fs(folder)
@@ -610,7 +611,7 @@ def test_on_s3_an_upload_whose_group_failed_is_cut_short_and_never_committed(s3_
 def test_an_upload_on_a_synchronous_filesystem_is_not_cut_and_one_not_cancelled_completes(tmp_path):
     import fsspec
 
-    from elastic.checkpoint.persister import upload
+    from elastic.checkpoint.dcp_io import upload
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a").write_bytes(b"x" * 10)
     cancel = threading.Event()
@@ -630,7 +631,7 @@ def test_a_dcp_failure_is_described_by_each_ranks_own_error_not_its_tracebacks()
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from elastic.checkpoint.persister import describe_failure
+    from elastic.checkpoint.retry import describe_failure
     stack = traceback.StackSummary.from_list([("dcp.py", 1, "load", "x")] * 20)
     size = ValueError("Size mismatch between saved torch.Size([64, 256]) and current: torch.Size([128, 256])")
     e = CheckpointException("load", {0: (size, stack), 1: (size, stack), 2: (OSError("connection reset"), stack)})
@@ -640,7 +641,7 @@ def test_a_dcp_failure_is_described_by_each_ranks_own_error_not_its_tracebacks()
 
 
 def test_a_failed_checkpoint_is_owed_only_for_storage_and_retried_at_a_doubling_pace():
-    from elastic.checkpoint.persister import RETRY_WAIT_MAX_S, owes_retry, retry_wait_s
+    from elastic.checkpoint.retry import RETRY_WAIT_MAX_S, owes_retry, retry_wait_s
     assert owes_retry("ConnectionError: storage unavailable (injected)")
     assert owes_retry("commit of s3://b/run/checkpoints/step_000000005 failed after 6 attempt(s): ...")
     for given_up in ("abandoned: the group failed during the save; never committed",
@@ -652,7 +653,7 @@ def test_a_failed_checkpoint_is_owed_only_for_storage_and_retried_at_a_doubling_
 def test_prestaged_buffers_take_the_first_snapshot_and_pass_to_the_next_checkpointer(store, one_rank_group):
     """The first checkpoint copies into buffers made ahead in the background (no fresh memory
     faulted in on the training thread); a later group's checkpointer starts from them."""
-    from elastic.checkpoint.persister import staging_for
+    from elastic.checkpoint.dcp_io import staging_for
     storage, root = store
     state = model_state(0)
     state["optim"] = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, 4)}}, "lr": 0.1}

@@ -102,7 +102,7 @@ def _old_world(rank, world, port, out_dir, ckpt_uri):
         pickle.dump(offer, f)
     full = _full(strat, model, opt)
     if ckpt_uri:
-        from elastic.checkpoint.persister import save_shards
+        from elastic.checkpoint.dcp_io import save_shards
         save_shards(strat.state_dict(model, opt), ckpt_uri, {}, None)
     if rank == 0:
         torch.save(full, f"{out_dir}/full_old.pt")
@@ -110,7 +110,7 @@ def _old_world(rank, world, port, out_dir, ckpt_uri):
 
 
 def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop):
-    from elastic.checkpoint.persister import load_shards
+    from elastic.checkpoint.dcp_io import load_shards
 
     # 1. In memory, from every old part's offer.
     offers = {}
@@ -198,7 +198,7 @@ def test_fsdp_reshards_exactly_in_memory_rank_to_rank_and_from_a_checkpoint(tmp_
 def _renumbered(proc, nproc, port1, port2, out_dir):
     """Processes 1 and 2 swap rank numbers between two same-shaped groups, as survivors do when
     a world shrinks and grows back. Their sharded tensors must carry the new coordinates."""
-    from elastic.checkpoint.persister import save_shards, snapshot
+    from elastic.checkpoint.dcp_io import save_shards, snapshot
     from elastic.parallel.base import forget_old_meshes
 
     strat, model, opt = _setup(proc, 3, port1, "first")
@@ -226,7 +226,7 @@ def test_renumbered_ranks_write_their_own_shards(tmp_path):
 
 
 def _save_as(rank, world, port, out_dir, strategy, uri):
-    from elastic.checkpoint.persister import save_shards
+    from elastic.checkpoint.dcp_io import save_shards
     strat, model, opt = _setup(rank, world, port, "save", strategy)
     _train(model, opt, strat, rank, world, steps=3)
     save_shards(strat.state_dict(model, opt), uri, {}, None)
@@ -237,7 +237,7 @@ def _save_as(rank, world, port, out_dir, strategy, uri):
 
 
 def _load_as(rank, world, port, out_dir, strategy, uri, tag, save_uri):
-    from elastic.checkpoint.persister import load_shards, save_shards
+    from elastic.checkpoint.dcp_io import load_shards, save_shards
     strat, model, opt = _setup(rank, world, port, "load", strategy)
     state = strat.state_dict(model, opt)
     load_shards(state, uri, {}, None)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from elastic.checkpoint import persister as ckpt
+from elastic.checkpoint import dcp_io
 from elastic.checkpoint import staging
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,11 +85,11 @@ def test_a_remote_save_stages_in_a_folder_it_removes(tmp_path, monkeypatch):
         seen.append(stages(tmp_path))
         return real(*a, **kw)
 
-    monkeypatch.setattr(ckpt, "stage_folder", watching)
+    monkeypatch.setattr(dcp_io, "stage_folder", watching)
     state = {"w": torch.arange(6.0)}
-    ckpt.save_shards(state, "memory://staging-test/step_1", {}, None)
+    dcp_io.save_shards(state, "memory://staging-test/step_1", {}, None)
     assert seen == [[os.path.basename(left)]]
     assert stages(tmp_path) == []  # the left folder swept, this save's own removed
     out = {"w": torch.zeros(6)}
-    ckpt.load_shards(out, "memory://staging-test/step_1", {}, None)
+    dcp_io.load_shards(out, "memory://staging-test/step_1", {}, None)
     assert torch.equal(out["w"], state["w"])

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import yaml
 
-from elastic.checkpoint.persister import COMMIT_MARKER, MANIFEST, checkpoints_root, step_dir, validate
+from elastic.checkpoint.layout import COMMIT_MARKER, MANIFEST, checkpoints_root, step_dir, validate
 from elastic.cli import main
 from elastic.config import ConfigError
 from elastic.storage import Storage, join
@@ -161,7 +161,7 @@ class _ControllerThatDies:
         import threading
         import time
 
-        from elastic.checkpoint.persister import latest_committed as newest
+        from elastic.checkpoint.layout import latest_committed as newest
 
         def die_after_a_commit():
             while newest(self.storage, self.root) is None:

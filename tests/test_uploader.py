@@ -94,22 +94,22 @@ def test_with_no_child_idle_an_upload_is_left_to_the_worker(tmp_path):
 def test_a_workers_first_upload_is_its_own_and_the_next_ones_are_the_childs(s3_server, monkeypatch):
     import torch
 
-    from elastic.checkpoint import persister as checkpoint
+    from elastic.checkpoint import dcp_io
     _no_children()
     in_worker = []
-    real_upload = checkpoint.upload
-    monkeypatch.setattr(checkpoint, "upload", lambda *a, **k: (in_worker.append(a[2]), real_upload(*a, **k)))
+    real_upload = dcp_io.upload
+    monkeypatch.setattr(dcp_io, "upload", lambda *a, **k: (in_worker.append(a[2]), real_upload(*a, **k)))
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     root = f"{s3_server.uri}/first-{uuid.uuid4().hex[:8]}"
-    checkpoint.save_shards(state, f"{root}/a", s3_server.storage_options, None)
+    dcp_io.save_shards(state, f"{root}/a", s3_server.storage_options, None)
     assert len(in_worker) == 1
     assert uploader.ready(30)  # started once the first upload had ended
     (child,) = uploader._idle
-    checkpoint.save_shards(state, f"{root}/b", s3_server.storage_options, None)
+    dcp_io.save_shards(state, f"{root}/b", s3_server.storage_options, None)
     assert len(in_worker) == 1 and uploader._idle == [child]  # the second went through the child
     for name in ("a", "b"):
         back = {"w": torch.zeros(1000)}
-        checkpoint.load_shards(back, f"{root}/{name}", s3_server.storage_options, None)
+        dcp_io.load_shards(back, f"{root}/{name}", s3_server.storage_options, None)
         assert torch.equal(back["w"], state["w"])
 
 
@@ -198,7 +198,7 @@ def test_an_upload_process_dies_with_its_worker_even_mid_upload(s3_server, tmp_p
 def test_only_filesystems_a_fresh_interpreter_can_reach_upload_in_a_child():
     import fsspec
 
-    from elastic.checkpoint.persister import _process_private
+    from elastic.checkpoint.dcp_io import _process_private
     from tests.support.flaky_fs import flaky_memory_fs
     assert _process_private(fsspec.filesystem("memory"))  # this process's memory
     assert _process_private(flaky_memory_fs("uploaderflaky")())  # registered at run time, and in memory

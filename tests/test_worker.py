@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from elastic.checkpoint.persister import checkpoints_root
+from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
 from elastic.runtime.worker import Worker
 
@@ -95,7 +95,7 @@ def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not
     """Storage out at step 5's checkpoint (every 5 steps): the run used to go without a commit
     until step 10, however soon storage came back. Now every rank agrees (in the step's
     all-reduce) to save again at the first step after the wait, and that commits."""
-    from elastic.checkpoint.persister import committed_checkpoints
+    from elastic.checkpoint.layout import committed_checkpoints
     from elastic.storage import Storage
     from tests.support.flaky_fs import flaky_memory_fs
 

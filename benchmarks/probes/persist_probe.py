@@ -14,6 +14,7 @@ Usage: python docs/bench/persist_probe.py [N] [REPS]   (default 5000000: 120 MB;
 import os, statistics, sys, threading, time, warnings
 warnings.filterwarnings("ignore")
 import psutil, torch, torch.distributed as dist
+import elastic.checkpoint.dcp_io as D
 import elastic.checkpoint.persister as C
 from training_thread import train
 from elastic.storage import Storage
@@ -42,9 +43,9 @@ def timed(name, fn):
 
 C.AsyncCheckpointer._agree = timed("agree", C.AsyncCheckpointer._agree)
 C.AsyncCheckpointer._commit_with_retries = timed("commit", C.AsyncCheckpointer._commit_with_retries)
-C.dcp.save = timed("DCP plan + staging", C.dcp.save)
-C.upload = timed("upload", C.upload)  # in the worker's process (C.UPLOAD_IN_CHILD False)
-C.uploader.put = timed("upload", C.uploader.put)  # in the uploader's child process (the default)
+D.dcp.save = timed("DCP plan + staging", D.dcp.save)
+D.upload = timed("upload", D.upload)  # in the worker's process (D.UPLOAD_IN_CHILD False)
+D.uploader.put = timed("upload", D.uploader.put)  # in the uploader's child process (the default)
 
 
 def cpu_s(procs) -> float:
@@ -71,8 +72,8 @@ with seaweedfs_server() as s3:
             time.sleep(2)
         ck = C.AsyncCheckpointer(Storage(f"{s3.uri}/probe-{mode}", s3.storage_options), f"{s3.uri}/probe-{mode}/c",
                                  0, 1, "ddp", pg, 2, 0.5, 2)
-        C.uploader.prestart(s3.uri, s3.storage_options)  # else the first persist uploads in this process
-        C.uploader.ready(60)
+        D.uploader.prestart(s3.uri, s3.storage_options)  # else the first persist uploads in this process
+        D.uploader.ready(60)
         persist, raw = [], []
         for i in range(1, REPS + 1):  # a persist, then a raw write of the same files, alternated
             ck.save(i, 0, state, {})

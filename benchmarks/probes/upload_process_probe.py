@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import elastic.checkpoint.persister as C  # noqa: E402
+import elastic.checkpoint.dcp_io as C  # noqa: E402
 from training_thread import train  # noqa: E402
 from tests.support.seaweedfs import seaweedfs_server  # noqa: E402
 

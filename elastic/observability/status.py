@@ -264,7 +264,7 @@ def run_status(run: str, as_json: bool = False, now: float | None = None) -> int
 
 
 def _folder_step(uri: str) -> int | None:
-    """The step of a checkpoint folder named as elastic.checkpoint.persister.step_dir names it (step_000000020);
+    """The step of a checkpoint folder named as elastic.checkpoint.layout.step_dir names it (step_000000020);
     parsed here so that a status needs no torch import."""
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     digits = name.removeprefix("step_")

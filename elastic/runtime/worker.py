@@ -27,8 +27,9 @@ from torch.utils.data import default_collate
 from elastic.runtime import chaos, collectives, heartbeat, priority
 from elastic.checkpoint import fencing
 from elastic.parallel import resharding
-from elastic.checkpoint.persister import (PEER_LOST, AsyncCheckpointer, describe_failure, load_shards, owes_retry,
-                                retry_wait_s)
+from elastic.checkpoint.dcp_io import load_shards
+from elastic.checkpoint.persister import AsyncCheckpointer
+from elastic.checkpoint.retry import PEER_LOST, describe_failure, owes_retry, retry_wait_s
 from elastic.runtime.compute_clock import ComputeClock
 from elastic.config import JobConfig, batch_plan
 from elastic.data.order import GlobalOrder, cursor_after

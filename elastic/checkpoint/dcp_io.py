@@ -1,0 +1,192 @@
+"""Checkpoint shards through torch.distributed.checkpoint: the collective save (staged on local
+disk and uploaded, for remote storage) and load, and the in-memory snapshot a persist writes.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Callable
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from elastic.checkpoint import uploader
+from elastic.checkpoint.staging import stage_folder
+from elastic.storage import StorageError
+from elastic.checkpoint.uploader import UploadCut
+
+DCP_METADATA = ".metadata"  # DCP's index of a save, written last by its coordinator
+
+# Remote uploads run in a child process (elastic/uploader.py), not beside training's thread in the
+# worker's: False uploads in the worker (for an A/B of the two). Process-private filesystems
+# (`_process_private`: memory://) always upload in the worker, the only process that sees them.
+UPLOAD_IN_CHILD = True
+
+
+def save_shards(state: dict, folder: str, storage_options: dict, process_group,
+                on_write: Callable[[], None] | None = None, cancel: threading.Event | None = None,
+                on_cuttable: Callable[[], None] | None = None):
+    """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
+    `on_write` is called when this rank starts writing to `folder` itself (after the collective
+    planning; for a remote folder, when the upload of the staged files begins). `cancel` set
+    during the upload cuts it short (`UploadCut`; see `upload`); `on_cuttable` is called when an
+    upload that can be cut begins.
+    A save into an existing folder overwrites files of the same name and leaves the others.
+
+    Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
+    this rank's files to a private staging folder on local disk (`staging.stage_folder`: removed
+    afterwards, or by a later save on the node if this process is killed first), which is then
+    uploaded with the filesystem's own `put`, in a child process (`uploader.put`: off the GIL
+    that training's thread holds; in this process for the worker's first upload, or while its
+    child is busy). DCP serializing straight into s3fs file buffers copies every tensor
+    through Python bytes objects while holding the GIL (up to 0.3 s at a time for a 400 MB
+    tensor), which stalled training and the controller's polls for seconds at 100 M parameters
+    (a false "unresponsive" verdict); a local file and `put` hold it for tens of ms at most.
+    Every rank learns whether every upload succeeded (an all-reduce), so all of them raise or
+    none does and the caller's retries stay in lockstep."""
+    if folder.startswith("file://"):
+        # Never pass checkpoint_id= as well: DCP would rebuild the filesystem from it without
+        # the storage options.
+        writer = (FsspecWriter(folder, sync_files=True, **storage_options) if on_write is None
+                  else _NotifyingWriter(on_write, folder, sync_files=True, **storage_options))
+        return dcp.save(state, storage_writer=writer, process_group=process_group)
+    with stage_folder() as stage:
+        # No fsync: the staged copy is only read back by the upload, never after a crash.
+        metadata = dcp.save(state, storage_writer=FileSystemWriter(stage, sync_files=False),
+                            process_group=process_group)
+        error = None
+        try:
+            if on_write:
+                on_write()
+            fs, path = fsspec.core.url_to_fs(folder, **storage_options)
+            in_child = UPLOAD_IN_CHILD and not _process_private(fs)
+            if not (in_child and uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable)):
+                # No child idle (this worker's first upload, or its child busy): in this process,
+                # then a child is started for the next upload.
+                upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable)
+                if in_child:
+                    uploader.prestart(folder, storage_options)
+        except UploadCut:
+            raise  # the group is gone: nothing collective follows
+        except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
+            error = e
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():  # else a single process, as DCP allows
+            dist.all_reduce(failed, group=process_group)
+        if error is not None:
+            raise error
+        if int(failed[0]):
+            raise StorageError(f"another rank's upload of its shards to {folder} failed; retrying together")
+        return metadata
+
+
+def _process_private(fs) -> bool:
+    """A filesystem a child process could not reach: this process's memory (memory:// and its
+    kind), or a class registered at run time (`fsspec.register_implementation`), which a fresh
+    interpreter lacks. Filesystems fsspec knows by name (s3, gcs, abfs, file, and plugins'
+    entry points) are reachable."""
+    from fsspec.implementations.memory import MemoryFileSystem
+    from fsspec.registry import known_implementations
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return isinstance(fs, MemoryFileSystem) or not any(p in known_implementations for p in protocols)
+
+
+def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s: float = 0.05,
+           on_cuttable: Callable[[], None] | None = None) -> None:
+    """In this process (`uploader.put` is the child's): `fs.put(src, dst, recursive=True)`, cut
+    short within `poll_s` once `cancel` is set, on an async filesystem (s3fs, gcsfs, adlfs): its
+    coroutine is cancelled on fsspec's event loop, which drops the connection mid-request
+    (`on_cuttable` is called as such an upload begins). A synchronous filesystem uploads to the end.
+    A multipart upload cut short stays incomplete in the bucket, invisible to readers, until
+    the store's lifecycle rule for incomplete uploads removes it."""
+    if cancel is None or not getattr(fs, "async_impl", False):
+        fs.put(src, dst, recursive=True)
+        return
+    if cancel.is_set():
+        raise UploadCut(f"upload of {dst} not begun")
+    future = asyncio.run_coroutine_threadsafe(fs._put(src, dst, recursive=True), fs.loop)
+    if on_cuttable:
+        on_cuttable()
+    while True:
+        try:
+            future.result(timeout=poll_s)
+            return
+        except concurrent.futures.TimeoutError:
+            if cancel.is_set():
+                future.cancel()
+                raise UploadCut(f"upload of {dst} cut short") from None
+
+
+class _NotifyingWriter(FsspecWriter):
+    """DCP's fsspec writer that says when it starts writing this rank's files."""
+
+    def __init__(self, on_write: Callable[[], None], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_write = on_write
+
+    def write_data(self, plan, planner):
+        self.on_write()
+        return super().write_data(plan, planner)
+
+
+def load_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:
+    """Load in place into `state` (tensors are overwritten)."""
+    dcp.load(state, storage_reader=FsspecReader(folder, **storage_options), process_group=process_group)
+
+
+def snapshot(state: Any, reuse: Any = None) -> Any:
+    """A private CPU copy of a (nested) state dict, so training can go on while it persists.
+    `reuse`: the previous snapshot (its persist finished): plain tensors of the same shape and
+    dtype are copied into in place, so staging does not allocate (and fault in) fresh memory
+    at every checkpoint; GPU state is staged in pinned memory."""
+    if isinstance(state, torch.Tensor):
+        src = state.detach()
+        if type(src) is torch.Tensor:  # a DTensor (FSDP) is copied whole
+            if (type(reuse) is torch.Tensor and reuse.shape == src.shape and reuse.dtype == src.dtype
+                    and reuse.device.type == "cpu"):
+                return reuse.copy_(src)
+            if src.is_cuda:
+                return torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+        return src.to("cpu", copy=True)
+    if isinstance(state, dict):
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot(v, old.get(k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else [None] * len(state)
+        return type(state)(snapshot(v, o) for v, o in zip(state, old))
+    return state
+
+
+def staging_for(state: Any) -> Any:
+    """Empty CPU buffers for a later `snapshot(state, reuse=...)`, shaped like the plain tensors
+    of `state` (pinned for GPU tensors), their pages faulted in now. Reads no tensor's data, only
+    shapes and dtypes, so it may run while training changes them. A first snapshot into fresh
+    memory took 1.35 s for the state of a 102.7 M-parameter MLP with AdamW on an idle core here,
+    against 0.06 s into buffers already touched (`snapshot` reuse); in a training worker on a
+    shared core it stopped the checkpoint's step for seconds. DTensors (copied whole by
+    `snapshot`) and everything else get None."""
+    if isinstance(state, torch.Tensor):
+        src = state.detach()
+        if type(src) is not torch.Tensor:
+            return None
+        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+        return buf.zero_()  # the kernel hands out pages on first touch: touch them here
+    if isinstance(state, dict):
+        return {k: staging_for(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(staging_for(v) for v in state)
+    return None
+
+
+def _written_files(metadata) -> set[str] | None:
+    """The files a DCP save wrote, from the index it returned: shards named in `storage_data`
+    plus the index itself. None when the index does not say."""
+    storage_data = getattr(metadata, "storage_data", None)
+    if storage_data is None:
+        return None
+    return {info.relative_path for info in storage_data.values()} | {DCP_METADATA}
