@@ -19,6 +19,7 @@ import ray
 
 from elastic.checkpoint.layout import checkpoints_root, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
+from elastic.parallel.strategies import STRATEGIES
 from elastic.controller import Controller
 from elastic.data.prefetch import check_data_workers
 from elastic.storage import Storage, StorageError, join
@@ -68,10 +69,10 @@ class Trainer:
         num_samples = _dataset_length(fns["dataset"], job.train)
         if num_samples < 1:
             raise ConfigError("train.dataset: the dataset is empty")
-        if job.train.strategy == "fsdp":
-            _check_fsdp_blocks(fns["model"], job.train.fsdp.blocks)
-        if job.train.strategy == "pipeline":
-            _check_pipeline_cut(fns["model"], job)
+        try:  # the strategy's own plan (fsdp: its blocks; a pipeline: its cuts), on the meta device
+            STRATEGIES[job.train.strategy].check_job(job, fns["model"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if fns["scheduler"] is not None:
             _check_scheduler(fns["scheduler"], job.train.scheduler)
         uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
@@ -323,39 +324,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _check_fsdp_blocks(model_fn, blocks: list[str] | None) -> None:
-    """Build the model on the meta device (no memory, no init) to check the wrap plan now."""
-    import torch
-
-    from elastic.parallel.fsdp import select_blocks
-    with torch.device("meta"):
-        model = model_fn()
-    try:
-        select_blocks(model, blocks)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _check_pipeline_cut(model_fn, job: JobConfig) -> None:
-    """Cut the model (built on the meta device) for every stage count the run may take."""
-    import torch
-
-    from elastic.parallel.pipeline import PlanError, plan_chunks, units_of
-    from elastic.parallel.topology import Layout, chain
-    pl = job.train.pipeline
-    with torch.device("meta"):
-        model = model_fn()
-    try:
-        units = units_of(model)
-        for pp in sorted({lay.pp for lay in chain(Layout(pl.stages, 1), job.scaling.min_size)}, reverse=True):
-            try:
-                plan_chunks(units, pp * pl.chunks_per_rank, pl.split if pp == pl.stages else None)
-            except PlanError as e:
-                raise PlanError(f"train.pipeline: {pp} stage(s) x {pl.chunks_per_rank} chunk(s) per rank: {e}") from None
-    except PlanError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _check_scheduler(make, ref: str) -> None:

@@ -43,6 +43,11 @@ class Strategy(ABC):
         self.spec = spec  # the job's TrainSpec (strategy options)
 
     @classmethod
+    def check_job(cls, job, model_fn) -> None:
+        """Before any worker starts: raise ValueError, naming the field, if this strategy cannot
+        run the job's model (the driver turns it into a ConfigError). Nothing to check by default."""
+
+    @classmethod
     def shape(cls, spec) -> Shape:
         """How this strategy's layout grows and shrinks (the controller asks this, never the name):
         flat by default, every rank a data-parallel replica."""

@@ -47,6 +47,13 @@ def select_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Mo
 class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     sharded = True
+
+    @classmethod
+    def check_job(cls, job, model_fn) -> None:
+        """Build the model on the meta device (no memory, no init) to check the wrap plan now."""
+        with torch.device("meta"):
+            model = model_fn()
+        select_blocks(model, job.train.fsdp.blocks)
     grad_copies = 1  # every rank holds its own part of each gradient
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:

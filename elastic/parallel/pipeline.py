@@ -28,7 +28,7 @@ from torch import nn
 
 from elastic.parallel.ddp import DataParallel
 from elastic.parallel.shape import Shape
-from elastic.parallel.topology import Layout
+from elastic.parallel.topology import Layout, chain
 
 
 class PlanError(ValueError):
@@ -102,6 +102,19 @@ class Pipeline(DataParallel):
     name = "pipeline"
     overlap = False  # the schedule runs many backwards per step: one flat all-reduce after them
     whole_grads_everywhere = False  # each stage holds its own parameters' gradients
+
+    @classmethod
+    def check_job(cls, job, model_fn) -> None:
+        """Cut the model (built on the meta device) for every stage count the run may take."""
+        pl = job.train.pipeline
+        with torch.device("meta"):
+            model = model_fn()
+        units = units_of(model)
+        for pp in sorted({lay.pp for lay in chain(Layout(pl.stages, 1), job.scaling.min_size)}, reverse=True):
+            try:
+                plan_chunks(units, pp * pl.chunks_per_rank, pl.split if pp == pl.stages else None)
+            except PlanError as e:
+                raise PlanError(f"train.pipeline: {pp} stage(s) x {pl.chunks_per_rank} chunk(s) per rank: {e}") from None
 
     @classmethod
     def shape(cls, spec) -> Shape:
