@@ -1,4 +1,4 @@
-"""`python -m benchmarks NAME [options]`, from a checkout: see docs/benchmarks.md."""
+"""`python -m benchmarks NAME [options]`, from a checkout: see docs/benchmarks/README.md."""
 from __future__ import annotations
 
 import argparse

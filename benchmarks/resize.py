@@ -77,7 +77,7 @@ def _events(run_dir: str, storage_options: dict | None = None) -> list[dict]:
 
 def grow_timeline(events: list[dict]) -> list[dict]:
     """A run's events (polls left out) with their time in seconds from the Grow decision, the
-    form the README's resize breakdowns quote; from the run's start if it never grew."""
+    form docs/benchmarks/resize.md's breakdowns quote; from the run's start if it never grew."""
     grow = [e for e in events if e["kind"] == "decision" and e.get("decision") == "Grow"]
     t0 = grow[0]["t"] if grow else events[0]["t"]
     return [{"t_from_grow_decision_s": round(e["t"] - t0, 3), **{k: v for k, v in e.items() if k != "t"}}

@@ -317,7 +317,7 @@ def test_a_dead_spare_is_replaced_without_disturbing_training(cluster, baseline,
     j = job(tmp_path, name=name, scaling={"num_spares": 1, "wait_for_spares": True})
     # Long enough to outlive the spare's death and its replacement's start: the replacement starts
     # under SCHED_IDLE, on CPU time that three ranks on two cores leave (15 s median after a swap in
-    # `docs/bench/refill-priority.jsonl`). 300 steps ran out first in two CI runs (one on 146d9dc,
+    # `docs/benchmarks/results/straggler/refill-priority.jsonl`). 300 steps ran out first in two CI runs (one on 146d9dc,
     # whose steps are faster).
     j["run"]["num_steps"] = 600
     events_path = tmp_path / "runs" / name / "events.jsonl"

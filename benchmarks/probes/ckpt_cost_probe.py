@@ -9,7 +9,7 @@ time of the persist (`AsyncCheckpointer._persist`) and of its phases: the agreem
 optimizer hook on rank 0.
 Per run it prints the median step, and the time the steps from 51 to the end took beyond that
 median ("extra"): the checkpoints' cost, plus what the steps' spread adds in a run without them.
-Usage: python docs/bench/ckpt_cost_probe.py [STEPS] [PAIRS]   (default 300 steps, 2 pairs)"""
+Usage: python benchmarks/probes/ckpt_cost_probe.py [STEPS] [PAIRS]   (default 300 steps, 2 pairs)"""
 import json
 import os
 import statistics

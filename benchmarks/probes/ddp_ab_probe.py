@@ -4,7 +4,7 @@ checkpoint until the run's end. Runs alternate on one cluster (pairs alternate w
 "before" puts back, from the model factory below, the strategy as it was (`Before` in
 ddp_step_probe.py: gradients divided after their all-reduce, the statistics in a collective of
 their own). Prints each run's median step after a warm-up of 10, and the medians per setting.
-Usage: python docs/bench/ddp_ab_probe.py [HIDDEN] [PAIRS]   (default 3072: 10.3 M parameters, 6 pairs)"""
+Usage: python benchmarks/probes/ddp_ab_probe.py [HIDDEN] [PAIRS]   (default 3072: 10.3 M parameters, 6 pairs)"""
 import os
 import statistics
 import sys

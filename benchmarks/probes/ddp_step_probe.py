@@ -10,7 +10,7 @@ rotates, and the median of the rounds' mean step times is printed:
   * elastic now: `elastic.parallel.ddp.DataParallel` as it is, the statistics handed to
     `reduce_gradients`.
 The two elastic variants start from the same weights and must stay bit-identical (checked).
-Usage: python -m torch.distributed.run --standalone --nproc-per-node=2 docs/bench/ddp_step_probe.py \
+Usage: python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/probes/ddp_step_probe.py \
            [HIDDEN] [STEPS] [ROUNDS]   (default 3072: 10.3 M parameters, 10 steps, 16 rounds)"""
 import statistics
 import sys

@@ -7,7 +7,7 @@ elastic DDP, 2 ranks on the 2 one-CPU worker nodes of a local cluster, the overh
 alternated: as shipped (the worker freezes what its set-up left alive, elastic/worker.py), and
 unfrozen, where the factory calls `gc.unfreeze()` first (every object back in the collector's
 generations, as before the freeze). Pairs alternate which setting runs first.
-Usage: python docs/bench/gc_probe.py [STEPS] [PAIRS]   (default 600 steps, 2 pairs)"""
+Usage: python benchmarks/probes/gc_probe.py [STEPS] [PAIRS]   (default 600 steps, 2 pairs)"""
 import gc
 import json
 import os

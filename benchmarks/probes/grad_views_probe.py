@@ -1,7 +1,7 @@
 """Does keeping gradients as views of the all-reduce buckets (torch DDP's gradient_as_bucket_view)
 save anything over elastic's way (fresh gradients each step, one copy into the bucket)? One process,
 one thread, the overhead benchmark's MLP; forward and backward of 48 samples, median of 15, each way
-twice, alternated. Usage: python docs/bench/grad_views_probe.py HIDDEN (1024: 1.3 M, 3072: 10.3 M)."""
+twice, alternated. Usage: python benchmarks/probes/grad_views_probe.py HIDDEN (1024: 1.3 M, 3072: 10.3 M)."""
 import time, statistics, torch, sys
 torch.set_num_threads(1)
 from elastic.workload import build_mlp

@@ -10,7 +10,7 @@ tensors of N floats each), a SeaweedFS S3 endpoint on loopback, world size 1 on 
    throughput ratio of elastic's persist to raw s3fs with the machine's contention the same for both.
 3. The CPU one upload of those files costs: this process (s3fs, aiobotocore) and the SeaweedFS
    server, which here shares the machine's cores with training.
-Usage: python docs/bench/persist_probe.py [N] [REPS]   (default 5000000: 120 MB; 5 of each per setting)"""
+Usage: python benchmarks/probes/persist_probe.py [N] [REPS]   (default 5000000: 120 MB; 5 of each per setting)"""
 import os, statistics, sys, threading, time, warnings
 warnings.filterwarnings("ignore")
 import psutil, torch, torch.distributed as dist

@@ -7,7 +7,7 @@ One process, world size 1 on gloo, a SeaweedFS S3 endpoint on loopback, the same
 Each round runs `checkpoint.save_shards` (DCP staging on local disk, then the upload) once per
 setting, in shuffled order, 2 s apart; per save: its seconds, and the training steps per second
 while it ran. Prints every round's figures, the medians, and in how many rounds each side won.
-Usage: python docs/bench/upload_process_probe.py [ROUNDS] [SEED]   (default 20 rounds, seed 5)"""
+Usage: python benchmarks/probes/upload_process_probe.py [ROUNDS] [SEED]   (default 20 rounds, seed 5)"""
 import os
 import random
 import statistics

@@ -4,7 +4,7 @@ A remote checkpoint is staged by DCP on local disk, then uploaded with the files
 `put` (see `checkpoint.save_shards`). That upload runs beside training. In the worker's own
 process, the upload's event loop (s3fs, aiobotocore) and the training thread take turns at the
 GIL. Measured on 2 cores at 10.3 M parameters (120 MB to SeaweedFS on loopback, training on one
-thread of the same process; docs/bench/upload_process_probe.py, three runs of 10-20 shuffled
+thread of the same process; benchmarks/probes/upload_process_probe.py, three runs of 10-20 shuffled
 rounds): training ran 5-14 % more steps per second during a save with the upload in a child,
 and the save took as long or up to 8 % longer. torch's DCP has a process-based async save for
 the same reason. An idle child holds 60-90 MB.
