@@ -1,0 +1,91 @@
+"""What the worker group knows of one worker actor (`Member`), how it calls many at once with one
+deadline (`gather`), how it reads a failed call (`death_cause`, `cause_of`), and how it kills one
+for sure (`kill_member`). Shared by the group (elastic/group/worker_group.py) and its spare pool
+(elastic/group/spares.py).
+
+A failed call is reported as a why: free text for the event log ("unresponsive", "process_died",
+"error: ValueError: ..."). `cause_of` reads the cause back from it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+
+class GroupError(RuntimeError):
+    """A group operation failed. `ranks` are the ranks that did not answer or died."""
+
+    def __init__(self, msg: str, ranks: dict[int, str]):
+        super().__init__(msg)
+        self.ranks = ranks
+
+
+@dataclass
+class Member:
+    rank: int
+    handle: "ray.actor.ActorHandle"
+    node_id: str
+    ip: str
+    pid: int
+    calib_s: float | None = None  # spares: measured compute time of one rank's share of a step
+    on_demand: bool = False  # spares: started for a recovery in progress, not ahead of time
+    hb_port: int | None = None  # its heartbeat sidecar's UDP port on `ip` (elastic/heartbeat.py); None: none
+
+
+def cause_of(why: str) -> str:
+    """A rank's reason reduced to its cause: gone (node_died, process_died, unreachable),
+    silent (unresponsive), or alive but failed ("error")."""
+    return why if why in ("node_died", "process_died", "unreachable", "unresponsive") else "error"
+
+
+def short_reason(e: BaseException) -> str:
+    if isinstance(e, ActorUnavailableError):
+        return "RPC socket closed"
+    return str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+
+
+def death_cause(e: BaseException) -> str:
+    if isinstance(e, ActorUnavailableError):
+        return "unreachable"  # its RPC socket closed: the process, or the whole node, is gone
+    text = str(e).lower()
+    # Ray words node loss as "...because its node has died" / "node ... is dead".
+    if "its node has died" in text or "node has died" in text or "because its node" in text:
+        return "node_died"
+    return "process_died"
+
+
+def gather(refs: dict[int, "ray.ObjectRef"], timeout_s: float) -> tuple[dict[int, object], dict[int, str]]:
+    """Results by rank, and {rank: why} for errors and timeouts, waiting at most timeout_s in all."""
+    deadline = time.monotonic() + timeout_s
+    ok, bad = {}, {}
+    for r, ref in refs.items():
+        try:
+            ok[r] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except GetTimeoutError:
+            bad[r] = "unresponsive"
+        except RayActorError as e:
+            bad[r] = death_cause(e)
+        except Exception as e:  # noqa: BLE001 - a worker method raised
+            bad[r] = f"error: {type(e).__name__}: {str(e)[:300]}"
+    return ok, bad
+
+
+@ray.remote(num_cpus=0)
+def _sigkill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def kill_member(m: Member) -> None:
+    """ray.kill, plus a SIGKILL by pid from its own node, which also ends a stopped (SIGSTOP)
+    process whose Ray core worker cannot act on a kill request. Fire and forget."""
+    ray.kill(m.handle, no_restart=True)
+    _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(m.node_id, soft=False)).remote(m.pid)

@@ -1,0 +1,263 @@
+"""The spare pool: workers started and warmed (model built, compute calibrated) before a rank
+needs them, kept live, trimmed to the pool's size, and given ranks (`take_spare_for`, `promote`);
+and the suspect nodes that no new worker may go to until they answer again.
+
+`SparePool` is the base of `WorkerGroup` (elastic/group/worker_group.py): the controller asks the
+group for its spares (`WorkerGroupProtocol` names them on the group), and a spare that takes a
+rank becomes one of the group's members. Mechanics only, as the group: the controller decides
+how many spares to keep and when to use one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic.group.member import GroupError, Member, gather, kill_member
+from elastic.runtime import priority
+from elastic.runtime.worker import Worker
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _probe() -> bool:
+    return True
+
+
+class SparePool:
+    members: dict[int, Member]  # the group's ranks (set by WorkerGroup); a spare given a rank moves there
+
+    def __init__(self, job, job_json: str, checkpoints_root: str, controller, runtime_env: dict | None):
+        self.job, self.job_json, self.root = job, job_json, checkpoints_root
+        self.controller = controller
+        sc = job.scaling
+        self._remote_worker = ray.remote(Worker)
+        self._actor_opts = dict(
+            num_cpus=sc.cpus_per_worker, num_gpus=1 if sc.use_gpu else 0,
+            max_concurrency=4,  # run() on one thread; poll, ping and abort answer on others
+            max_restarts=0,  # the controller replaces workers; Ray must not resurrect a rank behind its back
+            scheduling_strategy="SPREAD",
+            runtime_env=runtime_env or None,
+        )
+        # Spares: started and warmed (model built) before they are needed; not in the group.
+        self._pending_spares: dict["ray.ObjectRef", "ray.actor.ActorHandle"] = {}
+        self._on_demand: set["ray.ObjectRef"] = set()  # pending spares started by promote() itself
+        self._background: set["ray.ObjectRef"] = set()  # pending spares started at low priority beside training
+        self.ready_spares: list[Member] = []
+        # (node, pid, started at low priority) of spares that became ready since the controller last looked
+        self.newly_ready: list[tuple[str, int, bool]] = []
+        self.lost_spares: list[str] = []  # why spares were lost inside a group operation, for the event log
+        # Nodes that hosted a rank lost to silence (stopped, partitioned, dead). Ray may list such a
+        # node as alive for a while; nothing new goes there until it answers again (see `probe_suspects`).
+        self.suspect_nodes: set[str] = set()
+        self._probes: dict[str, "ray.ObjectRef"] = {}  # suspect node -> probe task in flight
+        self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
+
+    def _new_actor(self, background: bool = False):
+        """A new worker actor, never on a suspect node. `background`: it starts beside a training
+        group, at the lowest CPU priority until it is built (see elastic/priority.py)."""
+        opts = dict(self._actor_opts)
+        if background:
+            env = dict(opts["runtime_env"] or {})
+            env["env_vars"] = {**env.get("env_vars", {}), priority.BACKGROUND_ENV: "1"}
+            opts["runtime_env"] = env
+        if self.suspect_nodes:
+            opts["label_selector"] = {"ray.io/node-id": f"!in({','.join(sorted(self.suspect_nodes))})"}
+        return self._remote_worker.options(**opts).remote(self.job_json, self.root, self.controller)
+
+    # ---------------------------------------------------------------- suspect nodes
+    def suspect(self, node_id: str) -> None:
+        self.suspect_nodes.add(node_id)
+
+    def probe_suspects(self) -> list[str]:
+        """Clear suspect nodes that answer again (a thawed machine, a healed partition) or that Ray
+        has declared dead (it schedules nothing there anyway). Never waits: a probe stays in flight
+        until its node answers. Returns the cleared ones."""
+        if not self.suspect_nodes:
+            return []
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        cleared = {n for n in self.suspect_nodes if n not in alive}
+        for n in self.suspect_nodes - cleared - set(self._probes):
+            self._probes[n] = _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+        if self._probes:
+            ready, _ = ray.wait(list(self._probes.values()), num_returns=len(self._probes), timeout=0)
+            cleared |= {n for n, ref in self._probes.items() if ref in ready}
+        for n in cleared:
+            self._probes.pop(n, None)
+        self.suspect_nodes -= cleared
+        if cleared:
+            self._restart_kept_off(cleared)
+        return sorted(cleared)
+
+    def _restart_kept_off(self, cleared: set[str]) -> None:
+        """Spares still waiting for a slot, kept off a node that is now cleared, may wait forever
+        when that node's slot is the only free one (a stopped process on a full cluster): start
+        them again, free to go there."""
+        for ref, avoided in list(self._kept_off.items()):
+            if ref in self._pending_spares and avoided & cleared:
+                h = self._pending_spares.pop(ref)
+                on_demand, background = ref in self._on_demand, ref in self._background
+                self._on_demand.discard(ref)
+                self._background.discard(ref)
+                self._kept_off.pop(ref)
+                ray.kill(h, no_restart=True)
+                self.add_spares(1, on_demand=on_demand, background=background)
+
+    # ---------------------------------------------------------------- the pool
+    def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
+                   calibrate: bool | None = None) -> None:
+        """Start n spare workers in the background; they warm up (build the model) on their own.
+        `on_demand`: wanted by a recovery in progress (no calibration). `background`: refilling the
+        pool while the group trains; they start at the lowest CPU priority, so that on CPUs they
+        share with training ranks they take only what training leaves. `calibrate`: time a rank's
+        compute before the spare counts as ready (default: unless on demand); one left
+        uncalibrated is calibrated when a straggler decision first weighs it (calibrate_spares)."""
+        low = background and not on_demand and self.job.scaling.low_priority_refills
+        calibrate = not on_demand if calibrate is None else calibrate
+        for _ in range(max(0, n)):
+            h = self._new_actor(background=low)
+            ref = h.warm.remote(calibrate=calibrate)
+            self._pending_spares[ref] = h
+            self._kept_off[ref] = frozenset(self.suspect_nodes)
+            if on_demand:
+                self._on_demand.add(ref)
+            if low:
+                self._background.add(ref)
+
+    def wait_spares_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._pending_spares and time.monotonic() < deadline:
+            self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
+        return not self._pending_spares
+
+    def num_spares(self) -> int:
+        return len(self.ready_spares) + len(self._pending_spares)
+
+    def refresh_spares(self, wait_s: float = 0.0) -> list[str]:
+        """Move spares that finished warming to the ready list; returns why any were lost."""
+        lost: list[str] = []
+        if not self._pending_spares:
+            return lost
+        ready, _ = ray.wait(list(self._pending_spares), num_returns=len(self._pending_spares), timeout=wait_s)
+        for ref in ready:
+            h = self._pending_spares.pop(ref)
+            self._kept_off.pop(ref, None)
+            on_demand = ref in self._on_demand
+            self._on_demand.discard(ref)
+            self._background.discard(ref)
+            try:
+                info = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a spare that died while warming is just gone
+                lost.append(f"spare died while warming: {type(e).__name__}")
+                ray.kill(h, no_restart=True)
+                continue
+            self.ready_spares.append(Member(-1, h, info["node_id"], info["ip"], info["pid"], info.get("calib_s"),
+                                            on_demand, info.get("hb_port")))
+            self.newly_ready.append((info["node_id"][:12], info["pid"], bool(info.get("started_low"))))
+        return lost
+
+    def check_spares(self, timeout_s: float) -> list[str]:
+        """Ping ready spares; drop (and report) the ones that are dead or silent."""
+        if not self.ready_spares:
+            return []
+        _, bad = gather({i: m.handle.ping.remote() for i, m in enumerate(self.ready_spares)}, timeout_s)
+        return self._drop_spares(bad)
+
+    def _drop_spares(self, bad: dict[int, str], when: str = "") -> list[str]:
+        """Kill the ready spares at these indices; why each was lost, for the event log."""
+        lost = []
+        for i in sorted(bad, reverse=True):
+            m = self.ready_spares.pop(i)
+            kill_member(m)
+            lost.append(f"spare on node {m.node_id[:12]} {bad[i]}{when}")
+        return lost
+
+    def trim_spares(self, keep: int) -> None:
+        while self.num_spares() > keep:
+            if self._pending_spares:
+                ref, h = self._pending_spares.popitem()
+                self._kept_off.pop(ref, None)
+                self._on_demand.discard(ref)
+                self._background.discard(ref)
+                ray.kill(h, no_restart=True)
+            else:
+                kill_member(self.ready_spares.pop())
+
+    def calibrate_spares(self, timeout_s: float) -> list[str]:
+        """Calibrate the ready spares that were not (started on demand, kept afterwards), so a
+        straggler decision weighs every spare; drop (and report) the ones that do not answer."""
+        todo = {i: m for i, m in enumerate(self.ready_spares) if m.calib_s is None}
+        if not todo or self.job.train.strategy == "pipeline":  # a pipeline stage cannot calibrate alone
+            return []
+        out, bad = gather({i: m.handle.calibrate.remote() for i, m in todo.items()}, timeout_s)
+        for i, calib_s in out.items():
+            todo[i].calib_s = calib_s
+        return self._drop_spares(bad, " when calibrated")
+
+    # ---------------------------------------------------------------- spares take ranks
+    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float) -> Member | None:
+        """Give `rank` to the fastest live ready spare whose calibration is at most max_calib_s."""
+        self.refresh_spares()
+        while True:
+            ok = [m for m in self.ready_spares if m.calib_s is not None and m.calib_s <= max_calib_s]
+            if not ok:
+                return None
+            m = min(ok, key=lambda m: m.calib_s)
+            if self._spare_alive(m, ping_timeout_s):
+                self._assign(rank, m)
+                return m
+
+    def _spare_alive(self, m: Member, ping_timeout_s: float) -> bool:
+        """A spare is pinged before it gets a rank: one that died or went silent since it warmed
+        (its node stopped) would otherwise block the next rendezvous. A dead one is dropped."""
+        _, bad = gather({0: m.handle.ping.remote()}, ping_timeout_s)
+        if not bad:
+            return True
+        self.ready_spares.remove(m)
+        kill_member(m)
+        if bad[0] != "process_died":
+            self.suspect(m.node_id)
+        self.lost_spares.append(f"spare on node {m.node_id[:12]} {bad[0]} when it was to take a rank")
+        return False
+
+    def _assign(self, rank: int, spare: Member) -> None:
+        self.ready_spares.remove(spare)
+        self.members[rank] = replace(spare, rank=rank, on_demand=False)
+
+    def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]:
+        """Fill `ranks` with spares: live warm ones first, then ones still warming (waited for), then
+        freshly started workers. A spare that dies or goes silent before it gets its rank is
+        replaced in turn, until `timeout_s` runs out. Returns {rank: how it was filled}."""
+        how: dict[int, str] = {}
+        need = list(ranks)
+        deadline = time.monotonic() + timeout_s
+
+        def take_ready(label_if_planned: str) -> None:
+            for m in list(self.ready_spares):
+                if not need:
+                    return
+                if not self._spare_alive(m, ping_timeout_s):
+                    continue
+                r = need.pop(0)
+                self._assign(r, m)
+                how[r] = "started on demand" if m.on_demand else label_if_planned
+
+        self.lost_spares.extend(self.refresh_spares())
+        take_ready("warm spare")
+        if need:
+            # A spare still warming at low priority is now wanted: it finishes at full priority
+            # (the call runs once its constructor has, beside warm()).
+            for ref in self._background:
+                self._pending_spares[ref].restore_priority.remote()
+        while need and time.monotonic() < deadline:
+            # Keep one warming spare per missing rank: a replacement that died (its node was lost
+            # too, or not yet known to be lost) is replaced in turn, never waited on forever.
+            self.add_spares(len(need) - len(self._pending_spares), on_demand=True)
+            self.probe_suspects()  # a node that answers again may hold the only free slot
+            self.lost_spares.extend(self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
+            take_ready("spare, waited while it warmed")
+        if need:
+            raise GroupError(f"no worker could be started for ranks {need} within {timeout_s:.0f}s; is there a free "
+                             f"slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", {r: "unavailable" for r in need})
+        return how
