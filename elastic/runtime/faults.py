@@ -1,0 +1,44 @@
+"""The worker's side of a chaos fault (the job's `chaos:` section, keyed by rank and step): tell
+the controller, wait for the moment the fault names (during an upload, after a persist), then
+fault. The faults themselves are elastic/runtime/chaos.py's."""
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import ray
+
+from elastic.checkpoint.persister import AsyncCheckpointer
+from elastic.runtime import chaos
+
+if TYPE_CHECKING:
+    from elastic.runtime.worker import Worker
+
+
+def fire_fault(w: Worker, fault: dict) -> None:
+    # Tell the controller first (it records the fault time and never hands this fault out
+    # again), then fault. The report must land before the process dies, hence ray.get.
+    uploading = _await_upload(w.ckpt, w.job.failure.collective_timeout_s) if fault.get("during_upload") else None
+    if fault.get("after_persist") and w.ckpt is not None:
+        w.ckpt.wait(w.job.failure.collective_timeout_s)
+    if w.controller is not None:
+        ray.get(w.controller.report_fault.remote(fault, w.rank, w.step, time.time(), os.getpid(),
+                                                 w.generation, uploading))
+    if fault["action"] == "slow":
+        w.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
+        return
+    if fault["action"] == "hold_gil":
+        chaos.hold_gil(fault["hold_s"])  # then trains on: a busy rank, not a lost one
+        return
+    chaos.inject(fault["action"], fault.get("thaw_after_s"))
+
+
+def _await_upload(ck: AsyncCheckpointer | None, limit_s: float) -> bool:
+    """Wait (at most `limit_s`) until this rank's persist in flight (`ck`'s) writes to storage;
+    True if it does now. False at once when no persist is in flight, or when it ends first."""
+    deadline = time.monotonic() + limit_s
+    while ck is not None and ck.in_flight() and time.monotonic() < deadline:
+        if ck.writing.wait(0.02):
+            return ck.in_flight()
+    return False

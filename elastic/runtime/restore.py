@@ -1,0 +1,167 @@
+"""The three ways a rank's state comes back after a group (re)forms, and what each ends with.
+
+- storage (`from_storage`): the newest loadable committed checkpoint, or rank 0's fresh init;
+- a peer (`from_peer`): a survivor's state broadcast through the new group, no storage read;
+- shards (`offer` then `from_shards`): a sharded strategy's parts re-sharded in memory at a
+  planned resize, through Ray's object store or rank to rank.
+
+Each returns what it restored and ends in `start_checkpointer`: the schedule caught up, data
+workers reading from the restored step, checkpoints from there. Functions of the worker (`w`).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from elastic.checkpoint import fencing
+from elastic.checkpoint.dcp_io import load_shards
+from elastic.checkpoint.persister import AsyncCheckpointer
+from elastic.checkpoint.retry import describe_failure
+from elastic.parallel import resharding
+from elastic.parallel.base import broadcast_tensors
+from elastic.runtime import state
+
+if TYPE_CHECKING:
+    from elastic.runtime.worker import Worker
+
+
+def from_storage(w: Worker, candidates: list[str]) -> dict:
+    """Storage path. Fresh model and optimizer from the seed, then the newest loadable
+    checkpoint among `candidates` (committed folders, newest first). All ranks call this
+    with the same list; DCP raises on every rank when any rank fails to read, so they move
+    to the next candidate together. With no candidates, rank 0's fresh init is broadcast.
+    When there are some but none loads (storage out, or every one unreadable), nothing is
+    started: source "none loaded", and the controller decides (it never means step 0).
+    Returns what was loaded and what was skipped, and why."""
+    t0 = time.monotonic()
+    w.kept_offer = None  # a re-shard in memory that fell back to storage
+    w.forget_old_meshes()
+    w.step = 0
+    skipped = []
+    loaded = None
+    for uri in candidates:
+        state.build(w)
+        st = state.state_dict(w)
+        try:
+            # DCP reads each saved shard into the current layout: a checkpoint saved at any
+            # world size loads at this one.
+            load_shards(st, uri, w.storage.options, w.ckpt_pg)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
+            skipped.append((uri, describe_failure(e)))
+            continue
+        state.load_state(w, st)
+        w.step = int(w.storage.read_bytes(uri + "/COMMITTED").decode())
+        loaded = uri
+        break
+    if loaded is None and candidates:
+        return {"step": w.step, "uri": None, "skipped": skipped, "restore_s": time.monotonic() - t0,
+                "source": "none loaded"}
+    if loaded is None:
+        # Every rank builds the same init from the seed; broadcasting rank 0's copy makes that
+        # an invariant rather than an assumption about the user's factory.
+        state.build(w, sync_init=True)
+    start_checkpointer(w)
+    return {"step": w.step, "uri": loaded, "skipped": skipped, "restore_s": time.monotonic() - t0,
+            "source": "storage" if loaded else "init"}
+
+
+def from_peer(w: Worker, src_rank: int, stage_sources: list[int] | None = None) -> dict:
+    """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
+    holds the newest state, through the new group. No storage read. A pipeline names one
+    source per stage (`stage_sources[stage]`, a replica of that stage); a rank whose model
+    was built for another stage (a spare, a re-numbered survivor) builds its stage first."""
+    t0 = time.monotonic()
+    w.kept_offer = None
+    if w.model is None or w.built_for != w.strategy.layout_key:
+        state.build(w)
+    step = torch.tensor([w.step], dtype=torch.int64, device=w.device)
+    dist.broadcast(step, src=src_rank)
+    w.step = int(step.item())
+    src = stage_sources[w.layout.stage_of(w.rank)] if stage_sources else src_rank
+    w.strategy.broadcast_state(w.model, w.optimizer, src)
+    if w.amp:
+        broadcast_tensors([w.amp[k] for k in sorted(w.amp)], src, w.mesh.get_group("dp"))
+    start_checkpointer(w)
+    return {"step": w.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
+            "source": f"peer rank {src}" if not stage_sources else f"stage replicas {list(stage_sources)}"}
+
+
+def offer(w: Worker, publish: bool = True) -> dict:
+    """This rank's part of the state, for a re-shard in memory at a planned resize. Published
+    (returned through Ray), it stays in this node's object store (owned by the caller) after
+    this process is gone: for a rank that leaves. A rank that stays in the new group keeps it
+    here instead and sends its rows rank to rank (resharding.exchange); it returns only a
+    marker."""
+    w.forget_old_meshes()
+    part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step)
+    if publish:
+        return part
+    w.kept_offer = part
+    return {"part": part["part"], "world": part["world"], "step": part["step"], "kept": True}
+
+
+def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
+                holders: dict[int, int] | None = None) -> dict:
+    """Memory path of a sharded strategy: a fresh sharded build at the new world size, filled
+    from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
+    this rank's new shards overlap. No storage read. `holders` (old part -> new rank): parts
+    kept in the memory of ranks of the new group, moved rank to rank instead."""
+    t0 = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def phase(name: str, since: float) -> float:
+        now = time.monotonic()
+        phases[name] = round(now - since, 3)
+        return now
+
+    w.forget_old_meshes()
+    state.build(w)
+    st = state.state_dict(w)
+    t = phase("build", t0)
+    holders = holders or {}
+    own, w.kept_offer = w.kept_offer, None
+    pipeline = w.strategy.name == "pipeline"  # by name, from replica 0 of each old stage (rank = stage)
+    if pipeline:
+        parts = w.strategy.needed_stages(old_pp)
+    else:
+        parts = resharding.needed_parts(st, old_world, w.world_size, w.rank, frozenset(holders))
+    got = dict(zip(parts, ray.get([offers[p] for p in parts])))
+    t = phase("fetch", t)
+    if pipeline:
+        w.step = w.strategy.assemble(st, got)
+    else:
+        w.step = resharding.exchange(st, own, got, holders, old_world, w.world_size, w.rank, w.ckpt_pg)
+    del got, own
+    t = phase("assemble", t)
+    state.load_state(w, st)
+    t = phase("load", t)
+    start_checkpointer(w)
+    phase("start_checkpointer", t)
+    return {"step": w.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0, "phases": phases,
+            "source": f"re-sharded in memory from {old_world} ranks (read parts {parts}"
+                      f"{f', rank to rank from {sorted(holders)}' if holders else ''})"}
+
+
+def start_checkpointer(w: Worker) -> None:
+    """The last part of every restore path: the schedule caught up, data workers reading
+    from the restored step, checkpoints from here."""
+    state.replay_schedule(w)
+    w.runner.start_data()
+    w.ckpt = AsyncCheckpointer(
+        w.storage, w.root, w.rank, w.world_size, w.strategy.name, w.ckpt_pg,
+        w.job.checkpoint.persist_retries, w.job.checkpoint.persist_retry_backoff_s,
+        w.job.checkpoint.num_to_keep,
+        data_order={"global_batch_size": w.job.train.global_batch_size, "seed": w.job.run.seed,
+                    "num_samples": len(w.dataset)},
+        may_write=lambda gen=w.generation: fencing.may_write(w.storage, w.root, gen),
+        # Half the checkpoint group's collective timeout: a rank that waits the whole bound
+        # still meets its peers in the agreement's all-reduce before that times out.
+        after=w.book.still_abandoned(), wait_timeout_s=w.job.failure.collective_timeout_s / 2,
+        staged=w.staging)
+    w.staging = None
+    w.set_progress(step=w.step, status="restored", step_end=None, first_step_end=None)

@@ -1,0 +1,392 @@
+"""One training step of one rank: the batches it reads (its share of the global order, cut into
+micro-batches, read ahead), forward and backward through the strategy, the step's statistics
+summed over the whole world in one collective (`StepStats`), and the update every rank decides
+the same way from them (clipping, fp16 loss scaling, bad steps).
+
+The worker's run loop calls `StepRunner.train_step` once per step and acts on the flags it
+returns (a stop, a checkpoint to skip or to save again); the runner keeps what the step reports
+(compute times, the sample ledger, skipped steps) until the next poll.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from elastic.checkpoint.retry import PEER_LOST
+from elastic.config import batch_plan
+from elastic.data.prefetch import Prefetcher, collate
+from elastic.runtime import chaos
+from elastic.runtime.compute_clock import ComputeClock
+
+if TYPE_CHECKING:
+    from elastic.runtime.worker import Worker
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """RNG seed for one rank's step. RNG state is a function of (seed, step, rank), so a
+    restored run draws exactly what the uninterrupted run drew, with nothing extra to save."""
+    return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, hung past the backstop, or the group was torn down."""
+
+
+class BadStep(RuntimeError):
+    """A step's loss or gradient was not finite and train.bad_step says stop (the user's to fix)."""
+
+
+class RollBack(Exception):
+    """train.bad_step=rollback: bad_step_limit bad steps in a row; the controller restores."""
+
+    def __init__(self, bad_steps: list[int]):
+        super().__init__(f"bad steps {bad_steps}")
+        self.bad_steps = bad_steps
+
+
+LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000  # fp16 dynamic loss scaling, as torch's GradScaler
+
+
+# A lost peer (as the checkpointer recognises it) or any error raised by the transport itself.
+_TRANSPORT_ERRORS = PEER_LOST + ("gloo/transport", "nccl", "process group", "processgroup")
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """A failure of the group rather than of the user's code. FSDP all-gathers and reduce-scatters
+    inside forward and backward, so a peer's death surfaces there, as a plain RuntimeError from
+    the transport; it must not be mistaken for a bug in the model (which is never retried)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in text for m in _TRANSPORT_ERRORS)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step's statistics, summed over the whole world, as every rank reads them.
+
+    They travel as one tensor in one all-reduce (or riding on the gradients' own reduction, see
+    `flags`): a collective of their own would cost a meeting of the ranks per step, and one sum in
+    a fixed order keeps every rank's copy bit-identical. The slots below are the only place that
+    knows the tensor's layout."""
+
+    # The slots of the statistics tensor, in its order.
+    LOSS = 0  # this rank's loss (sum over the world: divide by strategy.loss_ranks)
+    STOP = 1  # 1 on a rank asked to stop (request_stop)
+    BUSY = 2  # 1 on a rank whose previous persist still runs
+    BAD_LOSS = 3  # 1 on a rank whose loss is not finite
+    BAD_GRADS = 4  # 1 where the squared gradient norm is not finite
+    GRAD_SUMSQ = 5  # this rank's part of the squared gradient norm
+    OWE = 6  # 1 on a rank that owes a checkpoint (a persist failed on storage; its wait is over)
+
+    loss_sum: float
+    stop: bool  # some rank was asked to stop: every rank stops after this step
+    persist_busy: bool  # some rank's persist is still in flight: every rank skips a checkpoint due now
+    bad_loss: bool
+    bad_grads: bool
+    owe: bool  # some rank owes a checkpoint: every rank saves again after this step
+
+    @staticmethod
+    def flags(loss: torch.Tensor, stop: torch.Tensor, busy: torch.Tensor, owe: torch.Tensor) -> torch.Tensor:
+        """What is known before the gradients are: slots LOSS, STOP, BUSY, BAD_LOSS and OWE, in
+        that order. A strategy whose gradient reduction spans the whole world sums this in place
+        on the same group (`Strategy.reduce_gradients(extra=...)`)."""
+        return torch.stack([loss, stop, busy, (~torch.isfinite(loss)).float(), owe])
+
+    @staticmethod
+    def tensor(flags: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
+        """The whole statistics tensor: `flags` with BAD_GRADS and GRAD_SUMSQ in their slots."""
+        return torch.cat([flags[:4], torch.stack([(~torch.isfinite(sumsq)).float(), sumsq]), flags[4:]])
+
+    @classmethod
+    def read(cls, host: torch.Tensor) -> StepStats:
+        """The summed tensor's host copy, by name."""
+        return cls(loss_sum=host[cls.LOSS].item(), stop=host[cls.STOP].item() > 0,
+                   persist_busy=host[cls.BUSY].item() > 0, bad_loss=host[cls.BAD_LOSS].item() > 0,
+                   bad_grads=host[cls.BAD_GRADS].item() > 0, owe=host[cls.OWE].item() > 0)
+
+
+class StepRunner:
+    """Trains one step at a time on the worker's model, optimizer and strategy (`worker`)."""
+
+    def __init__(self, worker: Worker, lock: threading.Lock):
+        self.w = worker
+        self._lock = lock  # the worker's: poll() drains what the step reports
+        self.skip_steps: set[int] = set()  # steps (1-based) to train without an update (after a rollback)
+        self._bad_in_a_row: list[int] = []  # consecutive bad steps so far
+        # Reported by the next poll: (step, why) of steps that made no update; per step, the
+        # rank's own compute seconds and the global mean loss; the sample ledger, if enabled.
+        self.skipped: list[tuple[int, str]] = []
+        self.compute_log: list[tuple[int, float, float]] = []
+        self.ledger: list[tuple[int, int, int, list[int]]] = []  # (step, world, replica, sample ids)
+        self.micro = 0  # this run's per-rank micro-batch (0: the rank's whole share at once)
+        self._pool = None  # train.prefetch: the thread that collates the next step's batches
+        self._ahead: dict = {}  # this step's prefetched batches: micro-batch sample ids -> future
+        self._upcoming: dict = {}  # the next step's
+        self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
+
+    def take(self) -> tuple[list[tuple[int, float, float]], list[tuple], list[tuple[int, str]]]:
+        """(compute log, ledger, skipped steps) since the last take, emptied. The caller holds
+        the lock."""
+        out = self.compute_log, self.ledger, self.skipped
+        self.compute_log, self.ledger, self.skipped = [], [], []
+        return out
+
+    # ---------------------------------------------------------------- the step
+    def train_step(self, micro: int) -> StepStats:
+        """Step `worker.step + 1`: forward, backward, the statistics agreed, the update."""
+        w = self.w
+        tr = w.job.train
+        t_start = time.perf_counter()
+        clock = ComputeClock(w.device)  # the rank's own work, on a GPU too (see compute_clock)
+        clock.start()
+        seed = step_seed(w.job.run.seed, w.step, w.rank)
+        # The CPU generator, and on a GPU this process's one device's: all a step draws from.
+        # torch.manual_seed would also queue lazy XPU/MTIA seeding (and on a CPU, CUDA's),
+        # formatting the Python stack each time: up to 0.3 ms a step in a Ray actor's deep
+        # stack, against 1 us for this (measured on CPU). Ray shows a worker one GPU.
+        torch.default_generator.manual_seed(seed)
+        if w.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        # The data slice follows the rank's replica (its dp coordinate): every stage of a pipeline
+        # replica works on the same samples; ddp and fsdp ranks are each a replica.
+        lay = w.layout
+        replica = lay.replica_of(w.rank)
+        idx = w.order.rank_indices(w.step, tr.global_batch_size, lay.dp, replica)
+        w.optimizer.zero_grad(set_to_none=True)
+        self._prefetch_next(micro)
+        stop_flag = 1.0 if w.stop_requested else 0.0
+        busy_flag = 1.0 if w.ckpt is not None and w.ckpt.in_flight() else 0.0
+        loss_fn = w.fns["stage_loss"] if tr.strategy == "pipeline" else w.fns["loss"]
+        scale = w.amp["scale"] if w.amp else None
+        if scale is not None:  # fp16: scale the loss so small gradients survive; unscaled below
+            loss_fn = _scaled(loss_fn, scale)
+        try:
+            with torch.autocast(w.device.type, dtype=_AUTOCAST[tr.precision], enabled=tr.precision != "fp32"):
+                local_loss = w.strategy.train_step(w.model, idx, self._load, loss_fn, micro)
+            local_loss = local_loss.float().to(w.device)
+        except Exception as e:
+            if is_collective_failure(e):
+                raise CollectiveError(f"{type(e).__name__}: {e}") from e
+            raise
+        finally:
+            self._ahead, self._upcoming = self._upcoming, {}  # what was not used is not kept
+        if scale is not None:
+            local_loss = local_loss / scale
+        if w.slow_factor > 1.0:
+            if w.device.type == "cuda":  # a chaos drill only: slow by the work done, not by its launch
+                torch.cuda.synchronize(w.device)
+            chaos.busy_wait((w.slow_factor - 1.0) * (time.perf_counter() - t_start))
+        clock.stop()
+        try:
+            # The step's statistics, summed over the whole world: every rank agrees on the stop,
+            # whatever its stage. The host's flags join them by fill kernels, not by a copy: a copy
+            # from a Python list to a GPU synchronises the stream (PyTorch waits for a pageable
+            # copy), so it would hold the host here until backward had finished.
+            owe_flag = 1.0 if w.book.owes_now() else 0.0
+            stop, busy, owe = (torch.full((), f, device=w.device) for f in (stop_flag, busy_flag, owe_flag))
+            check_grads = tr.clip_grad_norm is not None or scale is not None
+            # Where every rank ends with the whole gradient (ddp), its norm needs no collective, and
+            # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
+            # rank's part joins the statistics in one all-reduce after the reduction.
+            flags = StepStats.flags(local_loss, stop, busy, owe)
+            ride = w.strategy.whole_grads_everywhere or not check_grads
+            carried = w.strategy.reduce_gradients(w.model, flags if ride else None) is not None
+            grads = w.strategy.local_grads(w.model)
+            if scale is not None:
+                torch._foreach_mul_(grads, 1.0 / scale)
+            sumsq = _sum_of_squares(grads, w.device) if check_grads else torch.zeros((), device=w.device)
+            stats = StepStats.tensor(flags, sumsq)
+            if not carried:
+                dist.all_reduce(stats)
+            norm_sq = sumsq if carried else stats[StepStats.GRAD_SUMSQ] / w.strategy.grad_copies
+        except (RuntimeError, dist.DistError) as e:
+            raise CollectiveError(f"{type(e).__name__}: {e}") from e
+        grad_norm = norm_sq.sqrt()
+        # Every decision below reads one host copy: on a GPU each read of a device tensor is a
+        # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
+        agreed = StepStats.read(stats.cpu())
+        compute_s = clock.seconds()  # on a GPU, read now that the host copy has synchronised the stream
+        self._update(tr, grads, agreed, grad_norm)
+        w.set_progress(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or w.amp else None)
+        w.step += 1
+        if w.scheduler is not None:
+            w.scheduler.step()  # once per step, skipped or not: the schedule is a function of the step
+        loss = agreed.loss_sum / w.strategy.loss_ranks
+        with self._lock:
+            self.compute_log.append((w.step, compute_s, loss))
+            if w.job.run.sample_ledger and lay.stage_of(w.rank) == 0:
+                self.ledger.append((w.step, lay.dp, replica, idx))
+        now = time.time()
+        w.set_progress(step=w.step, loss=loss, step_end=now,
+                       step_s=time.perf_counter() - t_start, compute_s=compute_s,
+                       first_step_end=w._progress.get("first_step_end") or now)
+        return agreed
+
+    def _update(self, tr, grads: list[torch.Tensor], stats: StepStats, grad_norm: torch.Tensor) -> None:
+        """The optimizer step of step `worker.step + 1`, decided the same way on every rank from the
+        all-reduced stats: skipped after a rollback, after an fp16 overflow (the loss scale backs
+        off), or for a non-finite loss or gradient (train.bad_step); clipped to the global norm."""
+        w = self.w
+        step = w.step + 1
+        bad_loss, bad_grads = stats.bad_loss, stats.bad_grads
+        if step in self.skip_steps:
+            self._skip(step, "rolled back: this batch is skipped")
+            return
+        if w.amp and bad_grads and not bad_loss:
+            w.amp["scale"].mul_(0.5)
+            w.amp["good_steps"].zero_()
+            self._skip(step, "fp16 overflow: loss scale halved")
+            return
+        if bad_loss or bad_grads:
+            what = "loss" if bad_loss else "gradient norm"
+            if tr.bad_step == "raise":
+                raise BadStep(f"step {step}: non-finite {what} on some rank (train.bad_step=raise)")
+            self._bad_in_a_row.append(step)
+            self._skip(step, f"non-finite {what} (train.bad_step={tr.bad_step})")
+            if len(self._bad_in_a_row) >= tr.bad_step_limit:
+                if tr.bad_step == "skip":
+                    raise BadStep(f"steps {self._bad_in_a_row}: {len(self._bad_in_a_row)} bad steps in a row "
+                                  f"(train.bad_step_limit={tr.bad_step_limit}); last: non-finite {what}")
+                raise RollBack(list(self._bad_in_a_row))
+            return
+        self._bad_in_a_row = []
+        if tr.clip_grad_norm is not None:
+            coef = tr.clip_grad_norm / (grad_norm + 1e-6)
+            if coef < 1:
+                torch._foreach_mul_(grads, coef)
+        w.optimizer.step()
+        if w.amp:
+            w.amp["good_steps"].add_(1)
+            if int(w.amp["good_steps"]) >= LOSS_SCALE_GROWTH_INTERVAL:
+                w.amp["scale"].mul_(2.0)
+                w.amp["good_steps"].zero_()
+
+    def _skip(self, step: int, why: str) -> None:
+        with self._lock:
+            self.skipped.append((step, why))
+
+    def calibrate(self, reps: int = 5) -> float | None:
+        """Best compute time of one rank's share of a step (forward + backward) on this process,
+        after one untimed warm-up: how fast a spare can be, measured before it is trusted with a
+        rank. The best of several, not the median: other processes on the machine (a group
+        restoring, training beside it) only ever add time, and a spare that is slow itself is
+        slow in every repetition. None for a pipeline (a stage's compute needs its peers)."""
+        w = self.w
+        tr = w.job.train
+        if tr.strategy == "pipeline":
+            return None
+        per_rank = tr.global_batch_size // w.job.scaling.num_workers
+        micro, _ = batch_plan(tr.global_batch_size, w.job.scaling.num_workers, tr.micro_batch_size)
+        idx = list(range(min(per_rank, len(w.dataset))))
+        times = []
+        for _ in range(reps + 1):
+            clock = ComputeClock(w.device)  # the work, not its launch (see compute_clock)
+            clock.start()
+            for i in range(0, len(idx), micro):
+                batch = to_device(default_collate([w.dataset[j] for j in idx[i:i + micro]]), w.device)
+                w.fns["loss"](w.model, batch).backward()
+            clock.stop()
+            times.append(clock.seconds() * w.slow_factor)
+        w.model.zero_grad(set_to_none=True)
+        return min(times[1:])  # the first allocates gradients and warms caches: not timed
+
+    # ---------------------------------------------------------------- data
+    def micro_batch(self) -> int:
+        """This rank's micro-batch at the current world size (0 for a pipeline: it splits each
+        replica's share into train.pipeline.microbatches itself)."""
+        tr = self.w.job.train
+        if tr.strategy == "pipeline":
+            return 0
+        return batch_plan(tr.global_batch_size, self.w.world_size, tr.micro_batch_size)[0]
+
+    def start_data(self) -> None:
+        """Data workers (train.data_workers) start reading at the restored step during the
+        restore: their start is seconds (each imports torch), which the first step must not be
+        charged with (the controller would take it for a hang)."""
+        w = self.w
+        tr = w.job.train
+        if not tr.data_workers or not w.strategy.needs_data:
+            return
+        self.micro = self.micro_batch()
+        if self._loader is None:
+            self._loader = Prefetcher(w.dataset, tr.data_workers, tr.data_prefetch_factor, tr.data_workers_start,
+                                      pin_memory=w.device.type == "cuda")
+        self._loader.start(w.step, self._batch_keys)
+
+    def _load(self, ids: list[int]):
+        """The collated batch of global sample ids, on this rank's device: read ahead if it was
+        (by the data workers, or the train.prefetch thread), else read now. A dataset that reads a batch at once (`__getitems__`, as
+        torch's DataLoader uses) does."""
+        batch = None
+        if self._loader is not None:  # train.data_workers (started by the restore)
+            batch = self._loader.get(self.w.step, ids, self._batch_keys)
+        else:
+            ahead = self._ahead.pop(tuple(ids), None)
+            batch = ahead.result() if ahead is not None else None
+        if batch is None:
+            batch = self._collate(ids)
+        return to_device(batch, self.w.device)
+
+    def _batch_keys(self, step: int) -> list[tuple[int, tuple[int, ...]]]:
+        """The (step, sample ids) of each batch this rank reads in `step`, in the order it reads
+        them (its share of the global order, cut into micro-batches): the data workers' plan."""
+        w = self.w
+        lay, tr = w.layout, w.job.train
+        ids = w.order.rank_indices(step, tr.global_batch_size, lay.dp, lay.replica_of(w.rank))
+        m = self.micro or len(ids)
+        return [(step, tuple(ids[i:i + m])) for i in range(0, len(ids), m)]
+
+    def _collate(self, ids: list[int]):
+        return collate(self.w.dataset, ids)
+
+    def _prefetch_next(self, micro: int) -> None:
+        """Start on the next step's samples while this step computes: same ids, same order, only
+        earlier. train.prefetch collates them on a background thread (in this step's micro-batch
+        chunks); a dataset that can read ahead itself (`prefetch(ids)`, e.g. ParquetDataset)
+        is told which rows come next."""
+        w = self.w
+        if not w.strategy.needs_data or w.job.train.data_workers:
+            return  # data workers read ahead on their own
+        lay, tr = w.layout, w.job.train
+        nxt = w.order.rank_indices(w.step + 1, tr.global_batch_size, lay.dp, lay.replica_of(w.rank))
+        if tr.prefetch:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-prefetch")
+            self._upcoming = {tuple(c): self._pool.submit(self._collate, c)
+                              for c in ([nxt[i:i + micro] for i in range(0, len(nxt), micro)] if micro else [nxt])}
+        elif hasattr(w.dataset, "prefetch"):
+            w.dataset.prefetch(nxt)
+
+
+_AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _scaled(loss_fn, scale: torch.Tensor):
+    return lambda *args: loss_fn(*args) * scale
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum().to(device)
+
+
+def to_device(batch, device: torch.device):
+    """Move a collated batch (tensors, possibly nested in tuples/lists/dicts) to the device."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
