@@ -39,16 +39,16 @@ def test_a_stop_requested_before_run_starts_is_kept(worker):
     run() used to reset the flag, so that stop was lost and the planned change waited forever."""
     worker.request_stop(generation=1)
     out = worker.run(20, [])
-    assert out["status"] == "stopped" and out["step"] == 1
+    assert out.status == "stopped" and out.step == 1
 
 
 def test_a_stop_of_an_older_generation_is_ignored_and_a_new_group_clears_a_pending_one(worker):
     worker.request_stop(generation=0)  # stale: meant for a group that no longer exists
-    assert worker.run(3, [])["status"] == "done"
+    assert worker.run(3, []).status == "done"
     worker.request_stop(generation=1)
     worker.join("127.0.0.1", _port(), 0, 1, generation=2)  # a stop belongs to the group it was asked in
     worker.restore([])
-    assert worker.run(3, [])["status"] == "done"
+    assert worker.run(3, []).status == "done"
 
 
 
@@ -60,7 +60,7 @@ def test_a_model_replaced_by_a_restore_is_freed(worker):
     import weakref
 
     param = weakref.ref(next(worker.model.parameters()))
-    assert worker.run(3, [])["status"] == "done"  # gradients and AdamW state exist
+    assert worker.run(3, []).status == "done"  # gradients and AdamW state exist
     worker.join("127.0.0.1", _port(), 0, 1, generation=2)
     worker.restore([])
     gc.collect()
@@ -82,13 +82,13 @@ def test_what_set_up_left_alive_is_frozen_and_what_training_builds_is_not(worker
 def test_a_restore_whose_checkpoints_all_fail_to_load_does_not_start_from_step_0(worker, tmp_path):
     """Committed checkpoints that do not load (storage out after the listing) used to give a fresh
     init at step 0, silently; now the rank says none loaded and the controller decides."""
-    assert worker.run(3, [])["status"] == "done"
+    assert worker.run(3, []).status == "done"
     worker.join("127.0.0.1", _port(), 0, 1, generation=2)
     gone = f"file://{tmp_path}/w/checkpoints/step_000000002"  # listed, then unreadable
     out = worker.restore([gone])
-    assert out["source"] == "none loaded" and out["uri"] is None
-    assert [u for u, _ in out["skipped"]] == [gone]
-    assert worker.restore([])["source"] == "init"  # no checkpoint at all: a fresh start, as before
+    assert out.source == "none loaded" and out.uri is None
+    assert [u for u, _ in out.skipped] == [gone]
+    assert worker.restore([]).source == "init"  # no checkpoint at all: a fresh start, as before
 
 
 def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not_the_next_checkpoint_step(tmp_path):
@@ -113,17 +113,17 @@ def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not
     w.restore([])
     try:
         fs.failures = 10 ** 6  # every write fails: storage is out
-        assert w.run(6, [])["status"] == "done"  # step 5's checkpoint, and the end's (6), fail
-        failed = w.poll()["persists"]
-        assert [(p["step"], p["committed"]) for p in failed] == [(5, False), (6, False)]
-        assert "storage unavailable" in failed[0]["error"]
+        assert w.run(6, []).status == "done"  # step 5's checkpoint, and the end's (6), fail
+        failed = w.poll().persists
+        assert [(p.step, p.committed) for p in failed] == [(5, False), (6, False)]
+        assert "storage unavailable" in failed[0].error
         fs.failures = 0  # storage is back
-        assert w.run(9, [])["status"] == "done"
+        assert w.run(9, []).status == "done"
         out = w.poll()
-        assert out["retried"] == [7]  # the first step trained once the failure was known
-        assert [(p["step"], p["committed"]) for p in out["persists"]] == [(7, True), (9, True)]  # 9: the end
+        assert out.retried == (7,)  # the first step trained once the failure was known
+        assert [(p.step, p.committed) for p in out.persists] == [(7, True), (9, True)]  # 9: the end
         assert [c.step for c in committed_checkpoints(Storage(uri), root)] == [9, 7]
-        assert w.run(12, [])["status"] == "done" and w.poll()["retried"] == []  # settled: no more retries
+        assert w.run(12, []).status == "done" and w.poll().retried == ()  # settled: no more retries
     finally:
         fs.failures = 0
         w.leave()

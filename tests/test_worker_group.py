@@ -24,6 +24,7 @@ from elastic.config import JobConfig
 from elastic.runtime.heartbeat import Sidecar
 from elastic.policies.failure import FORMATION_SILENCE
 from elastic.group.worker_group import GroupError, Member, WorkerGroup
+from elastic.protocol import AbortResult
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,9 +52,9 @@ class FormationMember:
         time.sleep(self.ping_s)
         return True
 
-    def abort(self, generation: int) -> dict:
+    def abort(self, generation: int) -> AbortResult:
         self.cut.set()
-        return {"aborted": True}
+        return AbortResult(aborted=True)
 
     def calibrate(self) -> float:
         time.sleep(self.ping_s)

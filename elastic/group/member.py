@@ -4,7 +4,7 @@ for sure (`kill_member`). Shared by the group (elastic/group/worker_group.py) an
 (elastic/group/spares.py).
 
 A failed call is reported as a why: free text for the event log ("unresponsive", "process_died",
-"error: ValueError: ..."). `cause_of` reads the cause back from it.
+"error: ValueError: ..."). `cause_of` reads the `LostCause` back from it.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic.protocol import LostCause
 
 
 class GroupError(RuntimeError):
@@ -38,10 +40,13 @@ class Member:
     hb_port: int | None = None  # its heartbeat sidecar's UDP port on `ip` (elastic/heartbeat.py); None: none
 
 
-def cause_of(why: str) -> str:
+_GONE_OR_SILENT = (LostCause.NODE_DIED, LostCause.PROCESS_DIED, LostCause.UNREACHABLE, LostCause.UNRESPONSIVE)
+
+
+def cause_of(why: str) -> LostCause:
     """A rank's reason reduced to its cause: gone (node_died, process_died, unreachable),
     silent (unresponsive), or alive but failed ("error")."""
-    return why if why in ("node_died", "process_died", "unreachable", "unresponsive") else "error"
+    return LostCause(why) if why in _GONE_OR_SILENT else LostCause.ERROR
 
 
 def short_reason(e: BaseException) -> str:
@@ -50,27 +55,29 @@ def short_reason(e: BaseException) -> str:
     return str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
 
 
-def death_cause(e: BaseException) -> str:
+def death_cause(e: BaseException) -> LostCause:
     if isinstance(e, ActorUnavailableError):
-        return "unreachable"  # its RPC socket closed: the process, or the whole node, is gone
+        return LostCause.UNREACHABLE  # its RPC socket closed: the process, or the whole node, is gone
     text = str(e).lower()
     # Ray words node loss as "...because its node has died" / "node ... is dead".
     if "its node has died" in text or "node has died" in text or "because its node" in text:
-        return "node_died"
-    return "process_died"
+        return LostCause.NODE_DIED
+    return LostCause.PROCESS_DIED
 
 
 def gather(refs: dict[int, "ray.ObjectRef"], timeout_s: float) -> tuple[dict[int, object], dict[int, str]]:
-    """Results by rank, and {rank: why} for errors and timeouts, waiting at most timeout_s in all."""
+    """Results by rank, and {rank: why} for errors and timeouts, waiting at most timeout_s in all.
+    A why is plain text, a cause as its value: a message that prints the dict reads "unresponsive",
+    never the enum's repr."""
     deadline = time.monotonic() + timeout_s
     ok, bad = {}, {}
     for r, ref in refs.items():
         try:
             ok[r] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except GetTimeoutError:
-            bad[r] = "unresponsive"
+            bad[r] = LostCause.UNRESPONSIVE.value
         except RayActorError as e:
-            bad[r] = death_cause(e)
+            bad[r] = death_cause(e).value
         except Exception as e:  # noqa: BLE001 - a worker method raised
             bad[r] = f"error: {type(e).__name__}: {str(e)[:300]}"
     return ok, bad

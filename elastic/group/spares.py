@@ -16,6 +16,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.group.member import GroupError, Member, gather, kill_member
+from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
 from elastic.runtime.worker import Worker
 
@@ -147,14 +148,14 @@ class SparePool:
             self._on_demand.discard(ref)
             self._background.discard(ref)
             try:
-                info = ray.get(ref)
+                info: WorkerInfo = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a spare that died while warming is just gone
                 lost.append(f"spare died while warming: {type(e).__name__}")
                 ray.kill(h, no_restart=True)
                 continue
-            self.ready_spares.append(Member(-1, h, info["node_id"], info["ip"], info["pid"], info.get("calib_s"),
-                                            on_demand, info.get("hb_port")))
-            self.newly_ready.append((info["node_id"][:12], info["pid"], bool(info.get("started_low"))))
+            self.ready_spares.append(Member(-1, h, info.node_id, info.ip, info.pid, info.calib_s,
+                                            on_demand, info.hb_port))
+            self.newly_ready.append((info.node_id[:12], info.pid, info.started_low))
         return lost
 
     def check_spares(self, timeout_s: float) -> list[str]:
@@ -216,7 +217,7 @@ class SparePool:
             return True
         self.ready_spares.remove(m)
         kill_member(m)
-        if bad[0] != "process_died":
+        if bad[0] != LostCause.PROCESS_DIED:
             self.suspect(m.node_id)
         self.lost_spares.append(f"spare on node {m.node_id[:12]} {bad[0]} when it was to take a rank")
         return False

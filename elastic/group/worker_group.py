@@ -3,7 +3,8 @@
 The group does mechanics only (start, form, restore, run, poll, kill), each
 with a timeout; it never decides what to do about a failure. Its spares and suspect
 nodes are elastic/group/spares.py's (`SparePool`, its base); what it knows of each
-member and how it reads a failed call, elastic/group/member.py's.
+member and how it reads a failed call, elastic/group/member.py's. The workers answer
+with the typed messages of elastic/protocol.py, passed on to the controller as they are.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ray.exceptions import RayActorError
 from elastic.group.member import GroupError, Member, cause_of, death_cause, gather, kill_member, short_reason
 from elastic.group.spares import SparePool
 from elastic.policies.failure import formation_silent
+from elastic.protocol import LostCause, PollReport, RestoreResult, RunResult
 from elastic.runtime.heartbeat import Heartbeats
 
 __all__ = ["WorkerGroup", "GroupError", "Member", "cause_of"]
@@ -43,8 +45,7 @@ class WorkerGroup(SparePool):
             raise GroupError(f"could not start workers for ranks {sorted(bad)} within {timeout_s:.0f}s: "
                              f"{bad}; is there a free slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", bad)
         for r, info in infos.items():
-            self.members[r] = Member(r, handles[r], info["node_id"], info["ip"], info["pid"],
-                                     hb_port=info.get("hb_port"))
+            self.members[r] = Member(r, handles[r], info.node_id, info.ip, info.pid, hb_port=info.hb_port)
 
     def request_stop(self, generation: int, timeout_s: float) -> dict[int, int]:
         out, bad = gather({r: m.handle.request_stop.remote(generation) for r, m in self.members.items()}, timeout_s)
@@ -89,7 +90,7 @@ class WorkerGroup(SparePool):
                 try:
                     ray.get(ref)
                 except RayActorError as e:
-                    bad[r] = death_cause(e)
+                    bad[r] = death_cause(e).value
                 except Exception as e:  # noqa: BLE001 - join raised: a peer failed, or the rendezvous timed out
                     bad[r] = f"error: {type(e).__name__}: {str(e)[:300]}"
             # A member that stops answering (its machine stopped) would hold everyone for the whole
@@ -110,10 +111,10 @@ class WorkerGroup(SparePool):
                         polls.pop(r)
                         slowest = max(slowest, now - ref_sent[1])
                     except RayActorError as e:
-                        bad[r] = death_cause(e)
+                        bad[r] = death_cause(e).value
                 elif formation_silent(now - ref_sent[1], beats.get(r), ping_timeout_s):
-                    bad[r] = "unresponsive"
-            if any(cause_of(w) != "error" for w in bad.values()):
+                    bad[r] = LostCause.UNRESPONSIVE.value
+            if any(cause_of(w) != LostCause.ERROR for w in bad.values()):
                 break  # someone is gone: the rest cannot complete; cut their rendezvous
         if pending and bad:
             self.abort_all(generation, ping_timeout_s * 3, only=[r for r in pending.values() if r not in bad])
@@ -126,7 +127,7 @@ class WorkerGroup(SparePool):
                     pass
                 bad.setdefault(r, "error: peer failed during formation")
         for r in pending.values():
-            bad.setdefault(r, "unresponsive")
+            bad.setdefault(r, LostCause.UNRESPONSIVE.value)
         if bad:
             raise GroupError(f"process group formation failed for ranks {sorted(bad)}: {bad}", bad)
         return slowest
@@ -140,14 +141,15 @@ class WorkerGroup(SparePool):
                          if r in self.members}, timeout_s)
         return bad
 
-    def restore(self, candidates: list[str], timeout_s: float) -> dict[int, dict]:
+    def restore(self, candidates: list[str], timeout_s: float) -> dict[int, RestoreResult]:
         return self._all("restore", timeout_s, candidates)
 
-    def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple[int, ...] = ()) -> dict[int, dict]:
+    def restore_from_peer(self, src_rank: int, timeout_s: float,
+                          stage_sources: tuple[int, ...] = ()) -> dict[int, RestoreResult]:
         return self._all("restore_from_peer", timeout_s, src_rank, list(stage_sources))
 
     def restore_from_shards(self, offers: dict[int, "ray.ObjectRef"], old_world: int,
-                            timeout_s: float, old_pp: int = 1) -> dict[int, dict]:
+                            timeout_s: float, old_pp: int = 1) -> dict[int, RestoreResult]:
         # Parts kept by a process that is a member again move rank to rank: old part -> its new rank.
         where = {(m.node_id, m.pid): r for r, m in self.members.items()}
         holders = {p: where.get(key) for p, key in self._kept_by.items()}
@@ -174,7 +176,8 @@ class WorkerGroup(SparePool):
         late = [r for r, ref in refs.items() if ref not in ready]
         return refs, late
 
-    def _all(self, method: str, timeout_s: float, *args) -> dict[int, dict]:
+    def _all(self, method: str, timeout_s: float, *args) -> dict:
+        """`method` called on every member: its answers by rank (typed: RestoreResult, ...)."""
         refs = {r: getattr(m.handle, method).remote(*args) for r, m in self.members.items()}
         out, bad = gather(refs, timeout_s)
         if bad:
@@ -182,7 +185,8 @@ class WorkerGroup(SparePool):
         return out
 
     @staticmethod
-    def collect_runs(refs: dict[int, "ray.ObjectRef"], timeout_s: float) -> tuple[dict[int, dict], dict[int, tuple]]:
+    def collect_runs(refs: dict[int, "ray.ObjectRef"], timeout_s: float
+                     ) -> tuple[dict[int, RunResult], dict[int, tuple[LostCause, str]]]:
         """The run() calls in `refs` that returned within `timeout_s` (removed from `refs`):
         ({rank: result}, {rank: (cause, detail)} for ranks whose actor died)."""
         if not refs:
@@ -204,13 +208,13 @@ class WorkerGroup(SparePool):
         self._polls.clear()  # an answer to a poll sent before a recovery describes the old group
         return {r: m.handle.run.remote(num_steps, faults, list(skip_steps)) for r, m in self.members.items()}
 
-    def drain_polls(self, timeout_s: float) -> dict[int, dict]:
+    def drain_polls(self, timeout_s: float) -> dict[int, PollReport]:
         """Answers of the polls still in flight (they may carry the last persist reports)."""
         refs = {r: ref for r, (ref, _) in self._polls.items()}
         self._polls.clear()
         return gather(refs, timeout_s)[0]
 
-    def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
+    def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]:
         """Non-blocking poll for the run loop. Each member has at most one poll in flight; returns
         the answers that arrived, and {rank: why} for members that died or whose poll has been
         unanswered for longer than ping_timeout_s. A dead rank never blocks the loop."""
@@ -229,12 +233,12 @@ class WorkerGroup(SparePool):
                 answers[r] = ray.get(ref)
                 self.slowest_poll_answer_s = max(self.slowest_poll_answer_s, now - sent)
             except RayActorError as e:
-                silent[r] = death_cause(e)
+                silent[r] = death_cause(e).value
             except Exception as e:  # noqa: BLE001
                 silent[r] = f"error: {type(e).__name__}: {str(e)[:200]}"
         for r, (ref, sent) in self._polls.items():
             if now - sent > ping_timeout_s:
-                silent[r] = "unresponsive"
+                silent[r] = LostCause.UNRESPONSIVE.value
         return answers, silent
 
     def unanswered_s(self) -> dict[int, float]:
@@ -250,7 +254,7 @@ class WorkerGroup(SparePool):
         self.heartbeats.tick()
         return self.heartbeats.beats()
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, dict], dict[int, str]]:
+    def poll(self, timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]:
         """(answers by rank, {rank: why not} for those that died or did not answer in time)."""
         return gather({r: m.handle.poll.remote() for r, m in self.members.items()}, timeout_s)
 

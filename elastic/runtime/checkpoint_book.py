@@ -12,13 +12,14 @@ import time
 
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import owes_retry, retry_wait_s
+from elastic.protocol import PersistResult
 
 
 class CheckpointBook:
     def __init__(self, lock: threading.Lock, backoff_s: float):
         self._lock = lock
         self._backoff_s = backoff_s  # checkpoint.persist_retry_backoff_s
-        self.persists: list[dict] = []
+        self.persists: list[PersistResult] = []
         # Checkpointers of failed groups whose upload was still running when this rank left them:
         # reported on until done, and waited for by the next persist before it writes.
         self.abandoned: list[AsyncCheckpointer] = []
@@ -61,7 +62,7 @@ class CheckpointBook:
             for ck in (*self.abandoned, current):
                 if ck is not None:
                     results = ck.drain()
-                    self.persists.extend(r.__dict__ for r in results)
+                    self.persists.extend(results)
                     if ck is current:
                         for r in results:
                             self._note_persist(r.error)
@@ -76,9 +77,9 @@ class CheckpointBook:
             self.owe_at = time.monotonic() + retry_wait_s(self._backoff_s, self.owe_fails)
             self.owe_fails += 1
 
-    def take(self) -> tuple[list[dict], list[int], list[int], list[int]]:
+    def take(self) -> tuple[tuple[PersistResult, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(persists, deferred, retried, abandoned steps) since the last take, emptied. The caller
         holds the lock (poll() reads the rank's progress in the same instant)."""
-        out = self.persists, self.deferred, self.retried, self.abandoned_steps
+        out = tuple(self.persists), tuple(self.deferred), tuple(self.retried), tuple(self.abandoned_steps)
         self.persists, self.deferred, self.retried, self.abandoned_steps = [], [], [], []
         return out

@@ -5,7 +5,7 @@
 - shards (`offer` then `from_shards`): a sharded strategy's parts re-sharded in memory at a
   planned resize, through Ray's object store or rank to rank.
 
-Each returns what it restored and ends in `start_checkpointer`: the schedule caught up, data
+Each returns a `RestoreResult` and ends in `start_checkpointer`: the schedule caught up, data
 workers reading from the restored step, checkpoints from there. Functions of the worker (`w`).
 """
 from __future__ import annotations
@@ -24,13 +24,14 @@ from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import describe_failure
 from elastic.parallel import resharding
 from elastic.parallel.base import broadcast_tensors
+from elastic.protocol import RankStatus, RestoreResult
 from elastic.runtime import state
 
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
 
 
-def from_storage(w: Worker, candidates: list[str]) -> dict:
+def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
     """Storage path. Fresh model and optimizer from the seed, then the newest loadable
     checkpoint among `candidates` (committed folders, newest first). All ranks call this
     with the same list; DCP raises on every rank when any rank fails to read, so they move
@@ -59,18 +60,18 @@ def from_storage(w: Worker, candidates: list[str]) -> dict:
         loaded = uri
         break
     if loaded is None and candidates:
-        return {"step": w.step, "uri": None, "skipped": skipped, "restore_s": time.monotonic() - t0,
-                "source": "none loaded"}
+        return RestoreResult(step=w.step, source="none loaded", restore_s=time.monotonic() - t0, uri=None,
+                             skipped=tuple(skipped))
     if loaded is None:
         # Every rank builds the same init from the seed; broadcasting rank 0's copy makes that
         # an invariant rather than an assumption about the user's factory.
         state.build(w, sync_init=True)
     start_checkpointer(w)
-    return {"step": w.step, "uri": loaded, "skipped": skipped, "restore_s": time.monotonic() - t0,
-            "source": "storage" if loaded else "init"}
+    return RestoreResult(step=w.step, source="storage" if loaded else "init", restore_s=time.monotonic() - t0,
+                         uri=loaded, skipped=tuple(skipped))
 
 
-def from_peer(w: Worker, src_rank: int, stage_sources: list[int] | None = None) -> dict:
+def from_peer(w: Worker, src_rank: int, stage_sources: list[int] | None = None) -> RestoreResult:
     """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
     holds the newest state, through the new group. No storage read. A pipeline names one
     source per stage (`stage_sources[stage]`, a replica of that stage); a rank whose model
@@ -87,8 +88,8 @@ def from_peer(w: Worker, src_rank: int, stage_sources: list[int] | None = None) 
     if w.amp:
         broadcast_tensors([w.amp[k] for k in sorted(w.amp)], src, w.mesh.get_group("dp"))
     start_checkpointer(w)
-    return {"step": w.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0,
-            "source": f"peer rank {src}" if not stage_sources else f"stage replicas {list(stage_sources)}"}
+    return RestoreResult(step=w.step, restore_s=time.monotonic() - t0,
+                         source=f"peer rank {src}" if not stage_sources else f"stage replicas {list(stage_sources)}")
 
 
 def offer(w: Worker, publish: bool = True) -> dict:
@@ -106,7 +107,7 @@ def offer(w: Worker, publish: bool = True) -> dict:
 
 
 def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
-                holders: dict[int, int] | None = None) -> dict:
+                holders: dict[int, int] | None = None) -> RestoreResult:
     """Memory path of a sharded strategy: a fresh sharded build at the new world size, filled
     from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
     this rank's new shards overlap. No storage read. `holders` (old part -> new rank): parts
@@ -142,9 +143,9 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
     t = phase("load", t)
     start_checkpointer(w)
     phase("start_checkpointer", t)
-    return {"step": w.step, "uri": None, "skipped": [], "restore_s": time.monotonic() - t0, "phases": phases,
-            "source": f"re-sharded in memory from {old_world} ranks (read parts {parts}"
-                      f"{f', rank to rank from {sorted(holders)}' if holders else ''})"}
+    return RestoreResult(step=w.step, restore_s=time.monotonic() - t0, phases=phases,
+                         source=f"re-sharded in memory from {old_world} ranks (read parts {parts}"
+                                f"{f', rank to rank from {sorted(holders)}' if holders else ''})")
 
 
 def start_checkpointer(w: Worker) -> None:
@@ -164,4 +165,4 @@ def start_checkpointer(w: Worker) -> None:
         after=w.book.still_abandoned(), wait_timeout_s=w.job.failure.collective_timeout_s / 2,
         staged=w.staging)
     w.staging = None
-    w.set_progress(step=w.step, status="restored", step_end=None, first_step_end=None)
+    w.set_progress(step=w.step, status=RankStatus.RESTORED, step_end=None, first_step_end=None)

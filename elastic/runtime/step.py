@@ -21,6 +21,7 @@ from torch.utils.data import default_collate
 from elastic.checkpoint.retry import PEER_LOST
 from elastic.config import batch_plan
 from elastic.data.prefetch import Prefetcher, collate
+from elastic.protocol import LedgerEntry, StepRecord
 from elastic.runtime import chaos
 from elastic.runtime.compute_clock import ComputeClock
 
@@ -123,18 +124,18 @@ class StepRunner:
         # Reported by the next poll: (step, why) of steps that made no update; per step, the
         # rank's own compute seconds and the global mean loss; the sample ledger, if enabled.
         self.skipped: list[tuple[int, str]] = []
-        self.compute_log: list[tuple[int, float, float]] = []
-        self.ledger: list[tuple[int, int, int, list[int]]] = []  # (step, world, replica, sample ids)
+        self.compute_log: list[StepRecord] = []
+        self.ledger: list[LedgerEntry] = []
         self.micro = 0  # this run's per-rank micro-batch (0: the rank's whole share at once)
         self._pool = None  # train.prefetch: the thread that collates the next step's batches
         self._ahead: dict = {}  # this step's prefetched batches: micro-batch sample ids -> future
         self._upcoming: dict = {}  # the next step's
         self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
 
-    def take(self) -> tuple[list[tuple[int, float, float]], list[tuple], list[tuple[int, str]]]:
+    def take(self) -> tuple[tuple[StepRecord, ...], tuple[LedgerEntry, ...], tuple[tuple[int, str], ...]]:
         """(compute log, ledger, skipped steps) since the last take, emptied. The caller holds
         the lock."""
-        out = self.compute_log, self.ledger, self.skipped
+        out = tuple(self.compute_log), tuple(self.ledger), tuple(self.skipped)
         self.compute_log, self.ledger, self.skipped = [], [], []
         return out
 
@@ -220,9 +221,9 @@ class StepRunner:
             w.scheduler.step()  # once per step, skipped or not: the schedule is a function of the step
         loss = agreed.loss_sum / w.strategy.loss_ranks
         with self._lock:
-            self.compute_log.append((w.step, compute_s, loss))
+            self.compute_log.append(StepRecord(w.step, compute_s, loss))
             if w.job.run.sample_ledger and lay.stage_of(w.rank) == 0:
-                self.ledger.append((w.step, lay.dp, replica, idx))
+                self.ledger.append(LedgerEntry(w.step, lay.dp, replica, tuple(idx)))
         now = time.time()
         w.set_progress(step=w.step, loss=loss, step_end=now,
                        step_s=time.perf_counter() - t_start, compute_s=compute_s,

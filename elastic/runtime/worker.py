@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import traceback
+from dataclasses import replace
 from datetime import timedelta
 
 import ray
@@ -33,6 +34,7 @@ from elastic.runtime.faults import fire_fault
 from elastic.runtime.step import CollectiveError, RollBack, StepRunner
 from elastic.config import JobConfig
 from elastic.data.order import GlobalOrder, cursor_after
+from elastic.protocol import AbortResult, PollReport, RankStatus, RestoreResult, RunResult, RunStatus, WorkerInfo
 from elastic.storage import Storage
 from elastic.parallel.strategies import make_strategy
 from elastic.parallel.base import forget_old_meshes
@@ -65,8 +67,9 @@ class Worker:
         self.staging = None  # the last checkpointer's staging buffers, for the next one
         self._lock = threading.Lock()
         # What poll() reports of the rank's progress; the step runner writes it too (set_progress).
-        self._progress: dict = {"step": 0, "status": "idle", "loss": None, "step_end": None,
-                                "step_s": None, "compute_s": None}
+        self._progress: dict = {"step": 0, "status": RankStatus.IDLE, "loss": None, "step_end": None,
+                                "step_s": None, "compute_s": None, "first_step_end": None, "grad_norm": None,
+                                "ckpt_stall_s": None}
         self.book = CheckpointBook(self._lock, self.job.checkpoint.persist_retry_backoff_s)
         self.runner = StepRunner(self, self._lock)
         self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
@@ -94,15 +97,15 @@ class Worker:
         gc.freeze()
 
     # ---------------------------------------------------------------- identity
-    def info(self) -> dict:
+    def info(self) -> WorkerInfo:
         ctx = ray.get_runtime_context()
         ip = ray.util.get_node_ip_address()
         if self._sidecar is None and self.job.failure.heartbeat:
             # Answers the controller's heartbeat from outside this process (elastic/heartbeat.py);
             # None where it cannot run, and the controller then judges this rank by its polls.
             self._sidecar = heartbeat.start_sidecar(os.getpid(), ip) or False
-        return {"node_id": ctx.get_node_id(), "ip": ip, "pid": os.getpid(), "actor_id": ctx.get_actor_id(),
-                "hb_port": self._sidecar.port if self._sidecar else None}
+        return WorkerInfo(node_id=ctx.get_node_id(), ip=ip, pid=os.getpid(), actor_id=ctx.get_actor_id(),
+                          hb_port=self._sidecar.port if self._sidecar else None)
 
     def ping(self) -> bool:
         return True
@@ -152,20 +155,20 @@ class Worker:
         self._abort = collectives.capture(before, self.ckpt_pg, nccl=self.job.scaling.use_gpu, store_port=port)
         self.strategy = make_strategy(self.job.train, self.mesh, self.layout, rank)
         self.forget_old_meshes()
-        self.set_progress(status="joined", generation=generation)
+        self.set_progress(status=RankStatus.JOINED)
 
-    def abort(self, generation: int) -> dict:
+    def abort(self, generation: int) -> AbortResult:
         """Fail this rank's collectives of `generation` now (a peer went silent): run() returns
         "aborted" with the state of the last completed step, and the rank can join a new group.
         A stale request (an older generation) is ignored, so it can never cut a newer group."""
         if generation != self.generation:
-            return {"aborted": False, "reason": f"generation {self.generation}, not {generation}"}
+            return AbortResult(aborted=False, reason=f"generation {self.generation}, not {generation}")
         joining = self._joining
         if joining is not None:  # still forming this generation: cut its rendezvous
-            return {"aborted": True, "transports": collectives.cut_rendezvous(*joining), "running": False,
-                    "step": self.step}
+            return AbortResult(aborted=True, transports=collectives.cut_rendezvous(*joining), running=False,
+                               step=self.step)
         n = self._abort.abort() if self._abort is not None else 0
-        return {"aborted": True, "transports": n, "running": self._running.is_set(), "step": self.step}
+        return AbortResult(aborted=True, transports=n, running=self._running.is_set(), step=self.step)
 
     def forget_old_meshes(self) -> None:
         """Sharded tensors only: see strategies.base.forget_old_meshes (called in each thread)."""
@@ -196,7 +199,7 @@ class Worker:
         _destroy_group()
 
     # ---------------------------------------------------------------- state
-    def warm(self, calibrate: bool = True) -> dict:
+    def warm(self, calibrate: bool = True) -> WorkerInfo:
         """Build model and optimizer from the seed now, so that joining later costs only a
         rendezvous and a state transfer. Spares are warmed before they are needed. A worker
         started for a recovery in progress takes a rank at once: its calibration (a few steps'
@@ -206,7 +209,8 @@ class Worker:
         # Started beside training at the lowest priority (elastic/priority.py): built now, it
         # calibrates and later trains at the priority it had.
         low = priority.restore()
-        return {**self.info(), "calib_s": self.calibrate() if calibrate else None, "started_low": low}
+        info = self.info()
+        return replace(info, calib_s=self.calibrate() if calibrate else None, started_low=low)
 
     def restore_priority(self) -> bool:
         """A spare still warming at low priority is wanted by a recovery: finish at full priority."""
@@ -226,11 +230,11 @@ class Worker:
         return self.step
 
     # ---------------------------------------------------------------- restore (elastic/runtime/restore.py)
-    def restore(self, candidates: list[str]) -> dict:
+    def restore(self, candidates: list[str]) -> RestoreResult:
         """From storage: the newest of `candidates` that loads, or the fresh init if there are none."""
         return restore.from_storage(self, candidates)
 
-    def restore_from_peer(self, src_rank: int, stage_sources: list[int] | None = None) -> dict:
+    def restore_from_peer(self, src_rank: int, stage_sources: list[int] | None = None) -> RestoreResult:
         """From the memory of survivor `src_rank` (a pipeline: of `stage_sources[stage]`)."""
         return restore.from_peer(self, src_rank, stage_sources)
 
@@ -239,7 +243,7 @@ class Worker:
         return restore.offer(self, publish)
 
     def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1,
-                            holders: dict[int, int] | None = None) -> dict:
+                            holders: dict[int, int] | None = None) -> RestoreResult:
         """Re-sharded in memory from the old ranks' offers (`holders`: parts moved rank to rank)."""
         return restore.from_shards(self, offers, old_world, old_pp, holders)
 
@@ -248,15 +252,16 @@ class Worker:
         return state.digest(self)
 
     # ---------------------------------------------------------------- training
-    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = ()) -> dict:
-        """Train until `num_steps` steps are done. Returns {"status": "done" | "aborted" |
-        "user_error" | "rollback", ...}; a collective failure aborts (the controller decides what
-        next). `skip_steps`: steps trained without an update (the batches a rollback skips)."""
+    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = ()) -> RunResult:
+        """Train until `num_steps` steps are done. Returns how it ended (`RunStatus`: done,
+        stopped, aborted, user_error, rollback); a collective failure aborts (the controller
+        decides what next). `skip_steps`: steps trained without an update (the batches a
+        rollback skips)."""
         tr = self.job.train
         self.runner.skip_steps = set(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
         micro = self.runner.micro = self.runner.micro_batch()
-        self.set_progress(status="running")
+        self.set_progress(status=RankStatus.RUNNING)
         generation = self.generation
         self.forget_old_meshes()
         saved = self.step  # the restored state is in storage already, or is the fresh init
@@ -271,8 +276,8 @@ class Worker:
                     self._wait_persist()
                     self.book.collect(self.ckpt)
                     self.stop_requested = self._stop_agreed = False  # consumed
-                    self.set_progress(status="stopped")
-                    return {"status": "stopped", "step": self.step, "generation": generation}
+                    self.set_progress(status=RankStatus.STOPPED)
+                    return RunResult(RunStatus.STOPPED, self.step, generation)
                 for f in faults:
                     if f["rank"] == self.rank and f["at_step"] == self.step:
                         fire_fault(self, f)
@@ -298,47 +303,47 @@ class Worker:
         except RollBack as e:
             self._wait_persist()
             self.book.collect(self.ckpt)
-            self.set_progress(status="rollback")
-            return {"status": "rollback", "step": self.step, "bad_steps": e.bad_steps, "generation": generation}
+            self.set_progress(status=RankStatus.ROLLBACK)
+            return RunResult(RunStatus.ROLLBACK, self.step, generation, bad_steps=tuple(e.bad_steps))
         except CollectiveError as e:
-            self.set_progress(status="aborted")
+            self.set_progress(status=RankStatus.ABORTED)
             self._teardown_after_failure(generation)
             self._exit_if_fenced(generation)
-            return {"status": "aborted", "step": self.step, "error": str(e), "generation": generation}
+            return RunResult(RunStatus.ABORTED, self.step, generation, error=str(e))
         except Exception as e:  # noqa: BLE001 - the user's model/loss/data raised
-            self.set_progress(status="user_error")
+            self.set_progress(status=RankStatus.USER_ERROR)
             self._teardown_after_failure(generation)
-            return {"status": "user_error", "step": self.step, "generation": generation,
-                    "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            return RunResult(RunStatus.USER_ERROR, self.step, generation, error=f"{type(e).__name__}: {e}",
+                             traceback=traceback.format_exc())
         finally:
             self._running.clear()
-        self.set_progress(status="done")
-        return {"status": "done", "step": self.step, "digest": self.state_digest(), "generation": generation}
+        self.set_progress(status=RankStatus.DONE)
+        return RunResult(RunStatus.DONE, self.step, generation, digest=self.state_digest())
 
-    def save_again(self) -> dict:
+    def save_again(self) -> int:
         """The run's last checkpoint did not commit: save the final state again (every rank at
         once, as at any checkpoint step; its group is still formed) and wait for the persist.
-        Its result reaches the controller with the next poll, like any other."""
+        Its result reaches the controller with the next poll, like any other. Returns the step."""
         self._save(self.job.train)
         self._wait_persist()
         self.book.collect(self.ckpt)
-        return {"step": self.step}
+        return self.step
 
     def _wait_persist(self) -> None:
         """Wait for the persist in flight. While storage holds us up, say so: the controller must
         not take a stall that storage causes for a hang."""
         if self.ckpt.in_flight():
-            self.set_progress(status="storage_wait")
+            self.set_progress(status=RankStatus.STORAGE_WAIT)
         self.ckpt.wait()
-        self.set_progress(status="running")
+        self.set_progress(status=RankStatus.RUNNING)
 
     def _save(self, tr) -> int:
         if self.ckpt.in_flight():
-            self.set_progress(status="storage_wait")  # only at the last step or a planned stop (see run())
+            self.set_progress(status=RankStatus.STORAGE_WAIT)  # only at the last step or a planned stop (see run())
         stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
                                  state.state_dict(self),
                                  {"loss": self._progress["loss"]})
-        self.set_progress(ckpt_stall_s=stall_s, status="running")
+        self.set_progress(ckpt_stall_s=stall_s, status=RankStatus.RUNNING)
         return self.step
 
     # ---------------------------------------------------------------- faults and failures
@@ -374,16 +379,17 @@ class Worker:
         with self._lock:
             self._progress = {**self._progress, **kv}
 
-    def poll(self) -> dict:
-        """Progress and finished persists since the last poll (each persist reported once)."""
+    def poll(self) -> PollReport:
+        """Progress, and what happened since the last poll: persists that ended, steps trained,
+        skipped, saved again or deferred (each reported once)."""
         self.book.collect(self.ckpt)
         with self._lock:
             persists, deferred, retried, abandoned = self.book.take()
             compute_log, ledger, skipped = self.runner.take()
-            return dict(self._progress, rank=self.rank, generation=self.generation, persists=persists,
-                        persisting=self.ckpt is not None and self.ckpt.in_flight(),
-                        compute_log=compute_log, ledger=ledger, deferred=deferred,
-                        skipped=skipped, abandoned=abandoned, retried=retried)
+            return PollReport(rank=self.rank, generation=self.generation, **self._progress,
+                              persisting=self.ckpt is not None and self.ckpt.in_flight(), persists=persists,
+                              compute_log=compute_log, ledger=ledger, skipped=skipped, abandoned=abandoned,
+                              retried=retried, deferred=deferred)
 
 
 def _destroy_group() -> None:
