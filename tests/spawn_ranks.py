@@ -24,8 +24,8 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q)
     w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
     out = w.restore(candidates)
     res = w.run(steps, [])
-    q.put((rank, res["status"], res.get("digest") or res.get("error"), w._progress["loss"], out["source"], out["step"],
-           {"grad_norm": w._progress.get("grad_norm"), "skipped": list(w._skipped), "step": w.step,
+    q.put((rank, res.status, res.digest or res.error, w._progress["loss"], out.source, out.step,
+           {"grad_norm": w._progress.get("grad_norm"), "skipped": list(w.runner.skipped), "step": w.step,
             "lr": w.optimizer.param_groups[0]["lr"]}))
     w.leave()
 

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import pipeline as bench
 from benchmarks import plain_pipeline as plain
-from elastic.cli import main as cli_main
+from benchmarks.__main__ import main as bench_main
 from elastic.config import parse_job
 from elastic.parallel.pipeline import plan_chunks, units_of
 
@@ -112,9 +112,9 @@ def test_summary_divides_medians_of_the_same_run():
 
 
 def test_cli_refuses_unknown_systems_and_sizes_before_starting_anything(capsys):
-    assert cli_main(["bench", "pipeline", "--systems", "elastic,torchrun"]) == 2
+    assert bench_main(["pipeline", "--systems", "elastic,torchrun"]) == 2
     assert "unknown ['torchrun']" in capsys.readouterr().err
-    assert cli_main(["bench", "pipeline", "--gpt", "4,64"]) == 2
+    assert bench_main(["pipeline", "--gpt", "4,64"]) == 2
     assert "--gpt" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli_main(["bench", "pipeline", "--schedule", "zero_bubble"])
+        bench_main(["pipeline", "--schedule", "zero_bubble"])

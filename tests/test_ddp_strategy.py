@@ -34,7 +34,7 @@ def loss_fn(model, b):
 def _rank(rank, world, port, q):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic.parallel.strategies import ddp
+    from elastic.parallel import ddp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -159,7 +159,7 @@ def _alive(pid: int) -> bool:
 def test_a_sidecar_started_by_a_spare_at_low_priority_runs_at_normal_priority():
     # A refill spare warms under SCHED_IDLE (elastic/priority.py); its heartbeat must not starve,
     # or a busy node would look stopped.
-    code = ("import os; from elastic import priority; from elastic.runtime.heartbeat import Sidecar; "
+    code = ("import os; from elastic.runtime import priority; from elastic.runtime.heartbeat import Sidecar; "
             "low = priority.lower(); s = Sidecar(os.getpid(), '127.0.0.1'); "
             "print(low, os.sched_getscheduler(0) == os.SCHED_IDLE, os.sched_getscheduler(s.proc.pid) == os.SCHED_IDLE)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,

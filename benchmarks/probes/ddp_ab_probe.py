@@ -16,7 +16,7 @@ FLAG_ENV = "DDP_AB_PROBE_BEFORE"
 def build_model():
     """The benchmark's model; with the flag file present, the strategy as it was (runs in the worker)."""
     from elastic.workload import build_model as build
-    from elastic.parallel.strategies import ddp
+    from elastic.parallel import ddp
     if os.path.exists(os.environ[FLAG_ENV]):
         from ddp_step_probe import Before
         ddp.DataParallel._launch, ddp.DataParallel.reduce_gradients = Before._launch, Before.reduce_gradients
