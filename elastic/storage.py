@@ -94,6 +94,34 @@ class Storage:
         except Exception as e:  # noqa: BLE001
             raise self._fail("write", uri, e) from e
 
+    def create(self, uri: str, data: bytes) -> bool:
+        """Write `uri` only if nothing is there: True if this call created it, False if it existed.
+        Exclusive where the store can say so: local disk (a hard link, which fails on an existing
+        name, of a fully written temporary file), memory, and S3 with
+        conditional writes (`If-None-Match: *`, through s3fs's "xb" mode). A store that ignores the
+        condition overwrites: callers that need to know read the object back (see lease.py)."""
+        path = self._path(uri)
+        try:
+            if isinstance(self.fs, LocalFileSystem):
+                self.fs.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, path)  # fails if `path` exists; a reader never sees it half written
+                finally:
+                    os.unlink(tmp)
+                return True
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("create", uri, e) from e
+
     @property
     def can_append(self) -> bool:
         """Local disk appends in place; object stores (s3, memory) can only write whole objects."""

@@ -361,6 +361,25 @@ def _training_in_background(j, storage, root):
     t.join(timeout=240)
 
 
+def test_a_second_driver_on_a_running_run_is_refused_and_the_first_trains_on(cluster, tmp_path):  # noqa: F811
+    """The same job submitted again while it trains (a KubeRay retry while the first head is cut
+    off, not dead): the second driver is refused at once, naming the holder of the run's lease,
+    before any worker starts; the first trains to the end with nothing of the second in its log."""
+    j = job(tmp_path, run={"num_steps": 400})  # long enough to be running when the second arrives
+    uri = str(tmp_path / "runs")
+    storage = Storage(uri)
+    root = join(storage.uri, j["run"]["name"], "checkpoints")
+    with _training_in_background(j, storage, root) as out:
+        with pytest.raises(TrainingFailed, match=r"is in use: lease 1 is held by .* renewed .* s ago"):
+            Trainer(j).fit(progress=False)
+        assert "result" not in out, "the first run ended before the second driver tried: the test proves nothing"
+    result = out["result"]
+    assert result.metrics["step"] == 400 and len(set(result.digests.values())) == 1
+    assert [e["kind"] for e in result.events].count("run_started") == 1
+    logged = parse_lines(open(os.path.join(uri, j["run"]["name"], "events.jsonl")).read(), "events.jsonl")
+    assert [e["kind"] for e in logged].count("run_started") == 1  # the refused driver wrote nothing
+
+
 @pytest.mark.s3
 def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_path, s3_server):  # noqa: F811
     """SeaweedFS stops answering for 12 s, longer than the hang bound (5 s here), while a checkpoint

@@ -553,3 +553,35 @@ def test_a_last_commit_that_waits_for_storage_after_the_other_ranks_returned_is_
     assert isinstance(c.state, Finished) and c.step == 30
     assert not kinds(c, "hang_detected") and not kinds(c, "failure_detected")
     assert kinds(c, "storage_wait")
+
+
+def test_a_second_controller_on_a_held_run_is_refused_and_starts_and_writes_nothing():
+    """Two drivers on one run (a KubeRay retry while the first head is cut off, or the same job
+    submitted twice): the second is refused at once, naming the holder; it starts no worker and
+    writes no event, and the first trains on to the end."""
+    from elastic.observability.events import read_events
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 5)
+    second_group = FakeGroup(clock)
+    second = Controller(c.job.model_dump_json(), group=second_group, clock=clock, wall=clock)
+    out = second.run()
+    assert out["status"] == "error" and "is in use" in out["error"] and c.lease.holder in out["error"]
+    assert second_group.calls == [] and out["events"] == []
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    c.events.flush(timeout_s=5)
+    assert [e["kind"] for e in read_events(c.storage, c.run_dir)].count("run_started") == 1
+
+
+def test_a_controller_whose_lease_was_taken_over_stops_and_its_groups_are_fenced_out():
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 5)
+    first_generation = c.generation
+    clock.advance(c.job.run.lease_ttl_s + 1)  # its renewals stopped (a partitioned head): the lease expires
+    newer = Controller(c.job.model_dump_json(), group=FakeGroup(clock), clock=clock, wall=clock)
+    drive(newer, lambda n: n.step >= 1)
+    assert newer.generation > first_generation  # the newer driver's groups are above the old one's
+    c.lease.renew_once()  # the old driver's next renewal finds the newer lease
+    drive(c)
+    assert isinstance(c.state, Errored) and "no longer owns the run" in c.state.error
+    assert newer.lease.holder in c.state.error

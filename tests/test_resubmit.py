@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elastic.checkpoint.lease import Lease
+from elastic.storage import Storage
 from tests.ray_fixtures import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -28,9 +30,10 @@ BIN = os.path.dirname(sys.executable)
 NUM_WORKER_NODES = 2  # one rank each; the head has no CPUs, as in k8s/rayjob.yaml
 NUM_STEPS = 300
 EVERY_STEPS = 20
+LEASE_TTL_S = 5  # the first driver's lease: the retry waits until it has expired, as KubeRay's does
 
 JOB = """
-run: {name: NAME, num_steps: %d, seed: 3}
+run: {name: NAME, num_steps: %d, seed: 3, lease_ttl_s: %d}
 scaling: {num_workers: 2}
 checkpoint: {storage_uri: "file://STORAGE", every_steps: %d, num_to_keep: 3}
 train:
@@ -39,7 +42,7 @@ train:
   loss: elastic.workload:loss_fn
   optimizer: elastic.workload:build_optimizer
   global_batch_size: 16
-""" % (NUM_STEPS, EVERY_STEPS)
+""" % (NUM_STEPS, LEASE_TTL_S, EVERY_STEPS)
 
 
 
@@ -214,6 +217,12 @@ def test_whole_cluster_killed_mid_run_then_resubmitted_resumes_bit_identical(tmp
     assert 0 < latest < NUM_STEPS, survived
     assert not [e for e in events(run_dir) if e["kind"] == "final_state"], "the first run was not cut short"
 
+    # The first driver's controller died with its cluster without releasing the run's lease. A
+    # retry is refused until the lease is lease_ttl_s old (a KubeRay retry comes after a new
+    # cluster's pods are scheduled, usually later than that); then it takes the run over.
+    lease = Lease(Storage(f"file://{storage}"), f"file://{run_dir}", LEASE_TTL_S)
+    while lease.newest().age_s(time.time()) < LEASE_TTL_S:
+        time.sleep(0.2)
     second = RayCluster(tmp_path, "second").start(NUM_WORKER_NODES)
     try:
         out = run_to_end(second, workdir)  # the same job, the same run.name: a RayJob retry

@@ -141,3 +141,9 @@ class RunConfig(_Strict):
     sample_ledger: bool = Field(
         False, description="Record which sample ids every step trained on (ledger.json in the run dir): "
                            "proof of exact-once data across failures and resizes. Costs memory; for drills.")
+    lease_ttl_s: float = Field(
+        30.0, ge=2.0, le=3600.0,
+        description="One live run per run folder: the controller holds a lease in <run dir>/lease/, renewed every "
+                    "lease_ttl_s / 4. A second driver on the same run is refused while the lease was renewed within "
+                    "lease_ttl_s; one found older (its driver is gone, e.g. a KubeRay retry after the head was lost) "
+                    "is taken over. Must exceed the clock skew between drivers' hosts.")

@@ -43,6 +43,7 @@ import time
 import ray
 
 from elastic.checkpoint.fencing import FenceWriter
+from elastic.checkpoint.lease import Lease
 from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
 from elastic.controller import lifecycle, recovery, resize, restoring, running
@@ -89,6 +90,7 @@ class Controller:
         self.metrics = run_metrics.for_run(self.job.run.name, clock=self.now)
         self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event)
         self.fence = FenceWriter(self.storage, self.root)
+        self.lease = Lease(self.storage, self.run_dir, self.job.run.lease_ttl_s, wall=self.wall)
         if group is None:
             from elastic.group.worker_group import WorkerGroup
             group = WorkerGroup(self.job, job_json, self.root, ray.get_runtime_context().current_actor, runtime_env)
@@ -136,8 +138,6 @@ class Controller:
         return self.checkpoints.last_committed
 
     def run(self) -> dict:
-        self.events.emit("run_started", run=self.job.run.name, num_workers=self.job.scaling.num_workers,
-                         num_steps=self.job.run.num_steps, run_dir=self.run_dir)
         try:
             while not isinstance(self.state, TERMINAL):
                 self.step_once()
@@ -146,18 +146,27 @@ class Controller:
             self.set_state(Errored(f"controller error: {type(e).__name__}: {e}"))
         finally:
             self.group.shutdown()
-            self.run_log.write_metrics(self.storage, self.run_dir)
+            if self.holds_run:
+                self.run_log.write_metrics(self.storage, self.run_dir)
         st = self.state
-        self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",
-                         step=self.step, loss=self.loss, error=getattr(st, "error", None),
-                         checkpoint=self.last_committed, slowest_poll_answer_s=round(self.group.slowest_poll_answer_s, 2),
-                         heartbeat_ranks=sorted(self.house.beats))
-        self.events.flush()
+        if self.holds_run:  # a driver refused the run, or one that lost it, writes nothing into its folder
+            self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",
+                             step=self.step, loss=self.loss, error=getattr(st, "error", None),
+                             checkpoint=self.last_committed,
+                             slowest_poll_answer_s=round(self.group.slowest_poll_answer_s, 2),
+                             heartbeat_ranks=sorted(self.house.beats))
+            self.events.flush()
+        self.lease.release()
         return {"status": "finished" if isinstance(st, Finished) else "error",
                 "error": getattr(st, "error", None), "step": self.step, "loss": self.loss,
                 "checkpoint": self.last_committed, "digests": getattr(st, "digests", {}),
                 "losses": {s: x for s, (x, _) in sorted(self.run_log.loss_curve.items())},
                 "events": self.events.events, "run_dir": self.run_dir}
+
+    @property
+    def holds_run(self) -> bool:
+        """This controller took the run's lease and still has it: it may write the run's files."""
+        return self.lease.number is not None and self.lease.lost is None
 
     def step_once(self) -> tuple[str, str]:
         """Exactly one iteration of the state machine; returns (previous state, new state) names."""
@@ -195,7 +204,8 @@ class Controller:
         return self.job.failure.ping_timeout_s * 3
 
     def set_state(self, new: State) -> None:
-        if type(new) is not type(self.state) or isinstance(new, Recovering):
+        # A driver refused the run, or one that lost it, writes no event into the run's log.
+        if self.holds_run and (type(new) is not type(self.state) or isinstance(new, Recovering)):
             self.events.emit("state", old=type(self.state).__name__, new=type(new).__name__)
         self.state = new
 

@@ -1,9 +1,11 @@
-"""Starting and Forming, the fence and its generations, and the background care of spares."""
+"""Starting and Forming, the run's lease, the fence and its generations, and the background care
+of spares."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from elastic.checkpoint.fencing import current_generation
+from elastic.checkpoint.lease import LeaseHeld
 from elastic.controller.recovery import lost_from
 from elastic.controller.states import Errored, Forming, Restoring, Starting, State
 from elastic.group.worker_group import GroupError
@@ -14,6 +16,12 @@ if TYPE_CHECKING:
 
 
 def on_starting(ctl: Controller, _: Starting) -> State:
+    refused = take_lease(ctl)
+    if refused:
+        return Errored(refused)
+    ctl.events.emit("run_started", run=ctl.job.run.name, num_workers=ctl.job.scaling.num_workers,
+                    num_steps=ctl.job.run.num_steps, run_dir=ctl.run_dir, lease=ctl.lease.number)
+    ctl.lease.start_renewing()
     continue_generations(ctl)
     n = ctl.job.scaling.num_workers
     try:
@@ -46,11 +54,34 @@ def on_forming(ctl: Controller, _: Forming) -> State:
     return Restoring()
 
 
+def take_lease(ctl: Controller) -> str | None:
+    """One live run per run folder (elastic/checkpoint/lease.py): before anything starts or is
+    written, the run's lease. Returns why not: another driver holds it, or storage did not answer
+    within checkpoint.restore_wait_s (without the lease nothing may write: it fails closed)."""
+    t0, delay = ctl.now(), 1.0
+    while True:
+        answered, _, error = call_within(ctl.lease.take, ctl.grace_s)
+        if answered and error is None:
+            return None
+        if isinstance(error, LeaseHeld):
+            return str(error)
+        waited = ctl.now() - t0
+        if waited >= ctl.job.checkpoint.restore_wait_s:
+            return (f"cannot take the run's lease in {ctl.lease.dir}: storage did not answer for {waited:.0f} s "
+                    f"(checkpoint.restore_wait_s): {str(error)[:300] if error else 'no answer'}; nothing was "
+                    f"started or written: run the job again once storage answers")
+        ctl.sleep(delay)
+        delay = min(2 * delay, 15.0)
+
+
 def continue_generations(ctl: Controller) -> None:
     """A resubmitted run (same name: a new `ray job submit`, or the driver rerun after a head
-    loss) numbers its generations on from the fence an earlier submission left, so a zombie
-    of that submission (a frozen node that comes back) holds an older generation than every
-    group of this one and can never pass the fence."""
+    loss) numbers its generations on from its lease and the fence an earlier submission left, so
+    a zombie of that submission (a frozen node that comes back) holds an older generation than
+    every group of this one and can never pass the fence."""
+    # Generations come from the lease first: a newer lease's groups are above every group an
+    # older holder (a zombie driver) can form, even where the fence cannot be read.
+    ctl.generation = ctl.lease.generation_base()
     answered, prior, error = call_within(lambda: current_generation(ctl.storage, ctl.root), ctl.grace_s)
     if not answered or error is not None:
         ctl.events.emit("storage_unanswered", op="read the fence", waited_s=ctl.grace_s,
@@ -58,7 +89,7 @@ def continue_generations(ctl: Controller) -> None:
                         using="generation 1 (an earlier submission's zombie is then fenced only "
                               "until this run reaches its generation)")
     elif prior:
-        ctl.generation = prior
+        ctl.generation = max(ctl.generation, prior)
         ctl.events.emit("generations_continued", after=prior)
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from elastic.checkpoint.layout import abandon_after, committed_checkpoints
 from elastic.controller import finish, lifecycle, reports, resize, stragglers
-from elastic.controller.states import Recovering, Restoring, Running, RunWatch, State
+from elastic.controller.states import Errored, Recovering, Restoring, Running, RunWatch, State
 from elastic.group.worker_group import cause_of
 from elastic.policies.failure import LostRank, decide_silence, detect_hang, excused_by_heartbeat
 from elastic.policies.restore import FromStorage
@@ -37,6 +37,8 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
     """One iteration of the run loop: collect run() results and polls, then decide. None: go on."""
     cfg = ctl.job.failure
     tr = ctl.training
+    if ctl.lease.lost:  # another driver took the run over: stop, and write nothing more into its folder
+        return Errored(f"this driver no longer owns the run: {ctl.lease.lost}")
     results, died = ctl.group.collect_runs(w.refs, POLL_INTERVAL_S)
     for rank, (cause, detail) in died.items():
         w.lost[rank] = LostRank(rank, cause, detail)
