@@ -119,6 +119,12 @@ class Storage:
             return True
         except FileExistsError:
             return False
+        except OSError as e:
+            # S3's answer to If-None-Match on an existing key is 412 Precondition Failed, which s3fs
+            # raises as a plain OSError (seen with SeaweedFS, which honours the condition).
+            if "pre-condition" in str(e).lower() or "precondition" in str(e).lower():
+                return False
+            raise self._fail("create", uri, e) from e
         except Exception as e:  # noqa: BLE001
             raise self._fail("create", uri, e) from e
 

@@ -93,3 +93,18 @@ def test_exclusive_create_refuses_an_existing_name(run_dir):
     assert storage.create(uri, b"1") is True
     assert storage.create(uri, b"2") is False
     assert storage.read_bytes(uri) == b"1"
+
+
+@pytest.mark.s3
+def test_on_s3_the_lease_is_created_exclusively_and_a_second_driver_is_refused(s3_server):
+    """SeaweedFS honours If-None-Match: a second exclusive create of a key is refused by the
+    store itself (412), not only by the read-back."""
+    uri = f"{s3_server.uri}/lease-{uuid.uuid4().hex[:8]}"
+    storage = Storage(uri, s3_server.storage_options)
+    key = join(uri, "x.json")
+    assert storage.create(key, b"1") is True and storage.create(key, b"2") is False
+    assert storage.read_bytes(key) == b"1"
+    first = Lease(storage, join(uri, "run"), ttl_s=30)
+    first.take()
+    with pytest.raises(LeaseHeld, match=first.holder):
+        Lease(storage, join(uri, "run"), ttl_s=30).take()
