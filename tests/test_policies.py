@@ -137,3 +137,26 @@ def test_a_forming_group_waits_for_a_member_whose_node_says_it_runs():
     assert not formation_silent(60.0, Beat(0.1, "S"), 0.5)  # busy, its node up: the rendezvous timeout decides
     assert formation_silent(0.6, Beat(0.0, "T"), 0.5) and not formation_silent(0.4, Beat(0.0, "T"), 0.5)
     assert formation_silent(0.6, Beat(0.6, "R"), 0.5)  # its node silent too
+
+
+def test_a_rollback_skips_only_the_bad_batches_and_keeps_the_good_ones():
+    from elastic.policies.restore import rollback_target
+    # Checkpoints every 10 steps, steps 13 and 14 bad: back to 10, train 11 and 12 again, skip 13-14.
+    to_step, skip, why = rollback_target([10], [13, 14])
+    assert (to_step, skip) == (10, {13, 14}) and "skipping the batches of steps 13..14" in why
+
+
+def test_a_checkpoint_taken_during_the_bad_run_is_a_rollback_target():
+    """Checkpoints every step, num_to_keep 1, steps 11-13 bad: only step 13's checkpoint is left;
+    it holds step 10's weights (bad steps make no update) and has every bad batch behind it. The
+    good batch of step 10 stays trained; nothing goes back to step 0."""
+    from elastic.policies.restore import rollback_target
+    to_step, skip, why = rollback_target([13], [11, 12, 13])
+    assert (to_step, skip) == (13, set()) and "behind it" in why
+    assert rollback_target([12], [11, 12, 13])[:2] == (12, {13})
+
+
+def test_a_rollback_with_nothing_committed_replays_from_the_start_skipping_only_the_bad_batches():
+    from elastic.policies.restore import rollback_target
+    to_step, skip, why = rollback_target([], [13, 14])
+    assert (to_step, skip) == (0, {13, 14}) and "nothing committed" in why

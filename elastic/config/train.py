@@ -134,7 +134,8 @@ class TrainSpec(_Strict):
         "raise", description="A step whose loss (or, with clipping or fp16, gradient norm) is not finite on any rank: "
                              "raise: stop with an error naming the step; skip: no update on any rank (the samples are "
                              "marked skipped); rollback: skip, and after bad_step_limit in a row return to the newest "
-                             "committed checkpoint and skip every batch from there to the last bad one. Skipped "
+                             "committed checkpoint that holds the last good step's weights (one taken during the bad "
+                             "run qualifies) and train on from there, skipping only the bad batches. Skipped "
                              "steps are step_skipped events and marked in the sample ledger.")
     prefetch: bool = Field(
         False, description="Collate the next step's batches on a background thread while this step computes (same "

@@ -12,7 +12,7 @@ from elastic.controller import finish, lifecycle, reports, resize, stragglers
 from elastic.controller.states import Errored, Recovering, Restoring, Running, RunWatch, State
 from elastic.group.worker_group import cause_of
 from elastic.policies.failure import LostRank, decide_silence, detect_hang, excused_by_heartbeat
-from elastic.policies.restore import FromStorage
+from elastic.policies.restore import FromStorage, rollback_target
 from elastic.protocol import LostCause, RankStatus, RunStatus
 
 if TYPE_CHECKING:
@@ -149,21 +149,19 @@ def note_excused(ctl: Controller, silent: dict[int, str], unanswered: dict[int, 
 
 def rollback(ctl: Controller, bad_steps: list[int]) -> State:
     """train.bad_step=rollback: bad_step_limit steps in a row made no update. Every rank stopped
-    at the same step; back to the newest checkpoint committed before the first of them, and
-    skip every batch from there to the last (a replay of the same batches would go bad
-    again). The checkpoints of the abandoned timeline are un-committed."""
+    at the same step; back to the newest checkpoint that holds the last good step's weights, and
+    skip the bad batches on the way (policies.restore.rollback_target). The checkpoints of an
+    abandoned timeline are un-committed."""
     reports.collect(ctl)
     first, last = min(bad_steps), max(bad_steps)
-    before = [c for c in committed_checkpoints(ctl.storage, ctl.root) if c.step < first]
-    to_step = before[0].step if before else 0
+    committed = [c.step for c in committed_checkpoints(ctl.storage, ctl.root)]
+    to_step, skip, why = rollback_target(committed, bad_steps)
     abandoned = abandon_after(ctl.storage, ctl.root, to_step)
     ctl.checkpoints.committed_steps = {st for st in ctl.checkpoints.committed_steps if st <= to_step}
-    ctl.run_log.skip_steps |= set(range(to_step + 1, last + 1))
-    ctl.events.emit("rolled_back", to_step=to_step, bad_steps=bad_steps, skip_from=to_step + 1, skip_to=last,
-                    abandoned=abandoned,
-                    reason=f"{len(bad_steps)} bad steps in a row (train.bad_step_limit="
-                           f"{ctl.job.train.bad_step_limit}): back to step {to_step}, skipping the batches of "
-                           f"steps {to_step + 1}..{last}")
+    ctl.run_log.skip_steps |= skip
+    ctl.events.emit("rolled_back", to_step=to_step, bad_steps=bad_steps, skip_from=max(first, to_step + 1),
+                    skip_to=last, abandoned=abandoned,
+                    reason=f"{why} (train.bad_step_limit={ctl.job.train.bad_step_limit})")
     ctl.restore_plan = FromStorage(max_step=to_step)
     ctl.run_refs = {}
     return Restoring()

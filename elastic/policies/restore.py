@@ -105,3 +105,23 @@ def restore_after_shrink(shape: Shape, plan: RestoreSource, old: Layout, mapping
 def path_of(plan: RestoreSource) -> str:
     """The resize path an event reports: "storage" or "memory"."""
     return "storage" if isinstance(plan, FromStorage) else "memory"
+
+
+def rollback_target(committed_steps: list[int], bad_steps: list[int]) -> tuple[int, set[int], str]:
+    """train.bad_step=rollback, after `bad_steps` made no update in a row: the step to restore, the
+    steps whose batches the replay skips, and why.
+
+    A bad step changes neither weights nor optimizer, so every checkpoint up to the last bad step
+    holds the last good step's weights: one taken during the bad run qualifies (it has consumed
+    some bad batches already). The newest such checkpoint is the target. Only the bad batches are
+    skipped (a replay of them would go bad again); the good ones between the checkpoint and the
+    first bad step are trained again, exactly as before. With nothing committed the run restarts
+    from its initial state, which is then the only state there is."""
+    first, last = min(bad_steps), max(bad_steps)
+    usable = [s for s in committed_steps if s <= last]
+    to_step = max(usable) if usable else 0
+    skip = set(range(max(first, to_step + 1), last + 1))
+    where = f"the checkpoint of step {to_step}" if usable else "the initial state (nothing committed)"
+    what = (f"skipping the batches of steps {min(skip)}..{last}" if skip
+            else "every bad batch is behind it already")
+    return to_step, skip, f"{len(bad_steps)} bad steps in a row: back to {where}, {what}"
