@@ -585,3 +585,15 @@ def test_a_controller_whose_lease_was_taken_over_stops_and_its_groups_are_fenced
     drive(c)
     assert isinstance(c.state, Errored) and "no longer owns the run" in c.state.error
     assert newer.lease.holder in c.state.error
+
+
+def test_a_fault_from_outside_has_an_unknown_detection_time_not_zero():
+    """No injected fault (a real crash): the controller knows no fault time, so `recovered` says
+    its detect_s is unknown and measures the recovery from the detection."""
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 10)
+    g.kill_process(1)
+    drive(c)
+    assert isinstance(c.state, Finished)
+    (rec,) = kinds(c, "recovered")
+    assert rec["detect_s"] is None and rec["measured_from"] == "detection" and rec["recover_s"] > 0

@@ -43,7 +43,7 @@ class RecoveryRecord:
     """A recovery in progress, until the recovered group completes a step (owner: recovery.py
     opens it, reports.py closes it with the `recovered` event)."""
 
-    fault_t: float  # wall-clock time of the fault (injected) or of its detection
+    fault_t: float | None  # wall-clock time of the fault where known (injected); None: a fault from outside
     detected_t: float
     fault_step: int
     resumed_step: int = 0  # set once the group restored

@@ -48,7 +48,7 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     ctl.failures += 1
     if ctl.recovery is None:  # a failure during a recovery keeps the original fault
         fault_step = fault["step"] if fault else ctl.training.max_step_seen
-        ctl.recovery = RecoveryRecord(fault_t=fault["t"] if fault else st.detected_at, detected_t=st.detected_at,
+        ctl.recovery = RecoveryRecord(fault_t=fault["t"] if fault else None, detected_t=st.detected_at,
                                       fault_step=fault_step)
     ctl.last_fault = None
     t0 = ctl.now()

@@ -134,6 +134,11 @@ def resized(ctl: Controller, answers: dict[int, PollReport]) -> None:
 def recovered(ctl: Controller, answers: dict[int, PollReport]) -> None:
     rec, ctl.recovery = ctl.recovery, None
     first_step_t = _first_step_t(ctl, answers)
-    ctl.events.emit("recovered", recover_s=first_step_t - rec.fault_t, detect_s=rec.detected_t - rec.fault_t,
+    # A fault from outside (a real crash, not an injected one) has no known time: the recovery is
+    # measured from its detection, and the detection time is unknown, not zero.
+    start_t = rec.fault_t if rec.fault_t is not None else rec.detected_t
+    ctl.events.emit("recovered", recover_s=first_step_t - start_t,
+                    detect_s=rec.detected_t - rec.fault_t if rec.fault_t is not None else None,
+                    measured_from="fault" if rec.fault_t is not None else "detection",
                     resumed_step=rec.resumed_step, fault_step=rec.fault_step,
                     lost_steps=max(0, rec.fault_step - rec.resumed_step), world_size=len(ctl.group.members))

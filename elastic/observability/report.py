@@ -114,8 +114,9 @@ def summarize(result) -> str:
             lines.append(f"  final checkpoint: NEVER committed ({e['attempts']} more save(s), "
                          f"{_f(e['waited_s'], 0)}s); newest committed: {e['newest'] or 'none'}")
         elif k == "recovered":
+            since = e.get("measured_from", "fault")
             lines.append(f"    detected in {_f(e['detect_s'], 2)}s, recovered in {_f(e['recover_s'], 2)}s "
-                         f"(fault -> first step done), resumed at step {e['resumed_step']}, "
+                         f"({since} -> first step done), resumed at step {e['resumed_step']}, "
                          f"{e['lost_steps']} step(s) redone")
     if not incidents:
         lines.append("  faults: none")
