@@ -177,3 +177,44 @@ def test_a_kept_rank_is_said_so_in_the_progress_lines():
     assert "silence_excused" in _Progress.NOTABLE
     assert describe_event(ev) == ("BUSY rank 1: no poll answered for 4.2s, but its node's heartbeat says the "
                                   "process runs (state S): kept")
+
+
+def test_the_sidecar_listens_on_the_nodes_address_only(worker):
+    """Bound to the address the worker gave it, not to every interface: a ping to another local
+    address at the same port goes unanswered."""
+    import socket
+    proc, side = worker
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(1.0)
+    try:
+        s.sendto(b"t:1", ("127.0.0.2", side.port))
+        with pytest.raises(OSError):  # a timeout or a refusal: no answer either way
+            s.recvfrom(256)
+        s.sendto(b"t:2", ("127.0.0.1", side.port))
+        assert s.recvfrom(256)[0].startswith(b"t:2 ")  # its own address answers
+    finally:
+        s.close()
+
+
+def test_a_forged_answer_from_another_address_keeps_no_rank_alive(worker):
+    """A rank whose node went silent cannot be kept alive by someone else on the network answering
+    for it: tokens are random and only answers from the sidecar's own address count."""
+    import socket
+    proc, side = worker
+    hb, clock = pinger(side.port)
+    rounds(hb, clock, 2)
+    assert answered(hb, 1).state == "S"
+    token = hb._token[("127.0.0.1", side.port)]
+    assert len(token) == 16 and token != b"1"  # random, not a counter
+    os.kill(side.proc.pid, signal.SIGSTOP)  # the node goes silent
+    rounds(hb, clock, 3)
+    forger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        forger.bind(("127.0.0.2", 0))
+        for sock in hb._socks.values():  # the answer a forger would send: right token, newest ping, "R"
+            forger.sendto(token + b":" + str(hb._seq).encode() + b" R 1", sock.getsockname())
+        time.sleep(0.05)
+        assert hb.beats()[1].age_s > 0  # still silent: the forged answer did not count
+    finally:
+        forger.close()
+        os.kill(side.proc.pid, signal.SIGCONT)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import select
 import socket
 import subprocess
@@ -36,7 +37,7 @@ STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the proces
 # imports elastic (whose import would lower a background spare's priority again).
 _SIDECAR = r"""
 import os, select, socket, sys
-pid, family = int(sys.argv[1]), socket.AF_INET6 if sys.argv[2] == "6" else socket.AF_INET
+pid, family, ip = int(sys.argv[1]), socket.AF_INET6 if sys.argv[2] == "6" else socket.AF_INET, sys.argv[3]
 if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(0) == os.SCHED_IDLE:
     try:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -44,7 +45,7 @@ if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(0) == os.SCHED_IDLE:
         pass
 parent = os.getppid()
 s = socket.socket(family, socket.SOCK_DGRAM)
-s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+s.bind((ip, 0))  # the node's address only, not every interface
 sys.stdout.write(f"{s.getsockname()[1]}\n")
 sys.stdout.flush()
 
@@ -82,7 +83,7 @@ class Sidecar:
     def __init__(self, pid: int, ip: str, start_timeout_s: float = 10.0):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _SIDECAR, str(pid), "6" if _family(ip) == socket.AF_INET6 else "4"],
+            [sys.executable, "-I", "-S", "-c", _SIDECAR, str(pid), "6" if _family(ip) == socket.AF_INET6 else "4", ip],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout_s)
         line = self.proc.stdout.readline() if ready else b""
@@ -135,8 +136,8 @@ class Heartbeats:
         self.interval_s, self.clock = interval_s, clock
         self._socks: dict[int, socket.socket] = {}
         self._targets: dict[int, tuple[str, int]] = {}  # rank -> (ip, port)
-        self._token: dict[tuple[str, int], bytes] = {}  # sidecar address -> the token it echoes
-        self._seq = 0  # numbers both sidecars (tokens) and pings
+        self._token: dict[tuple[str, int], bytes] = {}  # sidecar address -> the random token it echoes
+        self._seq = 0  # numbers the pings
         self._last_sent = float("-inf")
         # token -> (sent at, ping number) of its oldest ping not answered by it or a later one
         self._pending_since: dict[bytes, tuple[float, int]] = {}
@@ -149,8 +150,9 @@ class Heartbeats:
             return
         for addr in targets.values():
             if addr not in self._token:
-                self._seq += 1
-                self._token[addr] = f"{self._seq}".encode()
+                # Unguessable, and only answers from the sidecar's own address count (`_drain`):
+                # nobody else on the network can keep a dead rank alive with a forged answer.
+                self._token[addr] = secrets.token_hex(8).encode()
         self._targets = dict(targets)
         addrs = set(targets.values())
         self._token = {a: t for a, t in self._token.items() if a in addrs}
@@ -186,7 +188,7 @@ class Heartbeats:
         for s in self._socks.values():
             while True:
                 try:
-                    data = s.recv(256)
+                    data, sender = s.recvfrom(256)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError:  # an ICMP error from an earlier ping (port closed): that ping is lost
@@ -199,6 +201,8 @@ class Heartbeats:
                     continue
                 if token not in self._pending_since and token not in self._last:
                     continue  # a stale answer for a sidecar no longer watched
+                if self._token.get(tuple(sender[:2])) != token:
+                    continue  # not from the sidecar this token was given to
                 if seq >= self._pending_since.get(token, (0.0, seq))[1]:
                     self._pending_since.pop(token, None)  # answered that ping or a later one
                 if seq >= self._last.get(token, (0,))[0]:
