@@ -28,6 +28,7 @@ class RankStatus(StrEnum):
     ROLLBACK = "rollback"
     ABORTED = "aborted"
     USER_ERROR = "user_error"
+    BAD_STEP = "bad_step"
     DONE = "done"
 
 
@@ -39,6 +40,7 @@ class RunStatus(StrEnum):
     ROLLBACK = "rollback"  # train.bad_step=rollback: `bad_steps` made no update in a row
     ABORTED = "aborted"  # a collective failed (a peer is gone, or the controller aborted it); `error`
     USER_ERROR = "user_error"  # the user's model, loss or data raised; `error`, `traceback`
+    BAD_STEP = "bad_step"  # train.bad_step stopped the run (a non-finite step, or too many in a row); `error`
 
 
 class LostCause(StrEnum):

@@ -597,3 +597,21 @@ def test_a_fault_from_outside_has_an_unknown_detection_time_not_zero():
     assert isinstance(c.state, Finished)
     (rec,) = kinds(c, "recovered")
     assert rec["detect_s"] is None and rec["measured_from"] == "detection" and rec["recover_s"] > 0
+
+
+def test_a_bad_step_stops_the_run_naming_that_step_not_as_a_crash_of_user_code():
+    """train.bad_step=raise: every rank agrees on the bad step; the run's error names that step
+    (not the rank's own counter, one behind) and does not call it a crash of the training code."""
+    from elastic.protocol import RunResult, RunStatus
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 10)
+    bad = max(m.step for m in g.members.values()) + 1
+    for m in g.members.values():
+        m.running = False
+        m.run_out = RunResult(RunStatus.BAD_STEP, bad, m.generation,
+                              error=f"step {bad}: non-finite loss on some rank (train.bad_step=raise)")
+    drive(c)
+    assert isinstance(c.state, Errored) and c.state.error.startswith(f"step {bad}: non-finite loss on some rank")
+    assert "training code raised" not in c.state.error and not kinds(c, "failure_detected")
+    (decision,) = kinds(c, "decision")
+    assert decision["decision"] == "Raise" and decision["step"] == bad

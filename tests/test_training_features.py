@@ -92,7 +92,7 @@ def _poisoned_steps(n: int, steps: int) -> tuple[str, list[int]]:
 
 def test_bad_step_raise_names_the_step(tmp_path):
     ids, steps = _poisoned_steps(1, 12)
-    out = run_ranks(mlp_job(tmp_path, **POISON), env={"ELASTIC_POISONED_SAMPLES": ids}, expect="user_error")
+    out = run_ranks(mlp_job(tmp_path, **POISON), env={"ELASTIC_POISONED_SAMPLES": ids}, expect="bad_step")
     assert all("step 3: non-finite loss on some rank (train.bad_step=raise)" in o[2] for o in out)
 
 
@@ -104,7 +104,7 @@ def test_bad_step_skip_skips_the_update_on_every_rank_together(tmp_path):
     assert out[0][2] == out[1][2]
     # A limit of 2 bad steps in a row ends the run with an error that says so.
     out = run_ranks(mlp_job(tmp_path / "x", bad_step="skip", bad_step_limit=2, **POISON),
-                    env={"ELASTIC_POISONED_SAMPLES": ids}, expect="user_error")
+                    env={"ELASTIC_POISONED_SAMPLES": ids}, expect="bad_step")
     assert "2 bad steps in a row" in out[0][2]
 
 

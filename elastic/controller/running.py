@@ -50,6 +50,12 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
             tr.max_step_seen = max(tr.max_step_seen, out.step)  # where a planned stop left training
         elif out.status == RunStatus.ROLLBACK:
             w.rollback[rank] = out
+        elif out.status == RunStatus.BAD_STEP:
+            # Every rank agreed on it in the step's one all-reduce: a verdict on the data or the
+            # numerics that train.bad_step asked to stop on, not a crash of the user's code.
+            reason = f"{out.error}; last committed checkpoint: {ctl.last_committed or 'none'}"
+            ctl.events.emit("decision", decision="Raise", ranks=[], step=out.step, reason=reason)
+            return Errored(reason)
         elif out.status == RunStatus.USER_ERROR:
             ctl.events.emit("user_error", rank=rank, step=out.step, error=out.error, traceback=out.traceback)
             return Recovering((), ctl.wall(), user_error=f"rank {rank} at step {out.step}: {out.error}")

@@ -40,7 +40,12 @@ class CollectiveError(RuntimeError):
 
 
 class BadStep(RuntimeError):
-    """A step's loss or gradient was not finite and train.bad_step says stop (the user's to fix)."""
+    """A step's loss or gradient was not finite and train.bad_step says stop (the user's to fix).
+    `step`: the bad step (the rank's own counter has not reached it: it made no update)."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
 
 
 class RollBack(Exception):
@@ -248,12 +253,12 @@ class StepRunner:
         if bad_loss or bad_grads:
             what = "loss" if bad_loss else "gradient norm"
             if tr.bad_step == "raise":
-                raise BadStep(f"step {step}: non-finite {what} on some rank (train.bad_step=raise)")
+                raise BadStep(step, f"step {step}: non-finite {what} on some rank (train.bad_step=raise)")
             self._bad_in_a_row.append(step)
             self._skip(step, f"non-finite {what} (train.bad_step={tr.bad_step})")
             if len(self._bad_in_a_row) >= tr.bad_step_limit:
                 if tr.bad_step == "skip":
-                    raise BadStep(f"steps {self._bad_in_a_row}: {len(self._bad_in_a_row)} bad steps in a row "
+                    raise BadStep(step, f"steps {self._bad_in_a_row}: {len(self._bad_in_a_row)} bad steps in a row "
                                   f"(train.bad_step_limit={tr.bad_step_limit}); last: non-finite {what}")
                 raise RollBack(list(self._bad_in_a_row))
             return

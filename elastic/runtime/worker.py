@@ -31,7 +31,7 @@ from elastic.runtime import collectives, heartbeat, priority, restore, state
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.runtime.checkpoint_book import CheckpointBook
 from elastic.runtime.faults import fire_fault
-from elastic.runtime.step import CollectiveError, RollBack, StepRunner
+from elastic.runtime.step import BadStep, CollectiveError, RollBack, StepRunner
 from elastic.config import JobConfig
 from elastic.data.order import GlobalOrder, cursor_after
 from elastic.protocol import AbortResult, PollReport, RankStatus, RestoreResult, RunResult, RunStatus, WorkerInfo
@@ -305,6 +305,10 @@ class Worker:
             self.book.collect(self.ckpt)
             self.set_progress(status=RankStatus.ROLLBACK)
             return RunResult(RunStatus.ROLLBACK, self.step, generation, bad_steps=tuple(e.bad_steps))
+        except BadStep as e:  # every rank agreed on it (one all-reduce): a verdict on the data, not a bug
+            self.set_progress(status=RankStatus.BAD_STEP)
+            self._teardown_after_failure(generation)
+            return RunResult(RunStatus.BAD_STEP, e.step, generation, error=str(e))
         except CollectiveError as e:
             self.set_progress(status=RankStatus.ABORTED)
             self._teardown_after_failure(generation)
