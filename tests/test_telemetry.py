@@ -3,6 +3,7 @@ left, a storage error delays events but never loses or repeats one, on local dis
 file) and on object stores (numbered segments)."""
 import json
 import os
+import time
 import uuid
 
 import pytest
@@ -139,3 +140,28 @@ def test_on_s3_the_log_is_segments_and_a_resumed_run_adds_to_them(s3_server):
     assert storage.list_dir(join(run_dir, "events")) == [f"00000{n}.jsonl" for n in (1, 2, 3, 4)]
     got = [(e["kind"], e["attempt"]) for e in read_events(storage, run_dir)]
     assert got == [("run_started", 1), ("run_failed", 1), ("run_started", 2), ("run_finished", 2)]
+
+
+def test_the_writer_thread_outlives_an_unexpected_error_and_reports_it(tmp_path, monkeypatch):
+    """Not a storage error (a bug, a library's surprise): the background writer says so, keeps
+    the events and writes them on its next try, instead of stopping for the rest of the run."""
+    storage = Storage(f"file://{tmp_path}")
+    run_dir = join(storage.uri, "run")
+    events = EventLog(storage, run_dir)
+    real, fails = storage.append_bytes, [1]
+
+    def append_bytes(uri, data):
+        if fails[0]:
+            fails[0] -= 1
+            raise TypeError("unexpected (injected)")
+        return real(uri, data)
+    monkeypatch.setattr(storage, "append_bytes", append_bytes)
+    events.emit("a")  # written by the background thread, which meets the error first
+    deadline = time.monotonic() + 20
+    while fails[0] or [e["kind"] for e in read_events(storage, run_dir)] != ["a"]:
+        assert time.monotonic() < deadline, "the writer thread stopped at the error"
+        time.sleep(0.05)
+    assert isinstance(events.last_error, TypeError)
+    events.emit("b")
+    events.flush()
+    assert [e["kind"] for e in read_events(storage, run_dir)] == ["a", "b"]

@@ -49,6 +49,7 @@ class EventLog:
         self._write_lock = threading.Lock()  # one writer at a time, so events land in order
         self._closed = False
         self._writer: threading.Thread | None = None
+        self.last_error: BaseException | None = None  # the writer's last unexpected error, if any
         self._next_segment: int | None = None  # object stores: found by listing at the first write
         # Object stores pay a request per segment (and a reader one per segment): fewer, larger ones.
         self._coalesce_s = 0.2 if storage is None or storage.can_append else 1.0
@@ -71,7 +72,15 @@ class EventLog:
         while not self._closed:
             self._dirty.wait()
             self._dirty.clear()
-            self._write()
+            try:
+                self._write()
+            except Exception as e:  # noqa: BLE001 - the writer must outlive any error, or the log stops silently
+                # Not a StorageError (those are retried in _write): a bug or an unexpected library
+                # error. Said each time, kept for flush() to report, and retried: the events wait.
+                self.last_error = e
+                log.error("event log write failed (will retry): %s: %s", type(e).__name__, e)
+                time.sleep(1.0)
+                self._dirty.set()
             time.sleep(self._coalesce_s)  # coalesce bursts of events into one write
 
     def flush(self, timeout_s: float = 30.0) -> None:
