@@ -124,3 +124,37 @@ def test_a_dataset_that_does_not_pickle_is_refused_before_any_worker_starts(tmp_
     with pytest.raises(ConfigError, match="train.data_workers=2 .*does not pickle.*data_workers_start: fork"):
         Trainer(job)
     Trainer({**job, "train": {**job["train"], "data_workers_start": "fork"}})  # fork copies it: accepted
+
+
+class Augmented(torch.utils.data.Dataset):
+    """A sample with random augmentation from all three generators a dataset may use."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+        return torch.tensor([float(i), random.random(), float(np.random.rand()), torch.rand(()).item()])
+
+
+def test_random_augmentation_in_data_workers_repeats_after_a_restore_whatever_the_workers():
+    """The workers seed Python's, NumPy's and torch's generators for each batch from the run seed
+    and the batch's step: a run restored at step 3 reads the augmented batches of steps 3-5 that
+    the uninterrupted run read, with another number of workers too; another seed draws others."""
+    keys = plan(1, 0, micro=4)
+
+    def read(workers: int, first: int, seed: int = 11) -> dict:
+        p = Prefetcher(Augmented(), workers=workers, depth=2, start_method="forkserver", seed=seed)
+        try:
+            p.start(first, keys)
+            return {(s, ids): p.get(s, list(ids), keys) for s in range(first, 6) for _, ids in keys(s)}
+        finally:
+            p.close()
+
+    whole, restored = read(2, 0), read(3, 3)
+    assert restored and all(torch.equal(whole[k], b) for k, b in restored.items())
+    assert all(len(set(b[:, 1].tolist())) == len(b) for b in whole.values())  # random within a batch
+    other = read(2, 3, seed=12)
+    assert not any(torch.equal(whole[k], b) for k, b in other.items())

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import random
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
@@ -33,11 +35,23 @@ def collate(dataset, ids: list[int]):
     return default_collate(many(ids) if many is not None else [dataset[j] for j in ids])
 
 
-class _Tagged(torch.utils.data.Dataset):
-    """The user's dataset, read a batch at a time by key: returns (key, collated batch)."""
+def seed_batch(seed: int, key: Key) -> None:
+    """Seed Python's `random`, NumPy and torch in a data worker for one batch, from the run seed,
+    the step and the batch's first sample: a dataset's random augmentation then draws the same
+    numbers whichever worker reads the batch, and after any restore or restart."""
+    step, ids = key
+    s = (seed * 1_000_003 + step * 7919 + (ids[0] if ids else 0) * 104_729 + 17) % (2**63)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+
+class _Tagged(torch.utils.data.Dataset):
+    """The user's dataset, read a batch at a time by key: returns (key, collated batch). Each
+    batch is read with the random generators seeded for it (`seed_batch`)."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -46,6 +60,7 @@ class _Tagged(torch.utils.data.Dataset):
         return self.dataset[i]
 
     def __getitems__(self, key: Key):
+        seed_batch(self.seed, key)  # in the worker process: the training step's generators do not move
         return key, collate(self.dataset, list(key[1]))
 
 
@@ -90,10 +105,11 @@ class Prefetcher:
     rank asks for them; it is called on this process's thread as the loader dispatches.
     """
 
-    def __init__(self, dataset, workers: int, depth: int, start_method: str, pin_memory: bool = False):
+    def __init__(self, dataset, workers: int, depth: int, start_method: str, pin_memory: bool = False,
+                 seed: int = 0):
         self._plan = _Plan()
         self._loader = DataLoader(
-            _Tagged(dataset), batch_sampler=self._plan, collate_fn=_as_is, num_workers=workers,
+            _Tagged(dataset, seed), batch_sampler=self._plan, collate_fn=_as_is, num_workers=workers,
             prefetch_factor=depth, persistent_workers=True, pin_memory=pin_memory,
             multiprocessing_context=multiprocessing.get_context(start_method),
             # The loader draws its workers' base seed from this generator at each restart, not from
