@@ -7,8 +7,10 @@ import socket
 
 import torch
 
+from elastic.checkpoint.fencing import write_fence
 from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
+from elastic.storage import Storage
 
 
 def _port() -> int:
@@ -38,6 +40,8 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     ctx = torch.multiprocessing.get_context("spawn")
     q = ctx.Queue()
     root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
+    # The controller's part: generation 1 in the fence before the group forms (no fence, no write).
+    write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
     port = _port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   steps or jc.run.num_steps, env or {}, q)) for r in range(world)]

@@ -1,13 +1,16 @@
-"""The fence (elastic/fencing.py): which generation may write, and a fence write that never
-holds up a group formation while storage hangs, yet always lands, in order."""
+"""The fence (elastic/checkpoint/fencing.py): which generation may write, failing closed when the
+fence cannot be read, on every write path of a persist (shards, each uploaded object, commit,
+retention) and the controller's; and a fence write that never holds up a group formation while
+storage hangs, yet always lands, in order."""
 import threading
 import time
 import uuid
 
 import pytest
 
-from elastic.checkpoint.fencing import FenceWriter, current_generation, may_write, write_fence
-from elastic.storage import Storage, StorageError, call_within
+from elastic.checkpoint.fencing import (FENCE, Fence, FenceWriter, current_generation, may_write, unreadable,
+                                        write_fence)
+from elastic.storage import Storage, StorageError, call_within, join
 
 
 @pytest.fixture
@@ -18,7 +21,8 @@ def store():
 
 def test_only_the_generation_the_fence_shows_may_write(store):
     storage, root = store
-    assert may_write(storage, root, 1) == (True, "")  # no fence yet (or unreadable): storage decides
+    ok, why = may_write(storage, root, 1)
+    assert ok is None and "not written yet" in why and not unreadable(why)  # no fence yet: not now
     write_fence(storage, root, 3)
     assert may_write(storage, root, 3) == (True, "")
     ok, why = may_write(storage, root, 2)
@@ -84,3 +88,135 @@ def test_call_within_answers_or_gives_up_at_the_bound():
     release = threading.Event()
     assert call_within(release.wait, 0.1) == (False, None, None)  # returns although the call still hangs
     release.set()
+
+
+# ---------------------------------------------------------------- failing closed
+def _unreadable_fence(storage, root, monkeypatch, how: str, fails: int = 10 ** 6) -> list:
+    """The next `fails` reads of the fence fail as `how` says; returns the list of reads made."""
+    reads, real = [], storage.read_bytes
+
+    def read_bytes(uri):
+        if uri == join(root, FENCE):
+            reads.append(uri)
+            if len(reads) <= fails:
+                if how == "error":
+                    raise StorageError(f"read {uri} failed: ConnectionError: storage unavailable")
+                if how == "throttled":  # s3fs gives up on a 503 SlowDown after its own retries
+                    raise StorageError(f"read {uri} failed: OSError: [Errno 16] Please reduce your request rate.")
+                return b"\x00\x17garbage"
+        return real(uri)
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    return reads
+
+
+@pytest.mark.parametrize("how", ["error", "throttled", "garbage"])
+def test_an_unreadable_fence_lets_no_one_write(store, monkeypatch, how):
+    """It used to mean "allowed": a failing or throttled GET let a fenced-off worker commit."""
+    storage, root = store
+    write_fence(storage, root, 3)
+    _unreadable_fence(storage, root, monkeypatch, how)
+    for generation in (2, 3, 4):
+        ok, why = may_write(storage, root, generation)
+        assert ok is None and unreadable(why) and "cannot be read" in why
+    assert current_generation(storage, root) is None  # the controller's reading, as before
+    assert Fence(storage, root, 3)() == may_write(storage, root, 3)
+    assert Fence(storage, root, 3).uri == join(root, FENCE)
+
+
+def test_the_controller_holds_the_run_only_while_the_fence_shows_its_generation(store, monkeypatch):
+    storage, root = store
+    fence = FenceWriter(storage, root)
+    ok, why = fence.holds()
+    assert not ok and "no generation" in why
+    assert fence.announce(4, wait_s=5) and fence.holds() == (True, "")
+    write_fence(storage, root, 9)  # another controller formed a newer group
+    ok, why = fence.holds()
+    assert not ok and "shows generation 9" in why
+    write_fence(storage, root, 4)
+    _unreadable_fence(storage, root, monkeypatch, "throttled")
+    ok, why = fence.holds()
+    assert not ok and unreadable(why)
+
+
+@pytest.fixture
+def one_rank_group():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def _state(seed: int = 0) -> dict:
+    import torch
+    torch.manual_seed(seed)
+    return {"model": {k: v.detach().clone() for k, v in torch.nn.Linear(4, 3).state_dict().items()}}
+
+
+def _persist(storage, root, group, step: int, may_write, **kwargs):
+    from elastic.checkpoint.persister import AsyncCheckpointer
+    options = {"retries": 0, "backoff_s": 0.0, "num_to_keep": 5, **kwargs}
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", group, may_write=may_write, **options)
+    ck.save(step, step * 8, _state(step), {})
+    ck.wait()
+    (res,) = ck.drain()
+    return res
+
+
+def _steps(storage, root) -> list[int]:
+    from elastic.checkpoint.layout import committed_checkpoints
+    return [c.step for c in committed_checkpoints(storage, root)]
+
+
+def test_a_persist_writes_nothing_while_the_fence_cannot_be_read_and_its_checkpoint_stays_owed(
+        store, one_rank_group, monkeypatch):
+    from elastic.checkpoint.layout import step_dir
+    from elastic.checkpoint.retry import owes_retry
+    storage, root = store
+    write_fence(storage, root, 1)
+    reads = _unreadable_fence(storage, root, monkeypatch, "throttled")
+    res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), wait_timeout_s=0.3)
+    assert not res.committed and "cannot be read" in res.error and len(reads) > 1  # asked again
+    assert owes_retry(res.error)  # a storage failure: saved again later, not given up as "fenced:"
+    assert step_dir(root, 10).rsplit("/", 1)[1] not in storage.list_dir(root)  # not one byte of it
+
+
+def test_a_persist_asks_again_while_the_fence_cannot_be_read_and_commits_once_it_can(
+        store, one_rank_group, monkeypatch):
+    storage, root = store
+    write_fence(storage, root, 1)
+    reads = _unreadable_fence(storage, root, monkeypatch, "error", fails=2)
+    res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), wait_timeout_s=30)
+    assert res.committed and len(reads) >= 3 and _steps(storage, root) == [10]
+
+
+def test_a_commit_waits_for_a_readable_fence_within_its_retries(store, one_rank_group):
+    """At the commit an unreadable fence is a storage failure: retried, and never committed on."""
+    from elastic.checkpoint.retry import owes_retry
+    storage, root = store
+    cut = (None, "the fence cannot be read: read failed: ConnectionError")
+    answers = [(True, ""), cut, cut, (True, "")]  # the save's, then the commit's
+    res = _persist(storage, root, one_rank_group, 10, lambda: answers.pop(0) if len(answers) > 1 else answers[0],
+                   retries=3)
+    assert res.committed and _steps(storage, root) == [10]
+    answers = [(True, ""), cut]
+    res = _persist(storage, root, one_rank_group, 20, lambda: answers.pop(0) if len(answers) > 1 else answers[0],
+                   retries=1)
+    assert not res.committed and "cannot be read" in res.error and owes_retry(res.error)
+    assert _steps(storage, root) == [10]
+
+
+def test_retention_deletes_nothing_once_the_run_has_moved_on(store, one_rank_group):
+    """A zombie's retention would delete checkpoints the run that moved on restores from."""
+    storage, root = store
+    for step in (10, 20):
+        assert _persist(storage, root, one_rank_group, step, lambda: (True, "")).committed
+    answers = [(True, ""), (True, ""), (False, "the run has moved on to generation 2 (this worker's: 1)")]
+    res = _persist(storage, root, one_rank_group, 30, lambda: answers.pop(0) if len(answers) > 1 else answers[0],
+                   num_to_keep=1)
+    assert res.committed and answers == [answers[-1]]  # retention asked, and was told no
+    assert _steps(storage, root) == [30, 20, 10]
+    assert _persist(storage, root, one_rank_group, 40, lambda: (True, ""), num_to_keep=1).committed
+    assert _steps(storage, root) == [40]  # a generation that may write applies it as before
+

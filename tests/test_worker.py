@@ -18,6 +18,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _fence_before_join(w) -> None:
+    """What the controller does before every formation: the group's generation in the fence, which
+    a persist must find there before it writes (fencing.py fails closed: no fence, no write)."""
+    from elastic.checkpoint.fencing import write_fence
+    real_join = w.join
+
+    def join(*args, generation, **kwargs):
+        write_fence(w.storage, w.root, generation)
+        return real_join(*args, generation=generation, **kwargs)
+    w.join = join
+
+
 @pytest.fixture
 def worker(tmp_path):
     job = JobConfig.model_validate({
@@ -28,6 +40,7 @@ def worker(tmp_path):
                   "loss": "elastic.workload:loss_fn", "global_batch_size": 8},
     })
     w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
+    _fence_before_join(w)
     w.join("127.0.0.1", _port(), 0, 1, generation=1)
     w.restore([])
     yield w
@@ -109,6 +122,7 @@ def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not
     })
     root = checkpoints_root(uri, "w")
     w = Worker(job.model_dump_json(), root)
+    _fence_before_join(w)
     w.join("127.0.0.1", _port(), 0, 1, generation=1)
     w.restore([])
     try:

@@ -16,44 +16,105 @@ does the new generation writes no checkpoint either (a worker waits for the
 fence to show its own generation), so an older one can never write after a
 newer one did.
 
+The fence fails closed: only a fence that can be read and shows the writer's own
+generation lets it write. One that cannot be read (storage out, a throttled or
+failing GET, bytes that are not a generation) means "not now", as one that does
+not show this generation yet does: the writer asks again within its bound, and
+a persist that gives up on an unreadable fence fails as a storage failure does
+(its checkpoint stays owed, saved again later), having written nothing. Every write
+path asks: a persist before its shards and before its commit, the upload
+child before each object and before it completes a multipart upload
+(uploader.py), retention before it deletes, and the controller before it
+un-commits checkpoints (a rollback) or writes metrics.json and ledger.json
+(`FenceWriter.holds`).
+
 Object stores have no compare-and-swap, so this narrows the window to the
-time between the check and the write (milliseconds) rather than closing it;
-the generation check on every report the controller reads, and the process
-being killed once its node answers again, cover the rest.
+time between the check and the write (milliseconds, one object) rather than
+closing it; the generation check on every report the controller reads, and
+the process being killed once its node answers again, cover the rest.
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from elastic.storage import Storage, StorageError, join
 
 FENCE = "GENERATION"
+UNREADABLE = "the fence cannot be read"  # how every "why" of an unreadable fence begins
+
+
+class FenceUnreadable(StorageError):
+    """The fence is there but cannot be read, or holds something other than a generation."""
 
 
 def write_fence(storage: Storage, checkpoints_root: str, generation: int) -> None:
     storage.write_bytes(join(checkpoints_root, FENCE), str(generation).encode())
 
 
+def read_fence(storage: Storage, checkpoints_root: str) -> int | None:
+    """The generation the fence shows; None when none was written yet. `FenceUnreadable` when
+    storage does not answer with one (an error, a throttled GET, bytes that are not a number)."""
+    uri = join(checkpoints_root, FENCE)
+    try:
+        data = storage.read_bytes(uri)
+    except StorageError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            return None
+        raise FenceUnreadable(f"{UNREADABLE}: {e}") from e
+    try:
+        return int(data.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FenceUnreadable(f"{UNREADABLE}: {uri} holds {data[:40]!r}, not a generation") from e
+
+
 def current_generation(storage: Storage, checkpoints_root: str) -> int | None:
     """The newest generation the controller announced; None if none was (or it can't be read)."""
     try:
-        return int(storage.read_bytes(join(checkpoints_root, FENCE)).decode())
-    except (StorageError, ValueError):
+        return read_fence(storage, checkpoints_root)
+    except FenceUnreadable:
         return None
 
 
 def may_write(storage: Storage, checkpoints_root: str, generation: int) -> tuple[bool | None, str]:
-    """(allowed, why not). False when storage says the run has moved to a newer generation than
-    `generation`; None (not yet: ask again) while the fence still shows an older one, because the
-    controller's write of this generation's fence has not landed (storage was out when the group
-    formed). An unreadable fence does not stop a writer (storage trouble is retried elsewhere)."""
-    newest = current_generation(storage, checkpoints_root)
-    if newest is None or newest == generation:
+    """(allowed, why not). True only when the fence shows `generation`. False when it shows a
+    newer one: the run has moved on, for good. None (not now: ask again) while it shows an older
+    one or none, because the controller's write of this generation's fence has not landed
+    (storage was out when the group formed), and while it cannot be read: an unreadable fence
+    never lets a writer write (`unreadable(why)` tells that case apart)."""
+    try:
+        newest = read_fence(storage, checkpoints_root)
+    except FenceUnreadable as e:
+        return None, str(e)
+    if newest == generation:
         return True, ""
-    if newest > generation:
+    if newest is not None and newest > generation:
         return False, f"the run has moved on to generation {newest} (this worker's: {generation})"
-    return None, (f"the fence still shows generation {newest}: the controller's write of generation "
-                  f"{generation} has not landed")
+    shows = f"still shows generation {newest}" if newest is not None else "is not written yet"
+    return None, f"the fence {shows}: the controller's write of generation {generation} has not landed"
+
+
+def unreadable(why: str) -> bool:
+    """Whether a "not now" of `may_write` is storage not answering (a write given up for it
+    leaves the checkpoint owed) rather than this generation's fence not landed yet."""
+    return why.startswith(UNREADABLE)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """One generation's right to write: `may_write` bound to it (call it), and where the fence
+    is, for a process that checks it on its own (the upload child, before each object)."""
+
+    storage: Storage
+    checkpoints_root: str
+    generation: int
+
+    def __call__(self) -> tuple[bool | None, str]:
+        return may_write(self.storage, self.checkpoints_root, self.generation)
+
+    @property
+    def uri(self) -> str:
+        return join(self.checkpoints_root, FENCE)
 
 
 class FenceWriter:
@@ -81,6 +142,25 @@ class FenceWriter:
     def written(self) -> int:
         with self._cv:
             return self._written
+
+    def holds(self) -> tuple[bool, str]:
+        """(whether the controller still holds the run, why not), as the fence tells it: the fence
+        shows the newest generation this writer announced, or the newest it landed (a newer one's
+        write still pending). Asked before the controller's own writes into the run's folder.
+        Fails closed: a fence that cannot be read, is missing or shows another generation (a
+        newer controller's, or an older one that overwrote this one's) says no."""
+        with self._cv:
+            wanted, written = self._wanted, self._written
+        if not wanted:
+            return False, "this controller has announced no generation yet"
+        try:
+            shown = read_fence(self.storage, self.root)
+        except FenceUnreadable as e:
+            return False, str(e)
+        if shown is not None and shown in (wanted, written):
+            return True, ""
+        return False, (f"the fence shows generation {shown}, not this controller's ({wanted})" if shown is not None
+                       else f"the fence is not there (this controller's generation: {wanted})")
 
     def _loop(self) -> None:
         while True:

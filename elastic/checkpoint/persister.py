@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic.checkpoint import fencing
 from elastic.checkpoint.dcp_io import _written_files, save_shards, snapshot, staging_for
 from elastic.checkpoint.layout import (COMMIT_MARKER, MANIFEST, Manifest, apply_retention, commit, step_dir,
                                        validate)
@@ -70,8 +71,11 @@ class AsyncCheckpointer:
         num_samples), stored in every manifest so a resume can refuse another order.
         `may_write`: asked before the shard save and again before the commit; False, (False,
         why) or an exception abandons the persist, reported with an error starting "fenced:".
-        (None, why) means not yet (this group's fence has not landed): asked again until it
-        says yes or no, within the wait bound below, before the save; refused at the commit.
+        (None, why) means not now (this group's fence has not landed, or the fence cannot be
+        read): asked again until it says yes or no, within the wait bound below, before the
+        save; at the commit, a fence not landed is refused and an unreadable one retried as a
+        storage error. A persist given up on an unreadable fence leaves its checkpoint owed
+        (its error is a storage failure's, not "fenced:").
         `after`: checkpointers of this process's earlier groups whose persist was abandoned while
         still uploading. Each persist first waits for them: a late upload of theirs must never
         land on a file this one wrote. If one still runs on any rank, every rank skips that
@@ -233,13 +237,22 @@ class AsyncCheckpointer:
         except (StorageError, Fenced) as e:
             return report(attempts=attempt, error=str(e))
         report(committed=True, attempts=attempt, metrics_=metrics)
+        # Retention deletes only while this generation may write: a zombie's deletes could
+        # remove what the run that moved on still restores from.
+        ok, why = self._allowed()
+        if not ok:
+            log.warning("retention after step %d skipped: %s", step, why)
+            return
         try:
             apply_retention(self.storage, self.root, self.num_to_keep)
         except Exception as e:  # noqa: BLE001 - old folders stay until the next pass; the commit stands
             log.warning("retention after step %d failed (next checkpoint retries): %s", step, e)
 
-    def _allowed(self, deadline: float | None = None) -> tuple[bool, str]:
-        """Whether this rank may write; a "not yet" is asked again until `deadline` (monotonic)."""
+    def _allowed(self, deadline: float | None = None) -> tuple[bool | None, str]:
+        """Whether this rank may write: (True, ""), or (False, why) when it may not (fenced off, or
+        its fence not landed), or (None, why) when the fence could not be read: not a verdict,
+        but no permission either (fail closed). A "not now" is asked again until `deadline`
+        (monotonic)."""
         if self.may_write is None:
             return True, ""
         while True:
@@ -254,6 +267,8 @@ class AsyncCheckpointer:
                 if self._abort.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
                     return False, "the group failed while waiting: " + why
                 continue
+            if ok is None and fencing.unreadable(why):
+                return None, why
             return False, why or "may_write() said this worker may no longer write"
 
     def _earlier_still_running(self, deadline: float) -> bool:
@@ -274,12 +289,18 @@ class AsyncCheckpointer:
         verdict, detail, found = _EMPTY, "", None
         if self.rank == 0 and ok and not late:
             verdict, detail, found = self._inspect(folder, step)
-        flags = torch.tensor([0 if ok else 1, verdict if self.rank == 0 else 0, int(late)], dtype=torch.int64)
+        flags = torch.tensor([int(ok is False), verdict if self.rank == 0 else 0, int(late), int(ok is None)],
+                             dtype=torch.int64)
         dist.all_reduce(flags, group=self.pg)
-        num_fenced, verdict, num_late = int(flags[0]), int(flags[1]), int(flags[2])
+        num_fenced, verdict, num_late, num_unread = (int(f) for f in flags)
         if num_fenced:
-            who = f"rank {self.rank}: {why}" if not ok else f"{num_fenced} rank(s) of the group may no longer write"
+            who = f"rank {self.rank}: {why}" if ok is False else f"{num_fenced} rank(s) of the group may no longer write"
             return _FENCED, f"fenced: {who}; persist of {folder} abandoned, nothing written", None
+        if num_unread:
+            # Fail closed, but not for good: a storage failure, so the checkpoint stays owed.
+            who = f"rank {self.rank}: {why}" if ok is None else f"{num_unread} rank(s) could not read the fence"
+            return _UNREADABLE, (f"{who} (for {self._wait_timeout_s:.0f} s); nothing of {folder} written, "
+                                 f"saved again once storage answers"), None
         if num_late:
             return _LATE, (f"skipped: {num_late} rank(s) still upload a persist their failed group abandoned "
                            f"(after {self._wait_timeout_s:.0f} s); nothing of {folder} written, the next "
@@ -318,9 +339,11 @@ class AsyncCheckpointer:
         manifest = None
         for attempt in range(self.retries + 1):
             ok, why = self._allowed()
-            if not ok:
+            if ok is False:
                 raise Fenced(f"fenced: rank 0: {why}; {folder} not committed")
             try:
+                if ok is None:  # the fence cannot be read: never commit on it; retried as storage is
+                    raise StorageError(why)
                 if manifest is None:
                     names = self.storage.sizes(folder)
                     if wrote is None:  # no index to go by: take what is there

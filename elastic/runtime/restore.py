@@ -159,7 +159,7 @@ def start_checkpointer(w: Worker) -> None:
         w.job.checkpoint.num_to_keep,
         data_order={"global_batch_size": w.job.train.global_batch_size, "seed": w.job.run.seed,
                     "num_samples": len(w.dataset)},
-        may_write=lambda gen=w.generation: fencing.may_write(w.storage, w.root, gen),
+        may_write=fencing.Fence(w.storage, w.root, w.generation),
         # Half the checkpoint group's collective timeout: a rank that waits the whole bound
         # still meets its peers in the agreement's all-reduce before that times out.
         after=w.book.still_abandoned(), wait_timeout_s=w.job.failure.collective_timeout_s / 2,
