@@ -220,3 +220,24 @@ def test_retention_deletes_nothing_once_the_run_has_moved_on(store, one_rank_gro
     assert _persist(storage, root, one_rank_group, 40, lambda: (True, ""), num_to_keep=1).committed
     assert _steps(storage, root) == [40]  # a generation that may write applies it as before
 
+
+def test_an_upload_stops_at_the_first_object_after_the_run_moved_on(store, one_rank_group, monkeypatch):
+    """A worker frozen mid-upload that thaws after the run moved on used to upload the rest of its
+    shards (the commit was refused, but the objects landed): now it stops before the next one."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from elastic.checkpoint.layout import step_dir
+    storage, root = store
+    write_fence(storage, root, 1)
+    uploaded, real = [], MemoryFileSystem.put_file
+
+    def put_file(self, lpath, rpath, *args, **kwargs):
+        real(self, lpath, rpath, *args, **kwargs)
+        uploaded.append(rpath)
+        write_fence(storage, root, 2)  # the controller formed a new group during this upload
+    monkeypatch.setattr(MemoryFileSystem, "put_file", put_file)
+    res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), retries=2)
+    assert not res.committed and res.error.startswith("fenced: rank 0: the run has moved on to generation 2")
+    assert len(uploaded) == 1 and list(storage.sizes(step_dir(root, 10))) == [uploaded[0].rsplit("/", 1)[1]]
+    assert res.attempts == 1  # not retried: a fence that moved on never moves back
+

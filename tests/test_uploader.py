@@ -219,3 +219,90 @@ def test_a_child_started_ahead_serves_the_first_upload(tmp_path):
     assert uploader._idle == [ready] and (tmp_path / "dst" / "a").read_bytes() == b"first"
     uploader.prestart(f"file://{tmp_path}/dst", {})  # one is idle: nothing more
     assert not uploader._starting and uploader._idle == [ready]
+
+
+# ---------------------------------------------------------------- the fence, object by object
+def _fence_file(tmp_path, generation) -> tuple[str, int]:
+    """A fence on local disk showing `generation`; returns what an upload of generation 1 checks."""
+    (tmp_path / "GENERATION").write_bytes(str(generation).encode())
+    return f"file://{tmp_path}/GENERATION", 1
+
+
+@pytest.mark.timeout(60)
+def test_the_child_uploads_only_while_the_fence_shows_its_generation(tmp_path):
+    src = _folder(tmp_path / "src", {"a.distcp": b"shard", ".metadata": b"index"})
+    _started(f"file://{tmp_path}")
+    assert uploader.put(src, f"file://{tmp_path}/ok", {}, fence=_fence_file(tmp_path, 1))
+    assert sorted(os.listdir(tmp_path / "ok")) == [".metadata", "a.distcp"]
+    with pytest.raises(uploader.UploadFenced, match="moved on to generation 2"):
+        uploader.put(src, f"file://{tmp_path}/moved", {}, fence=_fence_file(tmp_path, 2))
+    assert not os.listdir(tmp_path / "moved")  # not one object
+    for shown in (b"", b"junk"):  # unreadable: fail closed too, as a storage error (retried)
+        (tmp_path / "GENERATION").write_bytes(shown)
+        with pytest.raises(uploader.FenceNotConfirmed, match="not a generation"):
+            uploader.put(src, f"file://{tmp_path}/junk", {}, fence=(f"file://{tmp_path}/GENERATION", 1))
+    with pytest.raises(uploader.FenceNotConfirmed, match="cannot be read"):
+        uploader.put(src, f"file://{tmp_path}/gone", {}, fence=(f"file://{tmp_path}/nowhere/GENERATION", 1))
+    assert uploader._idle and uploader._idle[0].alive()  # a fenced upload leaves its child usable
+    assert uploader.put(src, f"file://{tmp_path}/again", {}, fence=_fence_file(tmp_path, 1))
+
+
+def test_an_upload_reads_the_fence_before_each_object(tmp_path, monkeypatch):
+    """The run moves on between two objects of one upload: the second is never written."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+    src = _folder(tmp_path / "src", {"a": b"1", "b": b"2", "c": b"3"})
+    fence = _fence_file(tmp_path, 1)
+    done, real = [], LocalFileSystem.put_file
+
+    def put_file(self, lpath, rpath, *args, **kwargs):
+        real(self, lpath, rpath, *args, **kwargs)
+        done.append(os.path.basename(rpath))
+        (tmp_path / "GENERATION").write_bytes(b"2")
+    monkeypatch.setattr(LocalFileSystem, "put_file", put_file)
+    with pytest.raises(uploader.UploadFenced, match="stopped before"):
+        uploader.put_tree(fsspec.filesystem("file"), src + "/", f"{tmp_path}/dst/", fence)
+    assert len(done) == 1 and sorted(os.listdir(tmp_path / "dst")) == done
+
+
+@pytest.mark.parametrize("moves", [False, True])
+def test_a_multipart_upload_is_completed_only_after_the_fence_is_read_again(tmp_path, moves):
+    """s3fs's own multipart upload, its requests answered here: the fence is read right before
+    the upload is completed; if the run moved on while the parts went up, s3fs aborts it."""
+    import fsspec.asyn
+    import s3fs
+
+    fs = s3fs.S3FileSystem(anon=True, skip_instance_cache=True)
+    shown, calls = {"fence": b"1"}, []
+
+    async def call_s3(method, *args, **kwargs):
+        calls.append(method)
+        if method == "upload_part" and moves:
+            shown["fence"] = b"2"
+        return {"UploadId": "u"} if method == "create_multipart_upload" else {"ETag": "e"}
+
+    async def cat_file(path, **kwargs):
+        calls.append(f"read {path}")
+        return shown["fence"]
+
+    fs._call_s3, fs._cat_file = call_s3, cat_file
+    uploader._guard_multipart(fs)
+    uploader._guard_multipart(fs)  # once per filesystem, however often asked
+    big = tmp_path / "shard"
+    big.write_bytes(os.urandom(10 * 2 ** 20 + 1))  # three 5 MiB parts
+
+    async def upload():
+        uploader._FENCE.set(("s3://bucket/run/checkpoints/GENERATION", 1))
+        await fs._put_file(str(big), "bucket/run/checkpoints/step_1/shard", chunksize=5 * 2 ** 20)
+
+    if moves:
+        with pytest.raises(uploader.UploadFenced, match="completing the multipart upload"):
+            fsspec.asyn.sync(fs.loop, upload)
+        assert calls[-2:] == ["read bucket/run/checkpoints/GENERATION", "abort_multipart_upload"]
+    else:
+        fsspec.asyn.sync(fs.loop, upload)
+        assert calls[-2:] == ["read bucket/run/checkpoints/GENERATION", "complete_multipart_upload"]
+    assert calls.count("upload_part") == 3
+    calls.clear()
+    fsspec.asyn.sync(fs.loop, fs._put_file, str(big), "bucket/other", chunksize=5 * 2 ** 20)
+    assert not any(c.startswith("read") for c in calls)  # an upload without a fence: unchanged

@@ -30,12 +30,14 @@ UPLOAD_IN_CHILD = True
 
 def save_shards(state: dict, folder: str, storage_options: dict, process_group,
                 on_write: Callable[[], None] | None = None, cancel: threading.Event | None = None,
-                on_cuttable: Callable[[], None] | None = None):
+                on_cuttable: Callable[[], None] | None = None, fence: tuple[str, int] | None = None):
     """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
     `on_write` is called when this rank starts writing to `folder` itself (after the collective
     planning; for a remote folder, when the upload of the staged files begins). `cancel` set
     during the upload cuts it short (`UploadCut`; see `upload`); `on_cuttable` is called when an
-    upload that can be cut begins.
+    upload that can be cut begins. `fence` (the fence's URI, this group's generation): a remote
+    upload reads it before each object it writes and stops at a "no" (`uploader.put_tree`:
+    `UploadFenced`, `FenceNotConfirmed`), raised on this rank; the caller makes it collective.
     A save into an existing folder overwrites files of the same name and leaves the others.
 
     Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
@@ -65,10 +67,12 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
                 on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
             in_child = UPLOAD_IN_CHILD and not _process_private(fs)
-            if not (in_child and uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable)):
+            if not (in_child and uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable,
+                                              fence=fence)):
                 # No child idle (this worker's first upload, or its child busy): in this process,
                 # then a child is started for the next upload.
-                upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable)
+                upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable,
+                       fence=fence)
                 if in_child:
                     uploader.prestart(folder, storage_options)
         except UploadCut:
@@ -97,19 +101,20 @@ def _process_private(fs) -> bool:
 
 
 def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s: float = 0.05,
-           on_cuttable: Callable[[], None] | None = None) -> None:
+           on_cuttable: Callable[[], None] | None = None, fence: tuple[str, int] | None = None) -> None:
     """In this process (`uploader.put` is the child's): `fs.put(src, dst, recursive=True)`, cut
     short within `poll_s` once `cancel` is set, on an async filesystem (s3fs, gcsfs, adlfs): its
     coroutine is cancelled on fsspec's event loop, which drops the connection mid-request
     (`on_cuttable` is called as such an upload begins). A synchronous filesystem uploads to the end.
     A multipart upload cut short stays incomplete in the bucket, invisible to readers, until
-    the store's lifecycle rule for incomplete uploads removes it."""
+    the store's lifecycle rule for incomplete uploads removes it. `fence` (its URI, this group's
+    generation): read before each object, as the child does (`uploader.put_tree`)."""
     if cancel is None or not getattr(fs, "async_impl", False):
-        fs.put(src, dst, recursive=True)
+        uploader.put_tree(fs, src, dst, fence)
         return
     if cancel.is_set():
         raise UploadCut(f"upload of {dst} not begun")
-    future = asyncio.run_coroutine_threadsafe(fs._put(src, dst, recursive=True), fs.loop)
+    future = asyncio.run_coroutine_threadsafe(uploader.put_tree_async(fs, src, dst, fence), fs.loop)
     if on_cuttable:
         on_cuttable()
     while True:

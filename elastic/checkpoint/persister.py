@@ -21,7 +21,7 @@ from elastic.checkpoint.dcp_io import _written_files, save_shards, snapshot, sta
 from elastic.checkpoint.layout import (COMMIT_MARKER, MANIFEST, Manifest, apply_retention, commit, step_dir,
                                        validate)
 from elastic.checkpoint.retry import _is_peer_failure
-from elastic.checkpoint.uploader import UploadCut
+from elastic.checkpoint.uploader import UploadCut, UploadFenced
 from elastic.protocol import PersistResult
 from elastic.storage import Storage, StorageError
 
@@ -75,7 +75,8 @@ class AsyncCheckpointer:
         read): asked again until it says yes or no, within the wait bound below, before the
         save; at the commit, a fence not landed is refused and an unreadable one retried as a
         storage error. A persist given up on an unreadable fence leaves its checkpoint owed
-        (its error is a storage failure's, not "fenced:").
+        (its error is a storage failure's, not "fenced:"). A `fencing.Fence` is also checked by
+        the upload itself, before each object it writes.
         `after`: checkpointers of this process's earlier groups whose persist was abandoned while
         still uploading. Each persist first waits for them: a late upload of theirs must never
         land on a file this one wrote. If one still runs on any rank, every rank skips that
@@ -207,7 +208,7 @@ class AsyncCheckpointer:
         for attempt in range(1, self.retries + 2):
             try:
                 metadata = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set,
-                                       cancel=self._abort, on_cuttable=cuttable.set)
+                                       cancel=self._abort, on_cuttable=cuttable.set, fence=self._fence())
                 err = None
                 break
             except UploadCut:
@@ -219,6 +220,10 @@ class AsyncCheckpointer:
                 err = f"{type(e).__name__}: {e}"
                 if self._abort.is_set() or _is_peer_failure(e):
                     break  # the group is gone; the controller will recover, retrying is pointless
+                if self._any_rank_fenced(isinstance(e, UploadFenced)):
+                    return report(attempts=attempt, error=f"fenced: rank {self.rank}: {e}; {folder} not committed"
+                                  if isinstance(e, UploadFenced) else
+                                  f"fenced: another rank's upload found the run moved on; {folder} not committed")
                 log.warning("persist of step %d failed (attempt %d): %s", step, attempt, err)
                 if attempt > self.retries or self._abort.wait(self.backoff_s * 2 ** (attempt - 1)):
                     break
@@ -270,6 +275,18 @@ class AsyncCheckpointer:
             if ok is None and fencing.unreadable(why):
                 return None, why
             return False, why or "may_write() said this worker may no longer write"
+
+    def _fence(self) -> tuple[str, int] | None:
+        """What the upload checks before each object: the fence's URI and this group's generation."""
+        f = self.may_write
+        return (f.uri, f.generation) if isinstance(f, fencing.Fence) else None
+
+    def _any_rank_fenced(self, mine: bool) -> bool:
+        """Whether any rank's upload found the run moved on: every rank then stops retrying at
+        once, or the others would wait in the next attempt's collective for one that left."""
+        flag = torch.tensor([int(mine)], dtype=torch.int64)
+        dist.all_reduce(flag, group=self.pg)
+        return bool(int(flag[0]))
 
     def _earlier_still_running(self, deadline: float) -> bool:
         """Wait (until `deadline`) for the persists earlier groups abandoned; True if one still runs."""

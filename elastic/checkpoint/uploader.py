@@ -20,6 +20,15 @@ the 15 steps a chaos test allows it.
 It exits when the worker does: on end of input, or within 0.5 s of its parent's death while
 it uploads.
 
+Fencing (fencing.py) holds inside an upload too: given the fence's URI and its generation, the
+upload goes object by object and reads the fence before each one (and, on s3fs, again right
+before it completes a multipart upload), and stops at the first read that does not show its own
+generation: `UploadFenced` when the fence shows a newer one (the run moved on while this worker
+was frozen or cut off mid-upload), `FenceNotConfirmed` when it cannot be read or shows anything
+else (fail closed; the save is retried like any storage error). Without that, a worker that froze
+mid-upload went on writing shards for the whole freeze once it thawed. The check costs one small
+GET per object; a rank's save is one shard file (DCP's default) plus the index on the coordinator.
+
 Cutting an upload short (the group failed, see `AsyncCheckpointer.abort`) kills the child:
 its connections drop mid-request, on any filesystem. A multipart upload cut short stays
 incomplete in the bucket, invisible to readers, until the store's lifecycle rule removes it.
@@ -29,6 +38,7 @@ Ray and torch): only fsspec and the filesystem's own package.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import pickle
@@ -51,6 +61,16 @@ class UploadCut(Exception):
 
 class UploadFailed(RuntimeError):
     """The child could not upload, and its error did not survive pickling: its type and message."""
+
+
+class UploadFenced(RuntimeError):
+    """The upload stopped before an object: the fence shows a newer generation than the upload's.
+    That group may no longer write (fencing.py); nothing more of its upload lands."""
+
+
+class FenceNotConfirmed(RuntimeError):
+    """The upload stopped before an object: the fence could not be read, or showed a generation
+    other than the upload's own. Nothing more lands; retried as a storage error is."""
 
 
 # ---------------------------------------------------------------- the wire: length-prefixed pickles
@@ -116,7 +136,7 @@ def _start(url: str, storage_options: dict) -> None:
     child = None
     try:
         child = _Child()
-        _send(child.proc.stdin, ("start", None, url, storage_options))
+        _send(child.proc.stdin, ("start", None, url, storage_options, None))
         answer = _recv(child.proc.stdout)
         if answer[0] != "ok":  # the upload itself will say what is wrong, with its own request
             log.debug("the uploader could not build the filesystem of %s: %s", url, answer[1:])
@@ -159,13 +179,15 @@ def _give_back(child: _Child) -> None:
 
 
 def put(src: str, url: str, storage_options: dict, cancel: threading.Event | None = None,
-        on_cuttable=None, poll_s: float = POLL_S) -> bool:
+        on_cuttable=None, poll_s: float = POLL_S, fence: tuple[str, int] | None = None) -> bool:
     """Upload the local folder `src` to `url` (an fsspec URL), as `fs.put(src, path,
     recursive=True)` would, in an idle child process; True once done. False, having done
     nothing, when no child is idle (none started yet, or the one there is busy): the caller
     uploads itself, then calls `prestart` for the next upload. Cut short within `poll_s` once
-    `cancel` is set (`UploadCut`; `on_cuttable` is called as the upload begins). The child's
-    error is raised here: the same exception where it pickles, else `UploadFailed` naming it."""
+    `cancel` is set (`UploadCut`; `on_cuttable` is called as the upload begins). `fence`: (the
+    fence's URI, this upload's generation): the child checks it before each object (`put_tree`)
+    and stops with `UploadFenced` or `FenceNotConfirmed`, raised here. The child's other errors
+    are raised here: the same exception where it pickles, else `UploadFailed` naming it."""
     from elastic.storage import StorageError
 
     if cancel is not None and cancel.is_set():
@@ -174,7 +196,7 @@ def put(src: str, url: str, storage_options: dict, cancel: threading.Event | Non
     if child is None:
         return False
     try:
-        _send(child.proc.stdin, ("put", src, url, storage_options))
+        _send(child.proc.stdin, ("put", src, url, storage_options, fence))
     except OSError as e:
         child.kill()
         raise StorageError(f"upload of {url}: the upload process did not take the request ({e})") from e
@@ -194,9 +216,119 @@ def put(src: str, url: str, storage_options: dict, cancel: threading.Event | Non
     _give_back(child)
     if answer[0] == "ok":
         return True
+    if answer[0] == "fenced":
+        raise UploadFenced(answer[1])
+    if answer[0] == "unconfirmed":
+        raise FenceNotConfirmed(answer[1])
     if answer[1] is not None:
         raise answer[1]
     raise UploadFailed(answer[2])
+
+
+# ---------------------------------------------------------------- object by object, behind the fence
+# The fence of the upload running in this asyncio task, for the multipart guard (a context
+# variable: the worker's other storage calls share the filesystem instance, not the upload).
+_FENCE: contextvars.ContextVar = contextvars.ContextVar("elastic_upload_fence", default=None)
+
+
+def _verdict(data: bytes | None, error: BaseException | None, fence: tuple[str, int], before: str) -> None:
+    """Raise unless the fence's bytes show the upload's own generation (fail closed)."""
+    uri, generation = fence
+    if error is not None:
+        raise FenceNotConfirmed(f"the fence {uri} cannot be read ({type(error).__name__}: {error}); "
+                                f"stopped before {before}")
+    try:
+        shown = int(data.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise FenceNotConfirmed(f"the fence {uri} holds {data[:40]!r}, not a generation; "
+                                f"stopped before {before}") from None
+    if shown > generation:
+        raise UploadFenced(f"the run has moved on to generation {shown} (this upload's: {generation}); "
+                           f"stopped before {before}")
+    if shown != generation:
+        raise FenceNotConfirmed(f"the fence shows generation {shown}, not this upload's ({generation}); "
+                                f"stopped before {before}")
+
+
+def check_fence(fs, fence: tuple[str, int], before: str) -> None:
+    """Read the fence (URI, generation) through `fs`; raise unless it shows that generation."""
+    try:
+        data, error = fs.cat_file(fs._strip_protocol(fence[0])), None
+    except Exception as e:  # noqa: BLE001 - any failure to read is a "no"
+        data, error = None, e
+    _verdict(data, error, fence, before)
+
+
+async def _check_fence_async(fs, fence: tuple[str, int], before: str) -> None:
+    try:
+        data, error = await fs._cat_file(fs._strip_protocol(fence[0])), None
+    except Exception as e:  # noqa: BLE001 - any failure to read is a "no"
+        data, error = None, e
+    _verdict(data, error, fence, before)
+
+
+def _plan(fs, src: str, dst: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """What `fs.put(src, dst, recursive=True)` does, as fsspec plans it: the remote folders to
+    make, and the (local, remote) pairs of files, in order."""
+    from fsspec.implementations.local import LocalFileSystem, make_path_posix
+    from fsspec.utils import other_paths
+
+    lpaths = LocalFileSystem().expand_path(make_path_posix(src), recursive=True)
+    rpaths = other_paths(lpaths, fs._strip_protocol(dst))
+    dirs = [r for l, r in zip(lpaths, rpaths) if os.path.isdir(l)]
+    return dirs, [(l, r) for l, r in zip(lpaths, rpaths) if not os.path.isdir(l)]
+
+
+def _guard_multipart(fs) -> None:
+    """s3fs completes a multipart upload with one request, after all its parts: read the fence
+    right before it, for an upload that carries one (`_FENCE`). A "no" raised there makes s3fs
+    abort the multipart upload, so its parts never become an object. Other filesystems are checked
+    per object only."""
+    call = getattr(fs, "_call_s3", None)
+    if call is None or getattr(call, "fence_guard", False):
+        return
+
+    async def guarded(method, *args, **kwargs):
+        fence = _FENCE.get()
+        if fence is not None and method == "complete_multipart_upload":
+            await _check_fence_async(fs, fence, f"completing the multipart upload of {kwargs.get('Key')}")
+        return await call(method, *args, **kwargs)
+
+    guarded.fence_guard = True
+    fs._call_s3 = guarded
+
+
+def put_tree(fs, src: str, dst: str, fence: tuple[str, int] | None = None) -> None:
+    """`fs.put(src, dst, recursive=True)`; with `fence` (its URI, this upload's generation) one
+    object at a time, each after a read of the fence that shows this generation (and on s3fs, each
+    multipart upload completed after another): `UploadFenced` or `FenceNotConfirmed` otherwise."""
+    if fence is None:
+        fs.put(src, dst, recursive=True)
+    elif getattr(fs, "async_impl", False):
+        import fsspec.asyn
+        fsspec.asyn.sync(fs.loop, put_tree_async, fs, src, dst, fence)
+    else:
+        dirs, files = _plan(fs, src, dst)
+        for d in dirs:
+            fs.makedirs(d, exist_ok=True)
+        for local, remote in files:
+            check_fence(fs, fence, remote)
+            fs.put_file(local, remote)
+
+
+async def put_tree_async(fs, src: str, dst: str, fence: tuple[str, int] | None = None) -> None:
+    """`put_tree` as a coroutine on an async filesystem's loop (cancelling it cuts the upload)."""
+    if fence is None:
+        await fs._put(src, dst, recursive=True)
+        return
+    _guard_multipart(fs)
+    _FENCE.set(fence)  # this task's context only, and the part uploads it starts
+    dirs, files = _plan(fs, src, dst)
+    for d in dirs:
+        await fs._makedirs(d, exist_ok=True)
+    for local, remote in files:
+        await _check_fence_async(fs, fence, remote)
+        await fs._put_file(local, remote)
 
 
 # ---------------------------------------------------------------- the child
@@ -216,14 +348,18 @@ def _serve(parent_pid: int) -> None:
     threading.Thread(target=_exit_with, args=(parent_pid,), daemon=True).start()
     while True:
         try:
-            op, src, url, options = _recv(requests)
+            op, src, url, options, fence = _recv(requests)
         except EOFError:
             return
         try:
             fs, path = fsspec.core.url_to_fs(url, **options)  # "start": only this (fsspec caches it)
             if op == "put":
-                fs.put(src.rstrip("/") + "/", path.rstrip("/") + "/", recursive=True)
+                put_tree(fs, src.rstrip("/") + "/", path.rstrip("/") + "/", fence)
             answer = ("ok",)
+        except UploadFenced as e:  # this module's classes are __main__'s here: sent by name
+            answer = ("fenced", str(e))
+        except FenceNotConfirmed as e:
+            answer = ("unconfirmed", str(e))
         except Exception as e:  # noqa: BLE001 - every failure goes back to the worker
             try:
                 pickle.loads(pickle.dumps(e))
