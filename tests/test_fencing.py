@@ -241,3 +241,43 @@ def test_an_upload_stops_at_the_first_object_after_the_run_moved_on(store, one_r
     assert len(uploaded) == 1 and list(storage.sizes(step_dir(root, 10))) == [uploaded[0].rsplit("/", 1)[1]]
     assert res.attempts == 1  # not retried: a fence that moved on never moves back
 
+
+# ---------------------------------------------------------------- the controller's own writes
+def _commit(storage, root, step: int) -> None:
+    from elastic.checkpoint.layout import Manifest, commit, step_dir
+    commit(storage, step_dir(root, step), Manifest(step, step * 48, 3, "ddp", {}, 0.0))
+
+
+def test_a_rollback_un_commits_nothing_once_the_controller_no_longer_holds_the_run():
+    """abandon_after removes commit markers: a controller whose generation is no longer the
+    fence's (another one formed a newer group) would erase that one's checkpoints."""
+    from elastic.controller import running
+    from elastic.controller.states import Errored, Restoring
+    from tests.test_controller import drive, make
+    c, _, _ = make()
+    drive(c, lambda c: c.step >= 5)
+    for step in (4, 8, 12):
+        _commit(c.storage, c.root, step)
+    write_fence(c.storage, c.root, c.generation + 1)
+    state = running.rollback(c, [9, 10, 11])
+    assert isinstance(state, Errored) and "no longer holds the run" in state.error
+    assert "shows generation" in state.error and _steps(c.storage, c.root) == [12, 8, 4]
+    write_fence(c.storage, c.root, c.generation)  # its own again: the rollback goes ahead
+    assert isinstance(running.rollback(c, [9, 10, 11]), Restoring) and _steps(c.storage, c.root) == [8, 4]
+
+
+def test_metrics_and_ledger_are_written_only_while_the_controller_holds_the_run(monkeypatch):
+    from tests.test_controller import drive, make
+    c, _, _ = make(num_steps=12)
+    drive(c, lambda c: c.step >= 5)
+    write_fence(c.storage, c.root, c.generation + 1)
+    out = c.run()  # to the end; the fence stays another's
+    assert out["status"] == "finished" and c.events.of_kind("run_finished")  # the events log still records
+    assert not c.storage.exists(join(c.run_dir, "metrics.json"))
+    with pytest.raises(StorageError, match="ledger.json not written: this controller no longer holds the run"):
+        c.run_log.write_ledger(c.storage, c.run_dir, c.fence.holds)
+    assert not c.storage.exists(join(c.run_dir, "ledger.json"))
+    write_fence(c.storage, c.root, c.generation)
+    c.run_log.write_ledger(c.storage, c.run_dir, c.fence.holds)
+    c.run_log.write_metrics(c.storage, c.run_dir, c.fence.holds)
+    assert c.storage.exists(join(c.run_dir, "ledger.json")) and c.storage.exists(join(c.run_dir, "metrics.json"))

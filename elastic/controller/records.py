@@ -10,8 +10,9 @@ import json
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from elastic.storage import Storage, join
+from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +77,26 @@ class RunLog:
     skipped: dict = field(default_factory=dict)  # step -> why it made no update (bad step, fp16 overflow, rollback)
     skip_steps: set = field(default_factory=set)  # steps whose batches a rollback skips (no update)
 
-    def write_metrics(self, storage: Storage, run_dir: str) -> None:
+    def write_metrics(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]]) -> None:
         """metrics.json: the loss of every step and the world size it ran at (redone steps: the
-        attempt that counted)."""
+        attempt that counted). Only while `holds()` says this controller still holds the run
+        (`FenceWriter.holds`): one that lost it must not overwrite the new holder's."""
+        held, why = holds()
+        if not held:
+            log.warning("metrics.json not written: this controller no longer holds the run (%s)", why)
+            return
         body = {str(s): {"loss": x, "world_size": w} for s, (x, w) in sorted(self.loss_curve.items())}
         try:
             storage.write_bytes(join(run_dir, "metrics.json"), json.dumps(body).encode())
         except Exception as e:  # noqa: BLE001 - metrics are best effort; the run's outcome is not
             log.warning("metrics.json not written: %s", e)
 
-    def write_ledger(self, storage: Storage, run_dir: str) -> None:
-        """ledger.json: for every step, the world size it ran at and each rank's sample ids."""
+    def write_ledger(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]]) -> None:
+        """ledger.json: for every step, the world size it ran at and each rank's sample ids. Only
+        while `holds()` says this controller still holds the run; StorageError otherwise."""
+        held, why = holds()
+        if not held:
+            raise StorageError(f"ledger.json not written: this controller no longer holds the run ({why})")
         body = {str(s): {"world_size": w, "ranks": {str(r): ids for r, ids in sorted(by_rank.items())},
                          **({"skipped": self.skipped[s]} if s in self.skipped else {})}
                 for s, (w, by_rank) in sorted(self.ledger.items())}

@@ -162,6 +162,12 @@ def rollback(ctl: Controller, bad_steps: list[int]) -> State:
     first, last = min(bad_steps), max(bad_steps)
     committed = [c.step for c in committed_checkpoints(ctl.storage, ctl.root)]
     to_step, skip, why = rollback_target(committed, bad_steps)
+    # Un-committing writes into the run's checkpoints: only while this controller still holds the
+    # run (the fence shows its generation), or one that lost it would erase the new holder's commits.
+    held, not_held = ctl.fence.holds()
+    if not held:
+        return Errored(f"rollback to step {to_step} not done: this controller no longer holds the run "
+                       f"({not_held}); no checkpoint was un-committed")
     abandoned = abandon_after(ctl.storage, ctl.root, to_step)
     ctl.checkpoints.committed_steps = {st for st in ctl.checkpoints.committed_steps if st <= to_step}
     ctl.run_log.skip_steps |= skip

@@ -13,6 +13,15 @@ never detection or recovery. Each write costs only the new events:
 A resumed run (same name, same storage) goes on with the log it left: it
 appends to the file, or numbers its segments after the last one. `read_events`
 reads either layout (both, in order: a file first, then its segments).
+
+Unlike the controller's other writes (a rollback's un-commits, metrics.json,
+ledger.json), the log is not fenced (elastic/checkpoint/fencing.py): it is the
+record of what happened, including how a generation was fenced off, so a fence
+that cannot be read must not silence it; nothing restores from it or decides by
+it, and it only adds (a line appended on local disk, a new segment on an object
+store). Whether a driver writes it at all is the run's lease's to say
+(`Controller.holds_run`). Two writers at once, which the lease prevents, could
+number the same segment, the later replacing the other.
 """
 from __future__ import annotations
 
