@@ -505,9 +505,9 @@ def test_remote_shards_are_staged_on_local_disk_then_uploaded_and_the_stage_remo
     from elastic.checkpoint.dcp_io import _written_files, save_shards
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the stage goes
     folder = f"memory://stage-{uuid.uuid4().hex}/run/checkpoints/step_000000001"
-    metadata = save_shards(model_state(0), folder, {}, one_rank_group)
+    saved = save_shards(model_state(0), folder, {}, one_rank_group)
     fs, path = fsspec.core.url_to_fs(folder)
-    assert {p.rsplit("/", 1)[1] for p in fs.find(path)} == _written_files(metadata)
+    assert {p.rsplit("/", 1)[1] for p in fs.find(path)} == _written_files(saved.metadata) == set(saved.digests)
     assert not list(tmp_path.glob("elastic-stage-*"))
     restored = model_state(1)
     load_shards(restored, folder, {}, one_rank_group)
@@ -693,10 +693,260 @@ def test_a_checkpointer_with_a_persist_in_flight_gives_no_buffers_away(store, on
     storage, root = store
     release = threading.Event()
     real_save = ckpt.save_shards
-    monkeypatch.setattr(ckpt, "save_shards", lambda *a, **k: (release.wait(30), real_save(*a, **k)))
+    monkeypatch.setattr(ckpt, "save_shards", lambda *a, **k: (release.wait(30), real_save(*a, **k))[1])
     ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
     ck.save(10, 80, model_state(0), {})
     assert ck.in_flight() and ck.spare_buffers() is None  # its persist still reads the snapshot
     release.set()
     ck.wait()
     assert ck.spare_buffers() is ck._staged
+
+
+# ---------------------------------------------------------------- verified checkpoints: digests in the manifest
+
+def flip_bytes_in_largest_shard(folder: str, num_bytes: int = 64) -> str:
+    """Flip `num_bytes` in the middle of the folder's largest shard, in place (size unchanged), as
+    bit rot or a same-size overwrite would. Returns the shard's name."""
+    import os
+    path = folder[len("file://"):] if folder.startswith("file://") else folder
+    name = max((n for n in os.listdir(path) if n.endswith(".distcp")), key=lambda n: os.path.getsize(f"{path}/{n}"))
+    size = os.path.getsize(f"{path}/{name}")
+    with open(f"{path}/{name}", "r+b") as f:
+        f.seek(size // 2)
+        old = f.read(num_bytes)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in old))
+    assert os.path.getsize(f"{path}/{name}") == size
+    return name
+
+
+def test_every_file_of_a_save_has_its_digest_in_the_manifest(tmp_path, one_rank_group):
+    import zlib
+    root = f"file://{tmp_path}/run/checkpoints"
+    storage = Storage(root)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    manifest = latest_committed(storage, root).manifest
+    assert set(manifest.digests) == set(manifest.files) == {".metadata", "__0_0.distcp"}
+    folder = tmp_path / "run" / "checkpoints" / "step_000000010"
+    assert all(manifest.digests[n] == f"crc32:{zlib.crc32((folder / n).read_bytes()):08x}" for n in manifest.files)
+
+
+def test_a_remote_save_digests_its_staged_files(one_rank_group):
+    import zlib
+    import fsspec
+    from elastic.checkpoint.dcp_io import save_shards
+    folder = f"memory://digest-{uuid.uuid4().hex}/run/checkpoints/step_000000001"
+    saved = save_shards(model_state(0), folder, {}, one_rank_group)
+    fs, path = fsspec.core.url_to_fs(folder)
+    assert saved.digests and all(d == f"crc32:{zlib.crc32(fs.cat_file(f'{path}/{n}')):08x}"
+                                 for n, d in saved.digests.items())
+
+
+def test_verification_names_the_file_whose_bytes_changed(tmp_path, one_rank_group):
+    from elastic.checkpoint.dcp_io import verify_shards
+    from elastic.checkpoint.layout import CorruptCheckpoint
+    root = f"file://{tmp_path}/run/checkpoints"
+    ck = AsyncCheckpointer(Storage(root), root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait()
+    folder = step_dir(root, 10)
+    verify_shards(folder, {}, one_rank_group)  # intact
+    name = flip_bytes_in_largest_shard(folder)
+    assert latest_committed(Storage(root), root).uri == folder  # sizes alone cannot tell
+    with pytest.raises(CorruptCheckpoint, match=f"digest mismatch in step_000000010/{name}: crc32:"):
+        verify_shards(folder, {}, one_rank_group)
+
+
+def test_the_files_are_shared_out_by_size_each_to_one_rank():
+    from elastic.checkpoint.dcp_io import share_of
+    files = {"a": 100, "b": 60, "c": 50, "d": 10, ".metadata": 5}
+    m = Manifest(1, 8, 2, "ddp", files, 0.0, digests={n: "crc32:00000000" for n in files if n != "d"})
+    shares = [share_of(m, r, 2) for r in range(2)]
+    assert shares == [["a", ".metadata"], ["b", "c"]]  # "d" has no digest: not read
+    assert share_of(m, 0, 1) == ["a", "b", "c", ".metadata"]
+
+
+def test_a_redone_step_does_not_report_a_commit_its_restore_found_corrupt(tmp_path, one_rank_group):
+    from elastic.checkpoint.dcp_io import verify_shards
+    from elastic.checkpoint.layout import CorruptCheckpoint
+    root = f"file://{tmp_path}/run/checkpoints"
+    storage = Storage(root)
+    first = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    first.save(10, 80, model_state(0), {})
+    first.wait()
+    flip_bytes_in_largest_shard(step_dir(root, 10))
+    with pytest.raises(CorruptCheckpoint):  # the restore skipped it
+        verify_shards(step_dir(root, 10), {}, one_rank_group)
+    again = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
+    again.save(10, 80, model_state(0), {})
+    again.wait()
+    (res,) = again.drain()
+    assert not res.committed and "digest mismatch in step_000000010/" in res.error, res
+
+
+def _verify_on_two_ranks(rank, world, port, folder, out_dir):
+    import elastic.checkpoint.dcp_io as dcp_io
+    from elastic.checkpoint import layout
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
+    dcp_io.save_shards(_rank_state(rank, 0), folder, {}, pg)
+    read = []
+    real = layout.check_files
+    dcp_io.check_files = lambda f, o, m, names: (read.extend(names), real(f, o, m, names))[1]
+    results = []
+    for _ in range(2):  # intact, then with a flipped shard
+        try:
+            dcp_io.verify_shards(folder, {}, pg)
+            results.append(None)
+        except Exception as e:  # noqa: BLE001
+            results.append(f"{type(e).__name__}: {e}")
+        dist.barrier(group=pg)
+        if rank == 0 and len(results) == 1:
+            flip_bytes_in_largest_shard(folder, 8)
+        dist.barrier(group=pg)
+    with open(f"{out_dir}/verify{rank}.json", "w") as f:
+        json.dump({"results": results, "read": read}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_each_verify_a_share_and_agree_on_the_verdict(tmp_path):
+    """Every file is read once across the group, and a mismatch in one rank's share makes both
+    ranks raise the same error (so both move to the same next candidate)."""
+    import torch.multiprocessing as mp
+    folder = f"file://{tmp_path}/run/checkpoints/step_000000010"
+    # A manifest, as rank 0's commit writes it, from what the save wrote.
+    mp.start_processes(_save_manifest_then_verify, args=(2, _free_port(), folder, str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    out = {r: json.loads((tmp_path / f"verify{r}.json").read_text()) for r in (0, 1)}
+    reads = out[0]["read"] + out[1]["read"]
+    names = sorted(Manifest.from_json((tmp_path / "run/checkpoints/step_000000010" / MANIFEST).read_bytes()).digests)
+    assert sorted(reads) == sorted(names * 2) and out[0]["read"] and out[1]["read"]  # twice: two verifications
+    assert out[0]["results"][0] is None and out[1]["results"][0] is None
+    assert out[0]["results"][1] == out[1]["results"][1]
+    assert out[0]["results"][1].startswith("CorruptCheckpoint: digest mismatch in step_000000010/__")
+
+
+def _save_manifest_then_verify(rank, world, port, folder, out_dir):
+    import elastic.checkpoint.dcp_io as dcp_io
+    real_save = dcp_io.save_shards
+
+    def save_and_commit(state, folder_, options, pg):
+        saved = real_save(state, folder_, options, pg)
+        if rank == 0:
+            files = {n: s for n, s in Storage(folder_).sizes(folder_).items()}
+            commit(Storage(folder_), folder_, Manifest(10, 80, world, "ddp", files, 0.0, digests=saved.digests))
+        dist.barrier(group=pg)
+        return saved
+    dcp_io.save_shards = save_and_commit
+    _verify_on_two_ranks(rank, world, port, folder, out_dir)
+
+
+# ---------------------------------------------------------------- verified checkpoints through a worker's restore
+
+def _one_worker(tmp_path, num_to_keep):
+    import socket
+
+    from elastic.checkpoint.layout import checkpoints_root
+    from elastic.config import JobConfig
+    from elastic.runtime.worker import Worker
+    job = JobConfig.model_validate({
+        "run": {"name": "w", "num_steps": 20, "seed": 1},
+        "scaling": {"num_workers": 1},
+        "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 5, "num_to_keep": num_to_keep},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 8},
+    })
+    w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
+
+    def join(generation):
+        from elastic.checkpoint.fencing import write_fence
+        write_fence(Storage(w.root), w.root, generation)  # as the controller does before a group forms
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        w.join("127.0.0.1", port, 0, 1, generation=generation)
+    return w, join
+
+
+def _state_copy(w):
+    from elastic.runtime import state
+    flat = {}
+
+    def walk(prefix, x):
+        if isinstance(x, torch.Tensor):
+            flat[prefix] = x.detach().clone()
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(f"{prefix}/{i}", v)
+        else:
+            flat[prefix] = x
+    walk("", state.state_dict(w))
+    return flat
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+@pytest.mark.timeout(120)
+def test_a_restore_skips_a_checkpoint_whose_bytes_changed_and_loads_the_previous_bit_exact(tmp_path):
+    """64 bytes flipped in the middle of the newest checkpoint's largest shard (size unchanged):
+    the restore used to load it without a word. Now it is skipped with a reason naming the file,
+    and the previous one loads bit for bit."""
+    w, join = _one_worker(tmp_path, num_to_keep=2)
+    join(1)
+    w.restore([])
+    try:
+        assert w.run(5, []).status == "done"
+        at_5 = _state_copy(w)
+        assert w.run(10, []).status == "done"
+        w.ckpt.wait()
+        storage = Storage(w.root)
+        found = committed_checkpoints(storage, w.root)
+        assert [c.step for c in found] == [10, 5]
+        name = flip_bytes_in_largest_shard(found[0].uri)
+        assert [c.step for c in committed_checkpoints(storage, w.root)] == [10, 5]  # sizes alone pass it
+
+        join(2)
+        out = w.restore([c.uri for c in found])
+        assert out.source == "storage" and out.uri == found[1].uri and out.step == 5
+        assert [u for u, _ in out.skipped] == [found[0].uri]
+        assert f"digest mismatch in step_000000010/{name}" in out.skipped[0][1], out.skipped
+        assert _same(_state_copy(w), at_5)
+
+    finally:
+        w.leave()
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_whose_manifest_has_no_digests_still_loads(tmp_path):
+    """Written before digests were recorded: checked by size only, and loaded."""
+    w, join = _one_worker(tmp_path, num_to_keep=2)
+    join(1)
+    w.restore([])
+    try:
+        assert w.run(5, []).status == "done"
+        w.ckpt.wait()
+        at_5 = _state_copy(w)
+        storage = Storage(w.root)
+        folder = step_dir(w.root, 5)
+        raw = json.loads(storage.read_bytes(join_(folder, MANIFEST)))
+        assert raw.pop("digests")
+        storage.write_bytes(join_(folder, MANIFEST), json.dumps(raw).encode())
+        join(2)
+        out = w.restore([c.uri for c in committed_checkpoints(storage, w.root)])
+        assert out.uri == folder and out.step == 5 and out.skipped == ()
+        assert _same(_state_copy(w), at_5)
+    finally:
+        w.leave()
+
+
+join_ = join

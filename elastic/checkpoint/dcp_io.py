@@ -1,11 +1,14 @@
 """Checkpoint shards through torch.distributed.checkpoint: the collective save (staged on local
-disk and uploaded, for remote storage) and load, and the in-memory snapshot a persist writes.
+disk and uploaded, for remote storage) with each file's digest, the verification of a committed
+checkpoint's files before a load, the load, and the in-memory snapshot a persist writes.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import fsspec
@@ -16,6 +19,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from elastic.checkpoint import uploader
+from elastic.checkpoint.layout import (MANIFEST, VERDICTS, CorruptCheckpoint, Manifest, check_files,
+                                     local_file_digest)
 from elastic.checkpoint.staging import stage_folder
 from elastic.storage import StorageError
 from elastic.checkpoint.uploader import UploadCut
@@ -28,10 +33,21 @@ DCP_METADATA = ".metadata"  # DCP's index of a save, written last by its coordin
 UPLOAD_IN_CHILD = True
 
 
+@dataclass(frozen=True)
+class SavedShards:
+    """What a collective save wrote: DCP's index (`metadata`) and the digest of every file any
+    rank wrote (name -> "crc32:..."), the same on every rank."""
+    metadata: Any
+    digests: dict[str, str] = field(default_factory=dict)
+
+
 def save_shards(state: dict, folder: str, storage_options: dict, process_group,
                 on_write: Callable[[], None] | None = None, cancel: threading.Event | None = None,
-                on_cuttable: Callable[[], None] | None = None, fence: tuple[str, int] | None = None):
-    """Collective DCP save into `folder`; returns DCP's index (Metadata) of what it wrote.
+                on_cuttable: Callable[[], None] | None = None,
+                fence: tuple[str, int] | None = None) -> SavedShards:
+    """Collective DCP save into `folder`; returns DCP's index of what it wrote and every file's
+    digest (`SavedShards`). Each rank digests the files it wrote from its local copy, right after
+    DCP wrote them (page cache, not a second read from storage), and the ranks gather them.
     `on_write` is called when this rank starts writing to `folder` itself (after the collective
     planning; for a remote folder, when the upload of the staged files begins). `cancel` set
     during the upload cuts it short (`UploadCut`; see `upload`); `on_cuttable` is called when an
@@ -49,18 +65,30 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
     through Python bytes objects while holding the GIL (up to 0.3 s at a time for a 400 MB
     tensor), which stalled training and the controller's polls for seconds at 100 M parameters
     (a false "unresponsive" verdict); a local file and `put` hold it for tens of ms at most.
-    Every rank learns whether every upload succeeded (an all-reduce), so all of them raise or
-    none does and the caller's retries stay in lockstep."""
+    Every rank learns whether every upload and digest succeeded (one gather, which also carries
+    the digests), so all of them raise or none does and the caller's retries stay in lockstep.
+    The staged files are digested in a thread while they upload (zlib drops the GIL): at 102.7 M
+    parameters and AdamW that hides 0.3 s of summing 1.23 GB behind the upload (local_file_digest;
+    on file:// the same 0.3 s follows DCP's write, ~1.3 s, in the persist's thread)."""
     if folder.startswith("file://"):
         # Never pass checkpoint_id= as well: DCP would rebuild the filesystem from it without
         # the storage options.
-        writer = (FsspecWriter(folder, sync_files=True, **storage_options) if on_write is None
-                  else _NotifyingWriter(on_write, folder, sync_files=True, **storage_options))
-        return dcp.save(state, storage_writer=writer, process_group=process_group)
-    with stage_folder() as stage:
-        # No fsync: the staged copy is only read back by the upload, never after a crash.
+        writer = _RecordingWriter(on_write, folder, sync_files=True, **storage_options)
+        metadata = dcp.save(state, storage_writer=writer, process_group=process_group)
+        error, digests = None, {}
+        try:
+            local = fsspec.core.url_to_fs(folder, **storage_options)[1]
+            digests = _digest_local(local, writer.written)
+        except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
+            error = e
+        return SavedShards(metadata, _agree_on_digests(error, digests, folder, process_group, "digest"))
+    with stage_folder() as stage, concurrent.futures.ThreadPoolExecutor(1, "digest") as pool:
+        # No fsync: the staged copy is only read back by the upload and the digests, never after
+        # a crash.
         metadata = dcp.save(state, storage_writer=FileSystemWriter(stage, sync_files=False),
                             process_group=process_group)
+        # Every file in the stage is this rank's (and DCP's index, on its coordinator).
+        digesting = pool.submit(_digest_local, stage, sorted(os.listdir(stage)))
         error = None
         try:
             if on_write:
@@ -76,17 +104,89 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
                 if in_child:
                     uploader.prestart(folder, storage_options)
         except UploadCut:
-            raise  # the group is gone: nothing collective follows
+            raise  # the group is gone: nothing collective follows (the pool waits for the digests)
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
             error = e
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        if dist.is_available() and dist.is_initialized():  # else a single process, as DCP allows
-            dist.all_reduce(failed, group=process_group)
+        digests = {}
+        try:
+            digests = digesting.result()
+        except Exception as e:  # noqa: BLE001 - as an upload's error
+            error = error or e
+        return SavedShards(metadata, _agree_on_digests(error, digests, folder, process_group, "upload"))
+
+
+def _digest_local(path: str, names) -> dict[str, str]:
+    """name -> digest of each of `names` in the local folder `path`."""
+    return {name: local_file_digest(os.path.join(path, name)) for name in names}
+
+
+def _agree_on_digests(error: BaseException | None, digests: dict[str, str], folder: str, process_group,
+                      what: str) -> dict[str, str]:
+    """Every rank's digests, on every rank; raises on every rank if any rank failed (its own
+    error where it failed, a StorageError naming the step's folder on the others)."""
+    if not (dist.is_available() and dist.is_initialized()):  # a single process, as DCP allows
         if error is not None:
             raise error
-        if int(failed[0]):
-            raise StorageError(f"another rank's upload of its shards to {folder} failed; retrying together")
-        return metadata
+        return dict(digests)
+    gathered: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, (error is not None, digests), group=process_group)
+    if error is not None:
+        raise error
+    if any(failed for failed, _ in gathered):
+        raise StorageError(f"another rank's {what} of its shards of {folder} failed; retrying together")
+    merged: dict[str, str] = {}
+    for _, part in gathered:
+        merged.update(part)
+    return merged
+
+
+def verify_shards(folder: str, storage_options: dict, process_group) -> Manifest:
+    """Check the committed checkpoint in `folder` against its manifest's digests before a load,
+    collectively: each rank of `process_group` reads a share of the files (split by size), so
+    every file is read once across the group, and the ranks agree on one verdict (a gather), so
+    that every rank raises or none does and all move to the same next candidate. Raises
+    CorruptCheckpoint naming the file whose bytes differ, or StorageError when a rank could not
+    read (the manifest or a file). Files without a digest (a manifest written before digests
+    were recorded) are not checked. The verdict is noted in this process's `VERDICTS`, which
+    retention consults. Returns the manifest."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    else:
+        rank, world = 0, 1
+    manifest, corrupt, unreadable = None, None, None
+    try:
+        fs, path = fsspec.core.url_to_fs(folder, **storage_options)
+        manifest = Manifest.from_json(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}"))
+        corrupt = check_files(folder, storage_options, manifest, share_of(manifest, rank, world))
+    except Exception as e:  # noqa: BLE001 - made collective below
+        unreadable = f"cannot verify {folder}: {type(e).__name__}: {e}"
+    verdicts = [(corrupt, unreadable)]
+    if world > 1:
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, (corrupt, unreadable), group=process_group)
+    corrupt = next((c for c, _ in verdicts if c), None)
+    if corrupt is not None:
+        if manifest is not None:
+            VERDICTS.note(folder, manifest, corrupt)
+        raise CorruptCheckpoint(corrupt)
+    unreadable = next((u for _, u in verdicts if u), None)
+    if unreadable is not None:
+        raise StorageError(unreadable if verdicts[rank][1] else f"{unreadable} (on another rank)")
+    VERDICTS.note(folder, manifest, None)
+    return manifest
+
+
+def share_of(manifest: Manifest, rank: int, world: int) -> list[str]:
+    """The files with a digest that `rank` of `world` verifies: largest first, each to the rank
+    with the fewest bytes so far (the same split on every rank, from the manifest alone)."""
+    loads = [0] * world
+    mine = []
+    for name in sorted(manifest.digests, key=lambda n: (-manifest.files.get(n, 0), n)):
+        r = loads.index(min(loads))
+        loads[r] += manifest.files.get(name, 0)
+        if r == rank:
+            mine.append(name)
+    return mine
 
 
 def _process_private(fs) -> bool:
@@ -127,16 +227,27 @@ def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s
                 raise UploadCut(f"upload of {dst} cut short") from None
 
 
-class _NotifyingWriter(FsspecWriter):
-    """DCP's fsspec writer that says when it starts writing this rank's files."""
+class _RecordingWriter(FsspecWriter):
+    """DCP's fsspec writer that says when it starts writing this rank's files (`on_write`) and
+    records the names of the files this rank wrote (`written`: its shards, and DCP's index on
+    the coordinator)."""
 
-    def __init__(self, on_write: Callable[[], None], *args, **kwargs):
+    def __init__(self, on_write: Callable[[], None] | None, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.on_write = on_write
+        self.written: list[str] = []
 
     def write_data(self, plan, planner):
-        self.on_write()
-        return super().write_data(plan, planner)
+        if self.on_write:
+            self.on_write()
+        future = super().write_data(plan, planner)
+        future.wait()
+        self.written.extend(sorted({r.storage_data.relative_path for r in future.value()}))
+        return future
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self.written.append(DCP_METADATA)
 
 
 def load_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:

@@ -6,12 +6,15 @@ Layout, under `<storage_uri>/<run name>/checkpoints/`:
         __0_0.distcp ...       shards, written by torch.distributed.checkpoint
         .metadata              DCP's index, written by its coordinator
         manifest.json          step, data cursor and what the sample order depends on, world size,
-                               every file this save wrote and its size
+                               every file this save wrote, its size and its content digest (crc32)
         COMMITTED              written last, by rank 0, after all of the above are durable
 
-A folder without COMMITTED, or whose files do not match its manifest, does not
-exist as far as any reader is concerned (invariant 3). Retention only removes
-folders older than the newest committed one.
+A folder without COMMITTED, or whose files do not match its manifest's sizes, does not
+exist as far as any reader is concerned (invariant 3). Sizes are checked on every listing;
+contents (the digests) by a restore before it loads (`dcp_io.verify_shards`), which skips a
+folder whose bytes changed after the commit (bit rot, a same-size overwrite) and falls back to
+the next. Retention keeps the newest folders whose contents verify and only removes folders
+older than the newest committed one.
 
 A committed folder is never written again: a step redone after a recovery finds
 its folder committed and reports that commit instead of saving (the redone state
@@ -24,8 +27,15 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import os
+import threading
+import zlib
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable
+from typing import BinaryIO, Callable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from elastic.storage import Storage, StorageError, join
 
@@ -34,6 +44,8 @@ log = logging.getLogger(__name__)
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
 _PREFIX = "step_"
+DIGEST = "crc32"  # zlib's: 3.7 GB/s on one core here, and it releases the GIL (see file_digest)
+_CHUNK = 16 << 20  # bytes read at a time while digesting a file
 
 
 def checkpoints_root(storage_uri: str, run_name: str) -> str:
@@ -66,6 +78,10 @@ class Manifest:
     # num_samples. A resume with other values would train on another order. Empty in manifests
     # written before it was recorded; those are loaded without the check.
     data_order: dict[str, int] = field(default_factory=dict)
+    # name -> "crc32:xxxxxxxx" of every file in `files`, computed by the rank that wrote it from its
+    # local copy right after DCP wrote it. Empty in manifests written before digests were recorded:
+    # their files are checked by size only, and a file without a digest is never reported corrupt.
+    digests: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
@@ -80,6 +96,99 @@ class Manifest:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
+class CorruptCheckpoint(ValueError):
+    """A committed checkpoint's file does not hold the bytes its manifest's digest says."""
+
+
+def file_digest(f: BinaryIO, chunk: int = _CHUNK) -> str:
+    """The digest of what is left to read in `f` ("crc32:xxxxxxxx"). zlib drops the GIL while it
+    sums a chunk, so a digest beside training costs a core, not the training thread's turn."""
+    crc = 0
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    readinto = getattr(f, "readinto", None)
+    while True:
+        if readinto is not None:
+            n = readinto(buf)
+            data = view[:n] if n else b""
+        else:  # some fsspec files only read
+            data = f.read(chunk)
+            n = len(data)
+        if not n:
+            return f"{DIGEST}:{crc:08x}"
+        crc = zlib.crc32(data, crc)
+
+
+def local_file_digest(path: str) -> str:
+    """`file_digest` of a file on local disk, summed straight from the page cache (mmap): a GiB in
+    0.4-0.65 s here, against 0.7-1.1 s copied out in chunks first."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return f"{DIGEST}:{0:08x}"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return f"{DIGEST}:{zlib.crc32(m):08x}"
+
+
+def check_files(folder: str, storage_options: dict, manifest: Manifest, names) -> str | None:
+    """Read `names` (files of the committed checkpoint in `folder`) and compare each with its
+    digest in `manifest`. None when all match (a file without a digest, or with a digest kind this
+    version does not know, is not checked); else the first mismatch, naming the file. Storage
+    errors raise StorageError (unreadable is not corrupt: the caller decides)."""
+    fs, path = fsspec.core.url_to_fs(folder, **storage_options)
+    step_folder = folder.rstrip("/").rsplit("/", 1)[-1]
+    for name in names:
+        want = manifest.digests.get(name)
+        if want is None or not want.startswith(DIGEST + ":"):
+            continue
+        full = f"{path.rstrip('/')}/{name}"
+        try:
+            if isinstance(fs, LocalFileSystem):
+                got = local_file_digest(full)
+            else:
+                with fs.open(full, "rb") as f:
+                    got = file_digest(f)
+        except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
+            raise StorageError(f"read {folder}/{name} failed: {type(e).__name__}: {e}") from e
+        if got != want:
+            return f"digest mismatch in {step_folder}/{name}: {got}, the manifest says {want}"
+    return None
+
+
+class Verdicts:
+    """What this process knows about committed checkpoints' contents: verified (their files match
+    their manifest's digests) or not, and why. Keyed by folder and manifest, so a folder
+    committed again under another manifest is judged afresh. A restore records what it verified
+    and what it skipped; a commit records its own checkpoint as verified (digested from the very
+    bytes it wrote); retention reads a folder only when nothing is known of it, once."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, bytes], str | None] = {}
+        self._lock = threading.Lock()
+
+    def note(self, folder: str, manifest: Manifest, problem: str | None) -> None:
+        """`problem`: None for verified, else why the folder does not load."""
+        with self._lock:
+            self._known[(folder.rstrip("/"), manifest.to_json())] = problem
+
+    def known(self, folder: str, manifest: Manifest) -> tuple[bool, str | None]:
+        """(whether anything is known, the problem if it failed)."""
+        with self._lock:
+            key = (folder.rstrip("/"), manifest.to_json())
+            return key in self._known, self._known.get(key)
+
+    def problem(self, storage: Storage, c: "CommittedCheckpoint") -> str | None:
+        """Why `c` does not verify, or None; read (every file, by this process) if not known."""
+        found, problem = self.known(c.uri, c.manifest)
+        if found:
+            return problem
+        problem = check_files(c.uri, storage.options, c.manifest, sorted(c.manifest.digests))
+        self.note(c.uri, c.manifest, problem)
+        return problem
+
+
+VERDICTS = Verdicts()  # this process's
+
+
 @dataclass(frozen=True)
 class CommittedCheckpoint:
     uri: str
@@ -91,9 +200,11 @@ class CommittedCheckpoint:
 
 
 def commit(storage: Storage, folder: str, manifest: Manifest) -> None:
-    """Manifest, then the marker: the marker's presence means everything else is durable."""
+    """Manifest, then the marker: the marker's presence means everything else is durable. The
+    digests were taken from the bytes written, so this process counts the folder as verified."""
     storage.write_bytes(join(folder, MANIFEST), manifest.to_json())
     storage.write_bytes(join(folder, COMMIT_MARKER), str(manifest.step).encode())
+    VERDICTS.note(folder, manifest, None)
 
 
 def validate(storage: Storage, folder: str) -> Manifest:

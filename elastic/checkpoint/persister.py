@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint import fencing
 from elastic.checkpoint.dcp_io import _written_files, save_shards, snapshot, staging_for
-from elastic.checkpoint.layout import (COMMIT_MARKER, MANIFEST, Manifest, apply_retention, commit, step_dir,
-                                       validate)
+from elastic.checkpoint.layout import (COMMIT_MARKER, MANIFEST, VERDICTS, Manifest, apply_retention, commit,
+                                       step_dir, validate)
 from elastic.checkpoint.retry import _is_peer_failure
 from elastic.checkpoint.uploader import UploadCut, UploadFenced
 from elastic.protocol import PersistResult
@@ -204,10 +204,10 @@ class AsyncCheckpointer:
             return report(error=detail or f"rank 0 could not prepare {folder}; nothing saved")
 
         # 2. Shards, collectively: retried in lockstep, because DCP raises on every rank.
-        metadata, err, attempt = None, None, 0
+        saved, err, attempt = None, None, 0
         for attempt in range(1, self.retries + 2):
             try:
-                metadata = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set,
+                saved = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set,
                                        cancel=self._abort, on_cuttable=cuttable.set, fence=self._fence())
                 err = None
                 break
@@ -238,7 +238,7 @@ class AsyncCheckpointer:
 
         # 3. Commit: rank 0 alone, with its own retries; nothing collective from here on.
         try:
-            self._commit_with_retries(folder, step, cursor, metrics, metadata)
+            self._commit_with_retries(folder, step, cursor, metrics, saved)
         except (StorageError, Fenced) as e:
             return report(attempts=attempt, error=str(e))
         report(committed=True, attempts=attempt, metrics_=metrics)
@@ -339,7 +339,13 @@ class AsyncCheckpointer:
                         log.warning("leftovers of an earlier attempt at step %d not removed: %s", step, e)
                     return _STALE, "", None
                 try:
-                    return _COMMITTED, "", validate(self.storage, folder)
+                    found = validate(self.storage, folder)
+                    # A folder this process's restore found corrupt: reporting it as this step's
+                    # commit would name it as the run's last committed checkpoint.
+                    _, problem = VERDICTS.known(folder, found)
+                    if problem is not None:
+                        raise ValueError(problem)
+                    return _COMMITTED, "", found
                 except ValueError as e:
                     return _BROKEN, (f"{folder} holds a {COMMIT_MARKER} marker but is not a valid checkpoint "
                                      f"({e}); a committed folder is never rewritten, so step {step} is not "
@@ -349,10 +355,11 @@ class AsyncCheckpointer:
                     return _UNREADABLE, f"cannot look at {folder} before saving: {e}", None
         raise AssertionError("unreachable")
 
-    def _commit_with_retries(self, folder: str, step: int, cursor: int, metrics: dict, metadata) -> None:
+    def _commit_with_retries(self, folder: str, step: int, cursor: int, metrics: dict, saved) -> None:
         """Manifest then marker, on rank 0, after every rank's shards are written (DCP said so).
-        The manifest is built once, so a retry writes the same bytes."""
-        wrote = _written_files(metadata)
+        The manifest (with every file's digest, `saved.digests`) is built once, so a retry writes
+        the same bytes."""
+        wrote = _written_files(saved.metadata)
         manifest = None
         for attempt in range(self.retries + 1):
             ok, why = self._allowed()
@@ -371,7 +378,7 @@ class AsyncCheckpointer:
                             raise StorageError(f"{folder}: {missing} written by the save are not listed there")
                         files = {n: names[n] for n in wrote}
                     manifest = Manifest(step, cursor, self.world_size, self.strategy, files, time.time(), metrics,
-                                        self.data_order)
+                                        self.data_order, {n: d for n, d in saved.digests.items() if n in files})
                 commit(self.storage, folder, manifest)
                 return
             except StorageError as e:

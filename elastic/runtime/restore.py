@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint import fencing
-from elastic.checkpoint.dcp_io import load_shards
+from elastic.checkpoint.dcp_io import load_shards, verify_shards
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import describe_failure
 from elastic.parallel import resharding
@@ -33,9 +33,12 @@ if TYPE_CHECKING:
 
 def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
     """Storage path. Fresh model and optimizer from the seed, then the newest loadable
-    checkpoint among `candidates` (committed folders, newest first). All ranks call this
-    with the same list; DCP raises on every rank when any rank fails to read, so they move
-    to the next candidate together. With no candidates, rank 0's fresh init is broadcast.
+    checkpoint among `candidates` (committed folders, newest first). Each candidate's files
+    are first checked against its manifest's digests (`verify_shards`: each file read once
+    across the group): one whose bytes changed since its commit is skipped, its reason naming
+    the file. All ranks call this with the same list; the verification and DCP raise on every
+    rank when any rank fails, so they move to the next candidate together. With no candidates,
+    rank 0's fresh init is broadcast.
     When there are some but none loads (storage out, or every one unreadable), nothing is
     started: source "none loaded", and the controller decides (it never means step 0).
     Returns what was loaded and what was skipped, and why."""
@@ -46,6 +49,11 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
     skipped = []
     loaded = None
     for uri in candidates:
+        try:
+            verify_shards(uri, w.storage.options, w.ckpt_pg)
+        except Exception as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
+            skipped.append((uri, describe_failure(e)))
+            continue
         state.build(w)
         st = state.state_dict(w)
         try:
