@@ -176,8 +176,11 @@ def test_a_persist_writes_nothing_while_the_fence_cannot_be_read_and_its_checkpo
     storage, root = store
     write_fence(storage, root, 1)
     reads = _unreadable_fence(storage, root, monkeypatch, "throttled")
-    res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), wait_timeout_s=0.3)
-    assert not res.committed and "cannot be read" in res.error and len(reads) > 1  # asked again
+    t0 = time.monotonic()
+    res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), retries=2, wait_timeout_s=60)
+    assert not res.committed and "cannot be read" in res.error
+    # Asked again as a failed write is retried (1 + retries), not polled until the 60 s bound.
+    assert len(reads) == 3 and time.monotonic() - t0 < 30
     assert owes_retry(res.error)  # a storage failure: saved again later, not given up as "fenced:"
     assert step_dir(root, 10).rsplit("/", 1)[1] not in storage.list_dir(root)  # not one byte of it
 
@@ -187,7 +190,7 @@ def test_a_persist_asks_again_while_the_fence_cannot_be_read_and_commits_once_it
     storage, root = store
     write_fence(storage, root, 1)
     reads = _unreadable_fence(storage, root, monkeypatch, "error", fails=2)
-    res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), wait_timeout_s=30)
+    res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), retries=2, wait_timeout_s=30)
     assert res.committed and len(reads) >= 3 and _steps(storage, root) == [10]
 
 

@@ -73,9 +73,10 @@ class AsyncCheckpointer:
         why) or an exception abandons the persist, reported with an error starting "fenced:".
         (None, why) means not now (this group's fence has not landed, or the fence cannot be
         read): asked again until it says yes or no, within the wait bound below, before the
-        save; at the commit, a fence not landed is refused and an unreadable one retried as a
-        storage error. A persist given up on an unreadable fence leaves its checkpoint owed
-        (its error is a storage failure's, not "fenced:"). A `fencing.Fence` is also checked by
+        save (an unreadable fence as often as a failed write is retried); at the commit, a fence
+        not landed is refused and an unreadable one retried as a storage error. A persist given
+        up on an unreadable fence leaves its checkpoint owed (its error is a storage failure's,
+        not "fenced:"). A `fencing.Fence` is also checked by
         the upload itself, before each object it writes.
         `after`: checkpointers of this process's earlier groups whose persist was abandoned while
         still uploading. Each persist first waits for them: a late upload of theirs must never
@@ -256,10 +257,13 @@ class AsyncCheckpointer:
     def _allowed(self, deadline: float | None = None) -> tuple[bool | None, str]:
         """Whether this rank may write: (True, ""), or (False, why) when it may not (fenced off, or
         its fence not landed), or (None, why) when the fence could not be read: not a verdict,
-        but no permission either (fail closed). A "not now" is asked again until `deadline`
-        (monotonic)."""
+        but no permission either (fail closed). Until `deadline` (monotonic), a fence not landed
+        is asked again every 0.5 s, and an unreadable one as a failed write is retried: at most
+        `retries` times, after `backoff_s`, doubling (a storage that refuses every request
+        fails the persist in seconds, not at the deadline, and its checkpoint stays owed)."""
         if self.may_write is None:
             return True, ""
+        num_unreadable = 0
         while True:
             try:
                 answer = self.may_write()
@@ -268,11 +272,15 @@ class AsyncCheckpointer:
             ok, why = answer if isinstance(answer, tuple) else (answer, "")
             if ok:
                 return True, ""
-            if ok is None and deadline is not None and time.monotonic() < deadline:
-                if self._abort.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            unreadable = ok is None and fencing.unreadable(why)
+            if ok is None and deadline is not None and time.monotonic() < deadline and not (
+                    unreadable and num_unreadable >= self.retries):
+                wait_s = self.backoff_s * 2 ** num_unreadable if unreadable else 0.5
+                num_unreadable += unreadable
+                if self._abort.wait(min(wait_s, max(0.0, deadline - time.monotonic()))):
                     return False, "the group failed while waiting: " + why
                 continue
-            if ok is None and fencing.unreadable(why):
+            if unreadable:
                 return None, why
             return False, why or "may_write() said this worker may no longer write"
 
