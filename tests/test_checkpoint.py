@@ -768,6 +768,37 @@ def test_the_files_are_shared_out_by_size_each_to_one_rank():
     assert share_of(m, 0, 1) == ["a", "b", "c", ".metadata"]
 
 
+def test_retention_keeps_the_newest_that_verify_not_a_newer_corrupt_one(tmp_path, one_rank_group):
+    """A restore fell back past step 20, whose shard changed after its commit; the run commits
+    step 15 again. Retention used to count step 20 as the one to keep and remove 15 and 10,
+    every checkpoint that loads. A process that knows nothing of them reads each once."""
+    from elastic.checkpoint.layout import Verdicts
+    root = f"file://{tmp_path}/run/checkpoints"
+    storage = Storage(root)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=5)
+    for step in (10, 20, 15):
+        ck.save(step, step * 8, model_state(step), {})
+        ck.wait()
+        if step == 20:
+            flip_bytes_in_largest_shard(step_dir(root, 20))
+    removed = apply_retention(storage, root, num_to_keep=1, verdicts=Verdicts())
+    assert removed == [step_dir(root, 10)]
+    assert [c.step for c in committed_checkpoints(storage, root)] == [20, 15]  # the newest committed stays
+
+
+def test_retention_keeps_what_a_rollback_goes_back_to(store):
+    """train.bad_step=rollback, bad_step_limit=3, a checkpoint every step, num_to_keep=1: a
+    rollback after bad steps 11-13 goes back to step 10, which the commits of 11 and 12 used to
+    remove."""
+    storage, root = store
+    for s in (9, 10, 11, 12):
+        fake_checkpoint(storage, root, s)
+    removed = apply_retention(storage, root, num_to_keep=1, rollback_window=2)
+    assert [c.step for c in committed_checkpoints(storage, root)] == [12, 10]
+    assert removed == [step_dir(root, 9), step_dir(root, 11)]
+    assert apply_retention(storage, root, num_to_keep=1) == [step_dir(root, 10)]  # no rollback: as before
+
+
 def test_a_redone_step_does_not_report_a_commit_its_restore_found_corrupt(tmp_path, one_rank_group):
     from elastic.checkpoint.dcp_io import verify_shards
     from elastic.checkpoint.layout import CorruptCheckpoint
@@ -900,7 +931,7 @@ def _same(a, b):
 def test_a_restore_skips_a_checkpoint_whose_bytes_changed_and_loads_the_previous_bit_exact(tmp_path):
     """64 bytes flipped in the middle of the newest checkpoint's largest shard (size unchanged):
     the restore used to load it without a word. Now it is skipped with a reason naming the file,
-    and the previous one loads bit for bit."""
+    the previous one loads bit for bit, and retention after that fallback keeps what loads."""
     w, join = _one_worker(tmp_path, num_to_keep=2)
     join(1)
     w.restore([])
@@ -922,6 +953,18 @@ def test_a_restore_skips_a_checkpoint_whose_bytes_changed_and_loads_the_previous
         assert f"digest mismatch in step_000000010/{name}" in out.skipped[0][1], out.skipped
         assert _same(_state_copy(w), at_5)
 
+        # A checkpoint below the unloadable one (the end of a run, a retried save), checkpoint.
+        # num_to_keep=1: retention used to keep step 10 as "the newest" and remove step 7 and
+        # step 5, every one that loads.
+        w.ckpt.num_to_keep = 1
+        assert w.run(7, []).status == "done"
+        w.ckpt.wait()
+        (res,) = [p for p in w.poll().persists if p.step == 7]
+        assert res.committed, res
+        assert [c.step for c in committed_checkpoints(storage, w.root)] == [10, 7]
+        join(3)
+        out = w.restore([c.uri for c in committed_checkpoints(storage, w.root)])
+        assert out.uri == step_dir(w.root, 7) and out.step == 7
     finally:
         w.leave()
 

@@ -257,14 +257,44 @@ def abandon_after(storage: Storage, root: str, step: int) -> list[str]:
     return out
 
 
-def apply_retention(storage: Storage, root: str, num_to_keep: int) -> list[str]:
-    """Remove committed checkpoints beyond the newest `num_to_keep`, and abandoned partial
-    folders older than the newest committed one. Newer partial folders may be a persist in
-    flight and are left alone. Returns what was removed; removal errors are logged, not raised."""
+def apply_retention(storage: Storage, root: str, num_to_keep: int, *, rollback_window: int = 0,
+                    verdicts: Verdicts | None = None) -> list[str]:
+    """Remove committed checkpoints beyond the newest `num_to_keep` whose contents verify, and
+    abandoned partial folders older than the newest committed one. Never removed: the newest
+    committed folder (it may be what a concurrent reader lists), the newest one that verifies, and
+    with `rollback_window` > 0 (train.bad_step=rollback: bad_step_limit - 1), the newest that
+    verifies at least that many steps before the newest that verifies: a rollback goes back to the
+    newest checkpoint before a run of bad steps, which may have begun up to that many steps ago.
+    A folder that fails verification does not count toward `num_to_keep`, so after a restore fell
+    back past an unloadable checkpoint, the next commit keeps the loadable ones.
+    What is known of each folder comes from `verdicts` (this process's: a commit and a restore note
+    theirs); a folder nothing is known of is read once, and only if it is among those that would
+    be kept (after a restore, at most `num_to_keep` - 1 of them, once per process). Newer partial
+    folders may be a persist in flight and are left alone. When nothing verifies, nothing is
+    removed. Returns what was removed; removal errors are logged, not raised; a storage error
+    while verifying raises (nothing is removed)."""
+    verdicts = verdicts or VERDICTS
     committed = committed_checkpoints(storage, root)
     if not committed:
         return []
-    keep = {c.uri for c in committed[:max(1, num_to_keep)]}
+    need = max(1, num_to_keep)
+    keep, good = set(), []  # good: kept because they verify, newest first
+    rollback_kept = rollback_window <= 0
+    for c in committed:
+        if len(good) >= need and rollback_kept:
+            break
+        if len(good) >= need and c.step > good[0].step - rollback_window:
+            continue  # beyond num_to_keep, and newer than any rollback goes back to
+        problem = verdicts.problem(storage, c)
+        if problem is not None:
+            log.warning("retention: %s does not verify (%s); not counted as kept", c.uri, problem)
+            continue
+        keep.add(c.uri)
+        good.append(c)
+        rollback_kept = rollback_kept or good[0].step - c.step >= rollback_window
+    if not good:
+        log.warning("retention: no committed checkpoint under %s verifies; nothing removed", root)
+        return []
     newest_step = committed[0].step
     removed = []
     for name in storage.list_dir(root):

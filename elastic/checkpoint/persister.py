@@ -66,7 +66,7 @@ class AsyncCheckpointer:
                  data_order: dict[str, int] | None = None,
                  may_write: Callable[[], bool | tuple[bool | None, str]] | None = None,
                  after: Sequence["AsyncCheckpointer"] = (), wait_timeout_s: float = 60.0,
-                 staged: Any = None):
+                 staged: Any = None, rollback_window: int = 0):
         """`data_order`: what the run's sample order depends on (global_batch_size, seed,
         num_samples), stored in every manifest so a resume can refuse another order.
         `may_write`: asked before the shard save and again before the commit; False, (False,
@@ -85,11 +85,14 @@ class AsyncCheckpointer:
         `wait_timeout_s`: the most a persist waits for both, in its background thread, before
         the ranks agree; keep it well under the checkpoint group's collective timeout.
         `staged`: staging buffers to copy the first snapshot into (`spare_buffers()` of this
-        process's previous checkpointer, or None)."""
+        process's previous checkpointer, or None).
+        `rollback_window`: retention's (see `apply_retention`): bad_step_limit - 1 under
+        train.bad_step=rollback, else 0."""
         self.storage, self.root = storage, root
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
         self.data_order = dict(data_order or {})
+        self.rollback_window = rollback_window
         self.may_write = may_write
         self.results: "queue.Queue[PersistResult]" = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -250,7 +253,7 @@ class AsyncCheckpointer:
             log.warning("retention after step %d skipped: %s", step, why)
             return
         try:
-            apply_retention(self.storage, self.root, self.num_to_keep)
+            apply_retention(self.storage, self.root, self.num_to_keep, rollback_window=self.rollback_window)
         except Exception as e:  # noqa: BLE001 - old folders stay until the next pass; the commit stands
             log.warning("retention after step %d failed (next checkpoint retries): %s", step, e)
 

@@ -171,6 +171,9 @@ def start_checkpointer(w: Worker) -> None:
         # Half the checkpoint group's collective timeout: a rank that waits the whole bound
         # still meets its peers in the agreement's all-reduce before that times out.
         after=w.book.still_abandoned(), wait_timeout_s=w.job.failure.collective_timeout_s / 2,
-        staged=w.staging)
+        staged=w.staging,
+        # A rollback goes back past a run of up to bad_step_limit - 1 bad steps: retention keeps
+        # the newest checkpoint before such a run (see apply_retention).
+        rollback_window=w.job.train.bad_step_limit - 1 if w.job.train.bad_step == "rollback" else 0)
     w.staging = None
     w.set_progress(step=w.step, status=RankStatus.RESTORED, step_end=None, first_step_end=None)
