@@ -1,6 +1,7 @@
 """elastic's DataParallel: the gradients it leaves are the mean of every rank's, with real gloo
 ranks (spawned processes), a parameter that gets no gradient included; the values handed to
-`reduce_gradients` come back summed over the world."""
+`reduce_gradients` come back summed over the world; a model without buffers issues no broadcast,
+and one with BatchNorm ends each step with the first rank's buffers, on both reduction paths."""
 import socket
 
 import pytest
@@ -42,6 +43,9 @@ def _rank(rank, world, port, q):
     strat = ddp.DataParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
     model = Net()
     out = []
+    broadcasts = []
+    real = dist.broadcast
+    dist.broadcast = lambda *a, **kw: broadcasts.append(1) or real(*a, **kw)
     for _ in range(2):  # the second step reuses the buckets and their buffers
         model.zero_grad(set_to_none=True)
         strat.train_step(model, [rank], lambda ids: batch(ids[0]), loss_fn, micro=1)
@@ -51,6 +55,7 @@ def _rank(rank, world, port, q):
         # As numpy arrays: pickled by value (a tensor would be shared by a file descriptor that
         # this process, about to exit, could no longer hand over).
         out.append({n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None})
+    assert not broadcasts  # no buffers: nothing but the gradients' all-reduces
     q.put((rank, out, len(strat._buckets)))
     dist.destroy_process_group()
 
@@ -95,3 +100,54 @@ def test_the_gradients_are_the_mean_over_the_ranks(world):
     for _, steps, _ in results[1:]:
         for got, first in zip(steps, results[0][1]):
             assert all(torch.equal(got[n], first[n]) for n in first)
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(7, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.b = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+def _bn_rank(rank, world, port, overlap, q):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic.parallel import ddp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    strat = ddp.DataParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    strat.overlap = overlap  # False: one flat all-reduce after backward, as a pipeline's stages
+    model = BNNet()
+    out = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        # Two micro-batches: a step's buffers are the first rank's after both forwards.
+        strat.train_step(model, [rank, rank + 10 * (step + 1)], lambda ids: batch(ids[0]), loss_fn, micro=1)
+        strat.reduce_gradients(model, torch.zeros(2) if overlap else None)
+        out.append({n: b.numpy().copy() for n, b in model.named_buffers()})
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_every_rank_ends_the_step_with_the_first_ranks_buffers(overlap):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = torch.multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_bn_rank, args=(r, 2, port, overlap, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    (_, first), (_, second) = sorted(q.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert all(a[n].tobytes() == b[n].tobytes() for a, b in zip(first, second) for n in a)
+    assert first[0]["bn.num_batches_tracked"] == 2 and first[1]["bn.num_batches_tracked"] == 4
+    assert first[0]["bn.running_mean"].tobytes() != first[1]["bn.running_mean"].tobytes()  # they move

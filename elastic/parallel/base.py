@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from elastic.parallel.buffers import BufferSync
 from elastic.parallel.shape import Shape
 
 _cleared = threading.local()
@@ -41,6 +42,8 @@ class Strategy(ABC):
     def __init__(self, mesh, spec=None):
         self.mesh = mesh  # a DeviceMesh with named axes; "dp" for data parallel
         self.spec = spec  # the job's TrainSpec (strategy options)
+        self._buffer_sync: BufferSync | None = None
+        self._buffers_of = None  # the model `_buffer_sync` was built for
 
     @classmethod
     def check_job(cls, job, model_fn) -> None:
@@ -111,9 +114,23 @@ class Strategy(ABC):
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         """Make every rank's model and optimizer state equal to `src_rank`'s (replicated strategies)."""
 
+    def buffer_sync(self, model: nn.Module) -> BufferSync | None:
+        """How `model`'s buffers are made equal over the `dp` axis (None: nothing to do)."""
+        if self._buffers_of is not model:
+            self._buffer_sync = BufferSync.of(model, self.mesh.get_group("dp"))
+            self._buffers_of = model
+        return self._buffer_sync
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Every replica takes the first `dp` rank's buffers (elastic/parallel/buffers.py)."""
+        sync = self.buffer_sync(model)
+        if sync is not None:
+            sync.sync()
+
     @abstractmethod
     def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> torch.Tensor | None:
-        """After the last micro-batch's backward: gradients averaged over the `dp` axis, ready to step.
+        """After the last micro-batch's backward: gradients averaged over the `dp` axis, ready to
+        step, and the module buffers made equal to the first `dp` rank's (`sync_buffers`).
         `extra`: a few values (the step's statistics) to sum over the whole world. A strategy whose
         reduction spans the whole world sums them in place on the same group, after its last
         gradient, and returns them: no sync point of their own. Others return None, and the caller

@@ -14,7 +14,9 @@ all-reduced asynchronously while backward goes on: always in bucket order, so
 every rank issues the same collectives in the same order. `reduce_gradients`
 waits for them and points each gradient at its slice of the averaged buffer:
 one pass per gradient per step, no flat concatenation. The step's statistics
-join the same group's queue after the last bucket (see `reduce_gradients`).
+join the same group's queue after the last bucket (see `reduce_gradients`),
+after the broadcast of the model's buffers from the first rank where it has
+any (elastic/parallel/buffers.py: torch DDP's `broadcast_buffers`, in effect).
 With gradient accumulation only the last micro-batch's backward launches
 anything (`set_gradient_sync`).
 """
@@ -137,7 +139,8 @@ class DataParallel(Strategy):
     def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """Wait for the buckets' all-reduces and point each gradient at its slice. `extra` joins
         the same group's queue right after the last bucket, so the ranks meet once per step, not
-        twice (a collective of its own cost 1-3 ms a step at 10 M parameters on CPU, measured)."""
+        twice (a collective of its own cost 1-3 ms a step at 10 M parameters on CPU, measured).
+        A model with buffers has them broadcast from the first rank in between (buffers.py)."""
         if not self.overlap or self._hooked is not model:  # backward ran outside train_step: no buckets
             self._reduce_flat(model)
             return None
@@ -145,6 +148,10 @@ class DataParallel(Strategy):
             self._launch(self._next)
             self._next += 1
         group = self.mesh.get_group("dp")
+        # The buffers' broadcast queues behind the last bucket, in the same order on every rank,
+        # and is waited for with the buckets: no sync point of its own.
+        buffer_sync = self.buffer_sync(model)
+        buffers = buffer_sync.launch() if buffer_sync is not None else None
         extra_work = dist.all_reduce(extra, group=group, async_op=True) if extra is not None else None
         for k, work in enumerate(self._works):
             work.wait()
@@ -155,6 +162,8 @@ class DataParallel(Strategy):
                 p.grad = buf[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
         self._works = []
+        if buffers is not None:
+            buffer_sync.finish(buffers)
         if extra_work is None:
             return None
         extra_work.wait()
@@ -174,6 +183,7 @@ class DataParallel(Strategy):
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
+        self.sync_buffers(model)
 
 
 def _tensors_in_order(obj) -> list[torch.Tensor]:

@@ -76,8 +76,10 @@ class FullyShardedDataParallel(Strategy):
         model.set_requires_gradient_sync(on)
 
     def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> None:
-        """Nothing left to do: the last micro-batch's backward reduce-scattered the gradients,
-        averaged over the ranks."""
+        """The last micro-batch's backward reduce-scattered the gradients, averaged over the
+        ranks. Left: the buffers, which `fully_shard` does not shard (each rank holds a whole copy
+        and updates it from its own samples), broadcast from the first rank (buffers.py)."""
+        self.sync_buffers(model)
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "

@@ -17,7 +17,8 @@ saves the same value under the same key.
 
 Every rank of a stage's replicas holds the same state: gradients are averaged
 over the `dp` axis with one flat all-reduce in fixed order (as DataParallel),
-so a lost stage is restored from a surviving replica's memory.
+and the stage's buffers broadcast from its first replica (buffers.py), so a
+lost stage is restored from a surviving replica's memory.
 """
 from __future__ import annotations
 
@@ -220,6 +221,8 @@ class Pipeline(DataParallel):
         return torch.zeros(())
 
     def reduce_gradients(self, model: nn.Module, extra: torch.Tensor | None = None) -> None:
+        """The stage's gradients averaged and its buffers made the first replica's, over the
+        stage's `dp` group (`_reduce_flat`); nothing to do for a stage with no replica."""
         if self.layout.dp > 1:
             self._reduce_flat(model)
 

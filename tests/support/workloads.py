@@ -7,7 +7,7 @@ import time
 import torch.distributed as dist
 from torch import nn
 
-from elastic.workload import build_mlp, hidden_width
+from elastic.workload import IN_FEATURES, NUM_CLASSES, build_mlp, hidden_width
 from elastic.workload import loss_fn as _loss_fn
 
 
@@ -19,6 +19,18 @@ def build_smooth_model() -> nn.Module:
     seen once in CI). GELU has no kink: such runs stay at rounding level, so a tolerance can
     catch real re-shard bugs without being loosened for chance events."""
     return build_mlp(hidden_width(), activation=nn.GELU)
+
+
+def build_bn_model() -> nn.Module:
+    """The workload's MLP (its hidden width) with a BatchNorm1d after the first layer: buffers
+    (running mean and variance) that each replica's forward updates from its own samples, so
+    replicas drift apart unless the strategy keeps them equal (elastic/parallel/buffers.py)."""
+    hidden = hidden_width()
+    return nn.Sequential(
+        nn.Linear(IN_FEATURES, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, NUM_CLASSES),
+    )
 
 
 SHRUNK_EXTRA_S = 0.3
