@@ -1,6 +1,7 @@
 """Module buffers (BatchNorm's running statistics) are equal on every replica after every step, and
 a checkpoint holds the first rank's, under DDP and FSDP: real Workers, one process per rank, gloo,
-no Ray. A model without buffers issues no broadcast at all."""
+no Ray. A model without buffers issues no broadcast at all. nn.SyncBatchNorm, which torch cannot
+run on a CPU, is refused before any worker starts, with what to use instead."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from elastic.checkpoint.fencing import write_fence
 from elastic.checkpoint.layout import checkpoints_root, step_dir
-from elastic.config import JobConfig
-from elastic.parallel.buffers import BufferSync
+from elastic.config import ConfigError, JobConfig
+from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
+from elastic.parallel.strategies import STRATEGIES
 from elastic.storage import Storage
 from tests.spawn_ranks import _port
 
@@ -178,3 +180,39 @@ def test_the_broadcast_copies_bytes_exactly(monkeypatch):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert a.contiguous().reshape(-1).view(torch.uint8).tolist() == b.contiguous().reshape(-1).view(torch.uint8).tolist(), name
 
+
+def sync_bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _job(strategy: str, use_gpu: bool = False) -> JobConfig:
+    return JobConfig.model_validate({
+        "run": {"name": "s", "num_steps": 2}, "scaling": {"num_workers": 2, "use_gpu": use_gpu},
+        "checkpoint": {"storage_uri": "file:///tmp/unused"},
+        "train": {"model": "tests.test_buffers:sync_bn_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 8, "strategy": strategy,
+                  **({"pipeline": {"stages": 2, "microbatches": 2, "loss": "elastic.workload:loss_fn"}}
+                     if strategy == "pipeline" else {})}})
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
+def test_sync_batchnorm_is_refused_on_cpu_with_what_to_use_instead(strategy):
+    with pytest.raises(ValueError) as e:
+        STRATEGIES[strategy].check_job(_job(strategy), sync_bn_model)
+    msg = str(e.value)
+    assert "train.model" in msg and "nn.SyncBatchNorm at ['1']" in msg and "nn.BatchNorm1d/2d/3d" in msg
+
+
+def test_sync_batchnorm_is_allowed_on_a_gpu_except_in_a_pipeline():
+    check_sync_batchnorm(_job("ddp", use_gpu=True), sync_bn_model(), "ddp")
+    check_sync_batchnorm(_job("fsdp", use_gpu=True), sync_bn_model(), "fsdp")
+    with pytest.raises(ValueError, match="other stages never run that layer"):
+        check_sync_batchnorm(_job("pipeline", use_gpu=True), sync_bn_model(), "pipeline")
+
+
+def test_the_trainer_refuses_sync_batchnorm_before_any_worker_starts(tmp_path):
+    from elastic import Trainer
+    job = _job("ddp").model_dump()
+    job["checkpoint"]["storage_uri"] = f"file://{tmp_path}"
+    with pytest.raises(ConfigError, match="SyncBatchNorm"):
+        Trainer(job)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from elastic.parallel.buffers import BufferSync
+from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
 from elastic.parallel.shape import Shape
 
 _cleared = threading.local()
@@ -48,7 +48,14 @@ class Strategy(ABC):
     @classmethod
     def check_job(cls, job, model_fn) -> None:
         """Before any worker starts: raise ValueError, naming the field, if this strategy cannot
-        run the job's model (the driver turns it into a ConfigError). Nothing to check by default."""
+        run the job's model (the driver turns it into a ConfigError). By default: no
+        nn.SyncBatchNorm where torch cannot run it, seen on the model built on the meta device."""
+        try:
+            with torch.device("meta"):
+                model = model_fn()
+        except Exception:  # noqa: BLE001 - a model that cannot be built on meta: nothing to check here
+            return  # (its workers build it for real; this check must not refuse what would run)
+        check_sync_batchnorm(job, model, cls.name)
 
     @classmethod
     def shape(cls, spec) -> Shape:

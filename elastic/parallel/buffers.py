@@ -1,5 +1,5 @@
 """Module buffers (BatchNorm's running mean and variance, and the like) kept equal across the
-replicas of a data-parallel group.
+replicas of a data-parallel group, and the one buffer layer elastic cannot run on a CPU.
 
 Why: each replica's forward updates its buffers from its own samples, so without a rule they
 drift apart all run long. A checkpoint then holds whichever replica's copy DCP's planner picked
@@ -84,3 +84,28 @@ class BufferSync:
     def sync(self) -> None:
         self.finish(self.launch())
 
+
+def check_sync_batchnorm(job, model: nn.Module, strategy: str) -> None:
+    """Refuse `nn.SyncBatchNorm` where it cannot run, before any worker starts (ValueError).
+
+    torch 2.13 computes SyncBatchNorm's statistics only on GPU-like devices: in training, with a
+    process group of more than one rank, its forward raises "SyncBatchNorm expected input tensor
+    to be on GPU" on a CPU (tried with gloo here). In a pipeline it would also gather over the
+    whole world, whose other stages never run that layer. On a GPU under ddp or fsdp it runs; its
+    own all-gathers keep the running statistics equal, and the buffer broadcast costs nothing more
+    than for BatchNorm."""
+    layers = [name or "(root)" for name, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if not layers:
+        return
+    if strategy == "pipeline":
+        why = ("train.strategy=pipeline: SyncBatchNorm would gather its statistics over the whole "
+               "world, whose other stages never run that layer")
+    elif not job.scaling.use_gpu:
+        why = ("scaling.use_gpu is false, and torch computes SyncBatchNorm's statistics only on a GPU "
+               "(on a CPU its forward raises 'SyncBatchNorm expected input tensor to be on GPU')")
+    else:
+        return
+    raise ValueError(f"train.model: nn.SyncBatchNorm at {layers[:5]}{' ...' if len(layers) > 5 else ''} cannot run: "
+                     f"{why}. Use nn.BatchNorm1d/2d/3d instead: elastic keeps every replica's buffers equal "
+                     f"(the first data-parallel rank's, broadcast once per step), as torch DDP does "
+                     f"(docs/limitations.md)")

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from elastic.parallel.base import Strategy
+from elastic.parallel.buffers import check_sync_batchnorm
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -53,6 +54,7 @@ class FullyShardedDataParallel(Strategy):
         """Build the model on the meta device (no memory, no init) to check the wrap plan now."""
         with torch.device("meta"):
             model = model_fn()
+        check_sync_batchnorm(job, model, cls.name)
         select_blocks(model, job.train.fsdp.blocks)
     grad_copies = 1  # every rank holds its own part of each gradient
 

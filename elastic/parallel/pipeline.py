@@ -27,6 +27,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from elastic.parallel.buffers import check_sync_batchnorm
 from elastic.parallel.ddp import DataParallel
 from elastic.parallel.shape import Shape
 from elastic.parallel.topology import Layout, chain
@@ -110,6 +111,7 @@ class Pipeline(DataParallel):
         pl = job.train.pipeline
         with torch.device("meta"):
             model = model_fn()
+        check_sync_batchnorm(job, model, cls.name)
         units = units_of(model)
         for pp in sorted({lay.pp for lay in chain(Layout(pl.stages, 1), job.scaling.min_size)}, reverse=True):
             try:
