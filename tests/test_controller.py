@@ -615,3 +615,26 @@ def test_a_bad_step_stops_the_run_naming_that_step_not_as_a_crash_of_user_code()
     assert "training code raised" not in c.state.error and not kinds(c, "failure_detected")
     (decision,) = kinds(c, "decision")
     assert decision["decision"] == "Raise" and decision["step"] == bad
+
+
+def test_a_resumed_run_skips_the_batches_an_earlier_rollback_skipped():
+    """A rollback's skipped batches are in the checkpoints written after it: a run resubmitted
+    from such a checkpoint (the controller's memory of them is gone) skips them too."""
+    import time
+
+    from elastic.checkpoint.layout import Manifest, commit, step_dir
+    c, g, clock = make(num_steps=30)
+    folder = step_dir(c.root, 20)
+    commit(c.storage, folder, Manifest(20, 20 * 48, 3, "ddp", {}, time.time(), skip_steps=[13, 14]))
+    drive(c, lambda c: c.step >= 21)
+    assert ("restore", 1) in g.calls and c.run_log.skip_steps == {13, 14}
+    drive(c)
+    assert isinstance(c.state, Finished)
+
+
+def test_a_manifest_without_skip_steps_still_reads():
+    from elastic.checkpoint.layout import Manifest
+    m = Manifest.from_json(b'{"step": 5, "cursor": 1, "world_size": 2, "strategy": "ddp", "files": {}, '
+                           b'"created_at": 0.0}')
+    assert m.skip_steps == [] and Manifest.from_json(Manifest(5, 1, 2, "ddp", {}, 0.0, skip_steps=[3]).to_json()
+                                                     ).skip_steps == [3]

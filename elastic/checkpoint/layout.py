@@ -82,6 +82,9 @@ class Manifest:
     # local copy right after DCP wrote it. Empty in manifests written before digests were recorded:
     # their files are checked by size only, and a file without a digest is never reported corrupt.
     digests: dict[str, str] = field(default_factory=dict)
+    # Steps up to this one whose batches a rollback skipped (train.bad_step=rollback): a run
+    # resumed from this checkpoint skips them too, as the run that wrote it did.
+    skip_steps: list[int] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()

@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,7 @@ class AsyncCheckpointer:
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
         self.data_order = dict(data_order or {})
+        self._skip_steps: list[int] = []  # of the save in flight (see save)
         self.rollback_window = rollback_window
         self.may_write = may_write
         self.results: "queue.Queue[PersistResult]" = queue.Queue()
@@ -165,10 +166,13 @@ class AsyncCheckpointer:
             return None
         return self._staged if self._staged is not None else self._prestaged
 
-    def save(self, step: int, cursor: int, state: dict, metrics: dict[str, float]) -> float:
-        """Snapshot now, persist in the background. Returns the seconds the caller was blocked."""
+    def save(self, step: int, cursor: int, state: dict, metrics: dict[str, float],
+             skip_steps: Iterable[int] = ()) -> float:
+        """Snapshot now, persist in the background. Returns the seconds the caller was blocked.
+        `skip_steps`: the steps whose batches a rollback skips, recorded in the manifest."""
         t0 = time.monotonic()
         self.wait()
+        self._skip_steps = sorted(s for s in skip_steps if s <= step)  # one persist at a time: read by it
         if self._prestage is not None and self._staged is None:
             self._prestage.join()
             self._staged, self._prestaged = self._prestaged, None
@@ -389,7 +393,8 @@ class AsyncCheckpointer:
                             raise StorageError(f"{folder}: {missing} written by the save are not listed there")
                         files = {n: names[n] for n in wrote}
                     manifest = Manifest(step, cursor, self.world_size, self.strategy, files, time.time(), metrics,
-                                        self.data_order, {n: d for n, d in saved.digests.items() if n in files})
+                                        self.data_order, {n: d for n, d in saved.digests.items() if n in files},
+                                        self._skip_steps)
                 commit(self.storage, folder, manifest)
                 return
             except StorageError as e:

@@ -71,6 +71,11 @@ def restore_from_storage(ctl: Controller, plan: FromStorage) -> State:
         delay = wait_for_storage(ctl, "load a committed checkpoint", waited, reasons[0] if reasons else None, delay)
     if out[0].uri:
         ctl.checkpoints.last_committed = out[0].uri
+        # The batches a rollback skipped before that checkpoint stay skipped: a resubmitted run (or
+        # this one after losing its memory of them) trains on what the run that wrote it did.
+        loaded = next((c for c in candidates if c.uri == out[0].uri), None)
+        if loaded is not None:
+            ctl.run_log.skip_steps |= set(loaded.manifest.skip_steps)
     return restored(ctl, out)
 
 

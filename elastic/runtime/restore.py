@@ -160,6 +160,7 @@ def start_checkpointer(w: Worker) -> None:
     """The last part of every restore path: the schedule caught up, data workers reading
     from the restored step, checkpoints from here."""
     state.replay_schedule(w)
+    w.runner.forget_bad_run()
     w.runner.start_data()
     w.ckpt = AsyncCheckpointer(
         w.storage, w.root, w.rank, w.world_size, w.strategy.name, w.ckpt_pg,

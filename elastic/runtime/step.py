@@ -127,7 +127,7 @@ class StepRunner:
         self.w = worker
         self._lock = lock  # the worker's: poll() drains what the step reports
         self.skip_steps: set[int] = set()  # steps (1-based) to train without an update (after a rollback)
-        self._bad_in_a_row: list[int] = []  # consecutive bad steps so far
+        self._bad_in_a_row: list[int] = []  # consecutive bad steps so far (since the last restore)
         # Reported by the next poll: (step, why) of steps that made no update; per step, the
         # rank's own compute seconds and the global mean loss; the sample ledger, if enabled.
         self.skipped: list[tuple[int, str]] = []
@@ -316,6 +316,12 @@ class StepRunner:
         if tr.strategy == "pipeline":
             return 0
         return batch_plan(tr.global_batch_size, self.w.world_size, tr.micro_batch_size)[0]
+
+    def forget_bad_run(self) -> None:
+        """After a restore every rank of the new group counts consecutive bad steps from zero:
+        survivors and a replacement (which never saw the old count) then agree on when the limit
+        is reached, so they roll back, or stop, together."""
+        self._bad_in_a_row = []
 
     def start_data(self) -> None:
         """Data workers (train.data_workers) start reading at the restored step during the

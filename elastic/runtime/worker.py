@@ -346,7 +346,7 @@ class Worker:
             self.set_progress(status=RankStatus.STORAGE_WAIT)  # only at the last step or a planned stop (see run())
         stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
                                  state.state_dict(self),
-                                 {"loss": self._progress["loss"]})
+                                 {"loss": self._progress["loss"]}, self.runner.skip_steps)
         self.set_progress(ckpt_stall_s=stall_s, status=RankStatus.RUNNING)
         return self.step
 
