@@ -54,6 +54,16 @@ def test_an_expired_lease_is_taken_over_and_its_old_holder_learns_it_lost_the_ru
     assert second.lost is None
 
 
+def test_a_take_that_timed_out_but_landed_is_this_drivers_own(run_dir):
+    """The controller gives up on a take that storage answers late and asks again: the lease its
+    first call took meanwhile is its own, not another driver's."""
+    storage, run = run_dir
+    lease = Lease(storage, run, ttl_s=30, wall=Wall())
+    first = lease.take()
+    again = lease.take()
+    assert again.number == first.number == lease.number == 1
+
+
 def test_a_released_lease_is_free_at_once(run_dir):
     storage, run = run_dir
     wall = Wall()

@@ -107,6 +107,9 @@ class Lease:
         """Take the run's lease, or raise LeaseHeld (another driver renewed it within ttl_s)."""
         now = self.wall()
         cur = self.newest()
+        if cur is not None and cur.holder == self.holder:  # an earlier call that timed out took it after all
+            self.number = cur.number
+            return cur
         if cur is not None and cur.age_s(now) < self.ttl_s:
             raise LeaseHeld(f"run folder {self.dir.rsplit('/', 2)[0]} is in use: lease {cur.number} is held by "
                             f"{cur.holder} (host {cur.host}, pid {cur.pid}), renewed {cur.age_s(now):.1f} s ago "
