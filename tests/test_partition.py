@@ -189,7 +189,7 @@ def _partition(pc, iso, baseline, tmp_path, heal_after_s: float | None):
     assert list(replaced["how"]) == [str(rank)]
     assert not iso.node_id.startswith(replaced["nodes"][str(rank)]), "the replacement went to the cut node"
     print(f"\n[partition] rank {rank} cut at step >= {CUT_AFTER_STEP}: silence_detected "
-          f"{silence['t'] - t_cut:.2f} s after the cut; recovered: detect_s={rec['detect_s']:.2f} "
+          f"{silence['t'] - t_cut:.2f} s after the cut; recovered (from the {rec['measured_from']}) "
           f"recover_s={rec['recover_s']:.2f} (first step {rec['recover_s'] + silence['t'] - t_cut:.2f} s after "
           f"the cut), resumed_step={rec['resumed_step']}, source={restored['source']!r}, "
           f"replacement {replaced['how']} in {replaced['start_s']:.2f} s"

@@ -23,6 +23,7 @@ from torch.utils.data import default_collate
 from elastic.checkpoint.retry import PEER_LOST
 from elastic.config import batch_plan
 from elastic.data.prefetch import Prefetcher, collate
+from elastic.parallel.buffers import StepBuffers
 from elastic.protocol import LedgerEntry, StepRecord
 from elastic.runtime import chaos
 from elastic.runtime.compute_clock import ComputeClock
@@ -128,6 +129,7 @@ class StepRunner:
         self._lock = lock  # the worker's: poll() drains what the step reports
         self.skip_steps: set[int] = set()  # steps (1-based) to train without an update (after a rollback)
         self._bad_in_a_row: list[int] = []  # consecutive bad steps so far (since the last restore)
+        self._buffers = StepBuffers()
         # Reported by the next poll: (step, why) of steps that made no update; per step, the
         # rank's own compute seconds and the global mean loss; the sample ledger, if enabled.
         self.skipped: list[tuple[int, str]] = []
@@ -148,6 +150,16 @@ class StepRunner:
 
     # ---------------------------------------------------------------- the step
     def train_step(self, micro: int) -> StepStats:
+        """Step `worker.step + 1`. One that a lost peer cuts short leaves the model's buffers as
+        they were before it (elastic/parallel/buffers.py, StepBuffers): it is redone."""
+        self._buffers.save(self.w.model)
+        try:
+            return self._train_step(micro)
+        except CollectiveError:
+            self._buffers.restore()
+            raise
+
+    def _train_step(self, micro: int) -> StepStats:
         """Step `worker.step + 1`: forward, backward, the statistics agreed, the update."""
         w = self.w
         tr = w.job.train
