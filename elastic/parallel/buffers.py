@@ -26,6 +26,8 @@ on nothing flushing denormals, and would still need this broadcast for BatchNorm
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -101,20 +103,24 @@ class StepBuffers:
     uninterrupted run, until the survivors put their buffers back."""
 
     def __init__(self):
-        self._model: nn.Module | None = None
-        self._slots: list[tuple[nn.Module, str]] = []
+        # Weak references only: a model a restore replaces must be freed (tests/test_worker.py).
+        self._model: weakref.ref | None = None
+        self._slots: list[tuple[weakref.ref, str]] = []
         self._saved: list[torch.Tensor] = []
 
     def save(self, model: nn.Module) -> None:
-        if model is not self._model:  # a new build (a restore, a re-shard): look again, once
-            self._model, self._slots = model, persistent_buffers(model)
+        if self._model is None or self._model() is not model:  # a new build (a restore, a re-shard)
+            self._model = weakref.ref(model)
+            self._slots = [(weakref.ref(m), n) for m, n in persistent_buffers(model)]
         with torch.no_grad():
-            self._saved = [m._buffers[n].detach().clone() for m, n in self._slots]
+            self._saved = [ref()._buffers[n].detach().clone() for ref, n in self._slots]
 
     def restore(self) -> None:
         with torch.no_grad():
-            for (m, n), saved in zip(self._slots, self._saved):
-                m._buffers[n].copy_(saved)
+            for (ref, n), saved in zip(self._slots, self._saved):
+                module = ref()
+                if module is not None:
+                    module._buffers[n].copy_(saved)
 
 
 def check_sync_batchnorm(job, model: nn.Module, strategy: str) -> None:
