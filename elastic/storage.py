@@ -78,17 +78,22 @@ class Storage:
         except Exception as e:  # noqa: BLE001
             raise self._fail("exists", uri, e) from e
 
+    def _durable_temp(self, path: str, data: bytes) -> str:
+        """`data` in a new temporary file beside local `path`, on disk (fsync): renamed or linked
+        into place by the caller, so a reader never sees a half-written file."""
+        self.fs.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
     def write_bytes(self, uri: str, data: bytes) -> None:
         path = self._path(uri)
         try:
             if isinstance(self.fs, LocalFileSystem):
-                self.fs.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                os.replace(self._durable_temp(path, data), path)
             else:
                 self.fs.pipe_file(path, data)
         except Exception as e:  # noqa: BLE001
@@ -103,12 +108,7 @@ class Storage:
         path = self._path(uri)
         try:
             if isinstance(self.fs, LocalFileSystem):
-                self.fs.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                tmp = self._durable_temp(path, data)
                 try:
                     os.link(tmp, path)  # fails if `path` exists; a reader never sees it half written
                 finally:
