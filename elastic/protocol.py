@@ -129,6 +129,10 @@ class LedgerEntry:
     world: int  # the dp size the step ran at
     replica: int
     sample_ids: tuple[int, ...]
+    # The dataset's length: with the run's seed and global batch, the plan (elastic.data.order)
+    # that gives every replica's ids at this step, so the controller can complete a step whose
+    # other replicas' reports died with their process.
+    num_samples: int = 0
 
 
 @dataclass(frozen=True)

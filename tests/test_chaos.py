@@ -46,10 +46,23 @@ def job(tmp_path, chaos=(), name=None, storage_uri=None, storage_options=None, *
 @pytest.fixture(scope="module")
 def baseline(ray_cluster, tmp_path_factory):  # noqa: F811
     ray_cluster.ensure_worker_nodes(4)
-    result = Trainer(job(tmp_path_factory.mktemp("baseline"))).fit(progress=False)
+    j = job(_baseline_dir(tmp_path_factory), name="baseline")
+    j["run"]["sample_ledger"] = True  # what every sample id of the uninterrupted run was
+    result = Trainer(j).fit(progress=False)
     digests = set(result.digests.values())
     assert len(digests) == 1 and len(result.digests) == 3
     return digests.pop()
+
+
+def _baseline_dir(tmp_path_factory):
+    d = tmp_path_factory.getbasetemp() / "chaos-baseline"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def baseline_ledger(baseline, tmp_path_factory):
+    return json.loads((_baseline_dir(tmp_path_factory) / "runs" / "baseline" / "ledger.json").read_text())
 
 
 def assert_recovered_bit_identical(result, baseline_digest, action, source="peer", fault_step=FAULT_STEP):
@@ -80,10 +93,21 @@ def assert_recovered_bit_identical(result, baseline_digest, action, source="peer
     assert result.metrics["step"] == NUM_STEPS
 
 
-def test_node_kill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
-    result = Trainer(job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}])).fit(progress=False)
+def test_node_kill_recovers_bit_identical(cluster, baseline, baseline_ledger, tmp_path):  # noqa: F811
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}])
+    j["run"]["sample_ledger"] = True
+    result = Trainer(j).fit(progress=False)
     assert_recovered_bit_identical(result, baseline, "kill_node")
     assert result.events_of("workers_replaced")[0]["how"] == {"1": "started on demand"}
+    # State from rank 0's memory: the killed rank's last reports died with it, and the ledger is
+    # still the uninterrupted run's, sample id for sample id; only its slices up to the fault are
+    # completed from the plan, and marked so.
+    ledger = json.loads((tmp_path / "runs" / j["run"]["name"] / "ledger.json").read_text())
+    assert {s: e["ranks"] for s, e in ledger.items()} == {s: e["ranks"] for s, e in baseline_ledger.items()}
+    derived = {int(s): e["derived"] for s, e in ledger.items() if "derived" in e}
+    assert all(rs == ["1"] and s <= FAULT_STEP for s, rs in derived.items()), derived
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, NUM_SAMPLES, seed=7,
+                      lost_rank_upto=(1, FAULT_STEP))
 
 
 def test_node_kill_with_a_warm_spare_takes_no_storage_round_trip(cluster, baseline, tmp_path):  # noqa: F811

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from elastic.data.order import GlobalOrder
 from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class RunLog:
     loss_curve: dict = field(default_factory=dict)  # step -> (global mean loss, world size)
     # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
     ledger: dict = field(default_factory=dict)
+    num_samples: int = 0  # the dataset's length, as the ranks' ledger entries report it
     skipped: dict = field(default_factory=dict)  # step -> why it made no update (bad step, fp16 overflow, rollback)
     skip_steps: set = field(default_factory=set)  # steps whose batches a rollback skips (no update)
 
@@ -91,16 +93,37 @@ class RunLog:
         except Exception as e:  # noqa: BLE001 - metrics are best effort; the run's outcome is not
             log.warning("metrics.json not written: %s", e)
 
-    def write_ledger(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]]) -> None:
+    def write_ledger(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]],
+                     seed: int, global_batch_size: int) -> None:
         """ledger.json: for every step, the world size it ran at and each rank's sample ids. Only
         while `holds()` says this controller still holds the run; StorageError otherwise."""
         held, why = holds()
         if not held:
             raise StorageError(f"ledger.json not written: this controller no longer holds the run ({why})")
-        body = {str(s): {"world_size": w, "ranks": {str(r): ids for r, ids in sorted(by_rank.items())},
-                         **({"skipped": self.skipped[s]} if s in self.skipped else {})}
-                for s, (w, by_rank) in sorted(self.ledger.items())}
+        body = {}
+        for s, (w, by_rank) in sorted(self.ledger.items()):
+            derived = _derive_missing(s, w, by_rank, self.num_samples, seed, global_batch_size)
+            body[str(s)] = {"world_size": w, "ranks": {str(r): ids for r, ids in sorted(by_rank.items())},
+                            **({"derived": derived} if derived else {}),
+                            **({"skipped": self.skipped[s]} if s in self.skipped else {})}
         storage.write_bytes(join(run_dir, "ledger.json"), json.dumps(body).encode())
+
+
+def _derive_missing(step: int, world: int, by_rank: dict, num_samples: int, seed: int,
+                    global_batch_size: int) -> list[str]:
+    """Completes `by_rank` in place with the replicas whose report of `step` is missing, and says
+    which. A replica's report lives in its process until the next poll, so a rank lost right
+    after a step takes its last steps' reports with it. Any report of the step is a survivor's
+    that completed it, so every replica trained on its slice (its gradient is in the step's
+    all-reduce), and that slice is a function of the step, the world size, the run's seed and
+    the dataset's length (elastic.data.order): the plan every rank computed its own from."""
+    missing = [r for r in range(world) if r not in by_rank]
+    if not missing or not num_samples:
+        return []
+    order = GlobalOrder(num_samples, seed)
+    for r in missing:
+        by_rank[r] = order.rank_indices(step - 1, global_batch_size, world, r)  # keyed by steps done
+    return [str(r) for r in missing]
 
 
 @dataclass

@@ -85,6 +85,7 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
                 ctl.compute_log.setdefault(rank, {})[rec.step] = rec.compute_s
             log.loss_curve[rec.step] = (rec.loss, ctl.world_size)  # a redone step replaces the lost attempt
         for e in a.ledger:
+            log.num_samples = e.num_samples or log.num_samples
             entry = log.ledger.get(e.step)
             if entry is None or entry[0] != e.world or e.replica in entry[1]:  # a new attempt at this step
                 entry = log.ledger[e.step] = (e.world, {})

@@ -245,7 +245,7 @@ class StepRunner:
         with self._lock:
             self.compute_log.append(StepRecord(w.step, compute_s, loss))
             if w.job.run.sample_ledger and lay.stage_of(w.rank) == 0:
-                self.ledger.append(LedgerEntry(w.step, lay.dp, replica, tuple(idx)))
+                self.ledger.append(LedgerEntry(w.step, lay.dp, replica, tuple(idx), w.order.num_samples))
         now = time.time()
         w.set_progress(step=w.step, loss=loss, step_end=now,
                        step_s=time.perf_counter() - t_start, compute_s=compute_s,
