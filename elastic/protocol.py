@@ -152,6 +152,10 @@ class PollReport:
     grad_norm: float | None = None
     ckpt_stall_s: float | None = None
     persisting: bool = False  # a checkpoint persist is in flight
+    # The rank's model and optimizer are a restored or trained state, at `step`: false for a
+    # worker that never restored (a replacement, a spare) and during a restore that overwrites
+    # them. Only a rank that holds state may be a restore source.
+    holds_state: bool = False
     persists: tuple[PersistResult, ...] = ()
     compute_log: tuple[StepRecord, ...] = ()
     ledger: tuple[LedgerEntry, ...] = ()

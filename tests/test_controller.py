@@ -138,6 +138,23 @@ def test_a_failure_during_a_recovery_keeps_the_survivors():
     assert kinds(c, "restored")[-1]["step"] == step  # nothing redone
 
 
+def test_when_every_member_with_state_is_lost_the_restore_comes_from_storage():
+    """Rank 1 is lost; while its replacement joins, the other two die too. The members left are
+    replacements that never restored: they report step 0 but hold no state, so the restore must
+    come from the newest committed checkpoint, not from "rank 0's memory at step 0"."""
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 10)
+    g.freeze(1)
+    drive(c, lambda c: isinstance(c.state, Recovering))
+    g.die_on_form = [0, 2]
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    first, second = kinds(c, "restore_plan")
+    assert first["source"] == "FromPeer" and second["source"] == "FromStorage", (first, second)
+    assert "no surviving replica holds state" in second["reason"]
+    assert calls(g, "restore_from_peer") == [] and calls(g, "restore")[-1] == 0
+
+
 def test_a_failure_during_a_resize_recovers_at_the_new_size():
     c, g, clock = make(num_steps=400, scaling={"num_workers": 2, "max_workers": 3, "grow_check_s": 1})
     drive(c, lambda c: type(c.state).__name__ == "Growing")

@@ -84,7 +84,9 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     answers, silent = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
     for rank in silent:
         group.kill(rank)
-    ctl.survivor_steps = {r: a.step for r, a in answers.items()}
+    # Only a member that holds state is a source: a replacement that never restored (its group
+    # failed to form) reports step 0, and taking it would start the run over.
+    ctl.survivor_steps = {r: a.step for r, a in answers.items() if a.holds_state}
     ctl.restore_plan, why = choose_restore(ctl.survivor_steps, cfg, ctl.shape.sharded, ctl.layout)
     ctl.events.emit("restore_plan", source=type(ctl.restore_plan).__name__, reason=why)
     sc = ctl.job.scaling

@@ -177,4 +177,4 @@ def start_checkpointer(w: Worker) -> None:
         # the newest checkpoint before such a run (see apply_retention).
         rollback_window=w.job.train.bad_step_limit - 1 if w.job.train.bad_step == "rollback" else 0)
     w.staging = None
-    w.set_progress(step=w.step, status=RankStatus.RESTORED, step_end=None, first_step_end=None)
+    w.set_progress(step=w.step, status=RankStatus.RESTORED, step_end=None, first_step_end=None, holds_state=True)

@@ -69,7 +69,7 @@ class Worker:
         # What poll() reports of the rank's progress; the step runner writes it too (set_progress).
         self._progress: dict = {"step": 0, "status": RankStatus.IDLE, "loss": None, "step_end": None,
                                 "step_s": None, "compute_s": None, "first_step_end": None, "grad_norm": None,
-                                "ckpt_stall_s": None}
+                                "ckpt_stall_s": None, "holds_state": False}
         self.book = CheckpointBook(self._lock, self.job.checkpoint.persist_retry_backoff_s)
         self.runner = StepRunner(self, self._lock)
         self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
@@ -232,10 +232,13 @@ class Worker:
     # ---------------------------------------------------------------- restore (elastic/runtime/restore.py)
     def restore(self, candidates: list[str]) -> RestoreResult:
         """From storage: the newest of `candidates` that loads, or the fresh init if there are none."""
+        self.set_progress(holds_state=False)  # until the whole state is loaded (start_checkpointer)
         return restore.from_storage(self, candidates)
 
     def restore_from_peer(self, src_rank: int, stage_sources: list[int] | None = None) -> RestoreResult:
         """From the memory of survivor `src_rank` (a pipeline: of `stage_sources[stage]`)."""
+        if self.rank not in (stage_sources or [src_rank]):  # a receiver: overwritten from here on
+            self.set_progress(holds_state=False)
         return restore.from_peer(self, src_rank, stage_sources)
 
     def offer_shards(self, publish: bool = True) -> dict:
@@ -245,6 +248,7 @@ class Worker:
     def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1,
                             holders: dict[int, int] | None = None) -> RestoreResult:
         """Re-sharded in memory from the old ranks' offers (`holders`: parts moved rank to rank)."""
+        self.set_progress(holds_state=False)  # the offers hold the state until this one is whole
         return restore.from_shards(self, offers, old_world, old_pp, holders)
 
     def state_digest(self) -> str:

@@ -42,6 +42,7 @@ class FakeRank:
     calib_s: float | None = 0.01
     on_demand: bool = False
     step: int = 0
+    holds_state: bool = False  # restored (or trained) state; a fresh replacement holds none
     generation: int = 0
     frozen_at: float | None = None  # silent from then on (a stopped machine)
     frozen_how: str = "machine"  # its heartbeat: "machine" silent too, "process" says stopped (T), "held" says S
@@ -251,6 +252,7 @@ class FakeGroup:
     def _restored(self, step: int, source: str, uri: str | None = None) -> dict[int, RestoreResult]:
         for m in self.members.values():
             m.step = m.logged = step
+            m.holds_state = True
         return {r: RestoreResult(step, source, 0.01, uri) for r in self.members}
 
     def restore(self, candidates, timeout_s) -> dict[int, RestoreResult]:
@@ -335,6 +337,7 @@ class FakeGroup:
         status = (RankStatus.STORAGE_WAIT if m.finish_at is not None else RankStatus.RUNNING if m.running
                   else RankStatus.IDLE)
         return PollReport(rank=m.rank, generation=m.generation, status=status, step=m.step, loss=1.0,
+                          holds_state=m.holds_state,
                           step_s=self.step_s, compute_s=self.step_s / 2, persisting=self.persisting,
                           persists=tuple(persists), compute_log=tuple(compute_log), retried=tuple(retried))
 
