@@ -31,12 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "train":
         return _train(args)
     if args.cmd == "timeline":
+        from elastic.config.secrets import redact_uri
         from elastic.observability.timeline import load, plot
         events = load(args.events)
         if not events:
-            print(f"elastic: no events in {args.events}", file=sys.stderr)
+            print(f"elastic: no events in {redact_uri(args.events)}", file=sys.stderr)
             return 2
-        plot(events, args.out, title=args.events, per_rank=args.per_rank)
+        plot(events, args.out, title=redact_uri(args.events), per_rank=args.per_rank)
         print(f"wrote {args.out}")
         return 0
     from elastic.observability.status import run_status

@@ -3,7 +3,9 @@
 Paths stay `str` because pathlib mangles `s3://bucket/key`. Every error names
 the URI that failed. Small files are written whole (one PUT on object stores;
 temp file + rename on local disk) so a reader never sees half a file. Only
-local disk can append (`can_append`); object stores write whole objects.
+local disk can append (`can_append`); object stores write whole objects. An error names the URI
+but never a credential: the options' secrets and a URI's password are scrubbed from its message
+(elastic/config/secrets.py).
 """
 from __future__ import annotations
 
@@ -15,9 +17,27 @@ from typing import Any, Callable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic.config.secrets import scrub, secret_values
+
 
 class StorageError(RuntimeError):
     """A storage operation failed; the message names the URI."""
+
+
+def scrubbed_error(message: str, cause: BaseException | None, secrets: frozenset[str]) -> StorageError:
+    """A StorageError for `message` with the credentials in `secrets` (and a URI's password)
+    scrubbed. Its __cause__ (which a traceback prints, and callers test: fencing's "no such file")
+    is `cause`, or where that quotes a credential, an error of the same type with the message
+    scrubbed. Raise the result without `from`."""
+    err = StorageError(scrub(message, secrets))
+    if cause is not None and scrub(str(cause), secrets) != str(cause):
+        try:
+            cause = type(cause)(scrub(str(cause), secrets))
+        except Exception:  # noqa: BLE001 - a type that takes other arguments: no cause rather than a leak
+            cause = None
+    err.__cause__ = cause
+    err.__suppress_context__ = True
+    return err
 
 
 T = TypeVar("T")
@@ -60,23 +80,31 @@ class Storage:
     def __init__(self, uri: str, options: dict[str, Any] | None = None):
         self.uri = normalize_uri(uri)
         self.options = dict(options or {})
+        self._secrets = secret_values(self.options, self.uri)
         try:
             self.fs, self._root = fsspec.core.url_to_fs(self.uri, **self.options)
         except Exception as e:  # noqa: BLE001
-            raise StorageError(f"cannot open storage {self.uri}: {type(e).__name__}: {e}") from e
+            raise self.error(f"cannot open storage {self.uri}: {type(e).__name__}: {e}", e)
+
+    def __repr__(self) -> str:
+        return f"Storage({scrub(self.uri, self._secrets)!r})"
+
+    def error(self, message: str, cause: BaseException | None = None) -> StorageError:
+        """A StorageError whose message shows none of this storage's credentials (`scrubbed_error`)."""
+        return scrubbed_error(message, cause, self._secrets)
 
     def _path(self, uri: str) -> str:
         # Strip our own scheme; fsspec filesystems take scheme-less paths.
         return self.fs._strip_protocol(uri)
 
     def _fail(self, op: str, uri: str, e: BaseException) -> StorageError:
-        return StorageError(f"{op} {uri} failed: {type(e).__name__}: {e}")
+        return self.error(f"{op} {uri} failed: {type(e).__name__}: {e}", e)
 
     def exists(self, uri: str) -> bool:
         try:
             return self.fs.exists(self._path(uri))
         except Exception as e:  # noqa: BLE001
-            raise self._fail("exists", uri, e) from e
+            raise self._fail("exists", uri, e)
 
     def _durable_temp(self, path: str, data: bytes) -> str:
         """`data` in a new temporary file beside local `path`, on disk (fsync): renamed or linked
@@ -97,7 +125,7 @@ class Storage:
             else:
                 self.fs.pipe_file(path, data)
         except Exception as e:  # noqa: BLE001
-            raise self._fail("write", uri, e) from e
+            raise self._fail("write", uri, e)
 
     def create(self, uri: str, data: bytes) -> bool:
         """Write `uri` only if nothing is there: True if this call created it, False if it existed.
@@ -124,9 +152,9 @@ class Storage:
             # raises as a plain OSError (seen with SeaweedFS, which honours the condition).
             if "pre-condition" in str(e).lower() or "precondition" in str(e).lower():
                 return False
-            raise self._fail("create", uri, e) from e
+            raise self._fail("create", uri, e)
         except Exception as e:  # noqa: BLE001
-            raise self._fail("create", uri, e) from e
+            raise self._fail("create", uri, e)
 
     @property
     def can_append(self) -> bool:
@@ -137,7 +165,7 @@ class Storage:
         """Append to a file on local disk, durably (fsync before returning). All or nothing: after a
         failed append the file is cut back to its old length, so a retry neither repeats nor tears."""
         if not self.can_append:
-            raise StorageError(f"append {uri} failed: {self.uri} is an object store, which cannot append")
+            raise self.error(f"append {uri} failed: {self.uri} is an object store, which cannot append")
         path = self._path(uri)
         try:
             self.fs.makedirs(os.path.dirname(path), exist_ok=True)
@@ -155,20 +183,20 @@ class Storage:
             finally:
                 os.close(fd)
         except Exception as e:  # noqa: BLE001
-            raise self._fail("append", uri, e) from e
+            raise self._fail("append", uri, e)
 
     def read_tail(self, uri: str, num_bytes: int) -> bytes:
         """The last `num_bytes` of a file (fewer if it is shorter)."""
         try:
             return self.fs.tail(self._path(uri), num_bytes)
         except Exception as e:  # noqa: BLE001
-            raise self._fail("read", uri, e) from e
+            raise self._fail("read", uri, e)
 
     def read_bytes(self, uri: str) -> bytes:
         try:
             return self.fs.cat_file(self._path(uri))
         except Exception as e:  # noqa: BLE001
-            raise self._fail("read", uri, e) from e
+            raise self._fail("read", uri, e)
 
     def list_dir(self, uri: str) -> list[str]:
         """Names (not paths) directly under `uri`; empty if it does not exist."""
@@ -179,7 +207,7 @@ class Storage:
                 return []
             return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
         except Exception as e:  # noqa: BLE001
-            raise self._fail("list", uri, e) from e
+            raise self._fail("list", uri, e)
 
     def sizes(self, uri: str) -> dict[str, int]:
         """name -> size of the files directly under `uri`."""
@@ -189,7 +217,7 @@ class Storage:
             return {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
                     for d in self.fs.ls(path, detail=True) if d.get("type") != "directory"}
         except Exception as e:  # noqa: BLE001
-            raise self._fail("list", uri, e) from e
+            raise self._fail("list", uri, e)
 
     def remove_tree(self, uri: str) -> None:
         try:
@@ -197,14 +225,14 @@ class Storage:
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
-            raise self._fail("remove", uri, e) from e
+            raise self._fail("remove", uri, e)
 
     def remove(self, uri: str) -> None:
         """Remove one file."""
         try:
             self.fs.rm_file(self._path(uri))
         except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
-            raise self._fail("remove", uri, e) from e
+            raise self._fail("remove", uri, e)
 
     def check_writable(self, uri: str) -> None:
         """Fail fast at start, naming the URI, if we cannot write and delete there."""
@@ -212,9 +240,9 @@ class Storage:
         try:
             self.write_bytes(probe, b"ok")
             if self.read_bytes(probe) != b"ok":
-                raise StorageError(f"storage {uri}: read back of a probe file returned other bytes")
+                raise self.error(f"storage {uri}: read back of a probe file returned other bytes")
             self.fs.rm(self._path(probe))
         except StorageError as e:
-            raise StorageError(f"storage {uri} is not writable: {e}") from e
+            raise self.error(f"storage {uri} is not writable: {e}", e)
         except Exception as e:  # noqa: BLE001
-            raise StorageError(f"storage {uri} is not writable: {type(e).__name__}: {e}") from e
+            raise self.error(f"storage {uri} is not writable: {type(e).__name__}: {e}", e)

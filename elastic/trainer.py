@@ -19,6 +19,7 @@ import ray
 
 from elastic.checkpoint.layout import checkpoints_root, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
+from elastic.config.secrets import named_secrets
 from elastic.parallel.strategies import STRATEGIES
 from elastic.controller import Controller
 from elastic.data.prefetch import check_data_workers
@@ -61,6 +62,7 @@ class Trainer:
             job = load_job(job)
         elif isinstance(job, dict):
             job = parse_job(job)
+        _warn_inline_credentials(job)
         # Import the user's callables now: a bad 'module:function' fails here, before any worker starts.
         try:
             fns = job.train.resolve()
@@ -204,6 +206,17 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int) -> None:
         if key in recorded and recorded[key] != value:
             raise ConfigError(f"{what} but the run's checkpoint {name} was written with {recorded[key]}: the "
                               f"sample order would change; use a new run.name or the same {same}")
+
+
+def _warn_inline_credentials(job: JobConfig) -> None:
+    """Credentials in the job work, but travel with it: say so once, naming the fields."""
+    inline = named_secrets(job)
+    if inline:
+        log.warning("%s: credentials in the job are sent, in the clear, with the job to the controller and every "
+                    "worker inside the Ray cluster (never into events, errors or logs); give them through the "
+                    "environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, which s3fs reads) or the "
+                    "platform's identity (IRSA on EKS): docs/guarantees.md#credentials-and-what-is-redacted",
+                    ", ".join(inline))
 
 
 def _worker_runtime_env() -> dict | None:

@@ -5,6 +5,7 @@ import yaml
 from pydantic import ValidationError
 
 from elastic.config.job import JobConfig
+from elastic.config.secrets import is_secret_key, redact
 
 
 def format_validation_error(e: ValidationError) -> str:
@@ -12,7 +13,10 @@ def format_validation_error(e: ValidationError) -> str:
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(job)"
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "value_error" and "input" in err and not isinstance(err["input"], dict) else ""))
+        # What was given, unless it is a whole mapping or may be a credential (under storage_options).
+        shown = (err["type"] != "value_error" and "input" in err and not isinstance(err["input"], dict)
+                 and not any(p == "storage_options" or is_secret_key(p) for p in err["loc"]))
+        lines.append(f"  {loc}: {msg}" + (f" (got {redact(err['input'])!r})" if shown else ""))
     return "invalid job config:\n" + "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ from elastic.checkpoint.fencing import FenceWriter
 from elastic.checkpoint.lease import Lease
 from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
+from elastic.config.secrets import job_secrets, scrub
 from elastic.controller import lifecycle, recovery, resize, restoring, running
 from elastic.controller.records import Checkpoints, Housekeeping, Progress, RecoveryRecord, ResizeRecord, RunLog
 from elastic.controller.states import (
@@ -88,7 +89,8 @@ class Controller:
         # Prometheus metrics (elastic.observability.metrics) are derived from every event as it is
         # emitted, plus the progress of each poll and each straggler window, which are not events.
         self.metrics = run_metrics.for_run(self.job.run.name, clock=self.now)
-        self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event)
+        self.secrets = job_secrets(self.job)  # scrubbed from every event and from the run's error
+        self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event, secrets=self.secrets)
         self.fence = FenceWriter(self.storage, self.root)
         self.lease = Lease(self.storage, self.run_dir, self.job.run.lease_ttl_s, wall=self.wall)
         if group is None:
@@ -158,7 +160,7 @@ class Controller:
             self.events.flush()
         self.lease.release()
         return {"status": "finished" if isinstance(st, Finished) else "error",
-                "error": getattr(st, "error", None), "step": self.step, "loss": self.loss,
+                "error": scrub(getattr(st, "error", None), self.secrets), "step": self.step, "loss": self.loss,
                 "checkpoint": self.last_committed, "digests": getattr(st, "digests", {}),
                 "losses": {s: x for s, (x, _) in sorted(self.run_log.loss_curve.items())},
                 "events": self.events.events, "run_dir": self.run_dir}

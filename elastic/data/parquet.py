@@ -40,7 +40,8 @@ import pyarrow.parquet as pq
 import torch
 
 from elastic.data.parquet_row_group import _column, _Decoded, _Window
-from elastic.storage import Storage, StorageError, normalize_uri
+from elastic.config.secrets import redact_uri, secret_values
+from elastic.storage import Storage, StorageError, normalize_uri, scrubbed_error
 
 __all__ = ["ParquetDataset"]
 
@@ -172,7 +173,7 @@ class ParquetDataset(torch.utils.data.Dataset):
         return len(self._groups)
 
     def __repr__(self) -> str:
-        return (f"ParquetDataset({self.uri!r}, columns={self.columns!r}: {self._num_rows} rows in "
+        return (f"ParquetDataset({redact_uri(self.uri)!r}, columns={self.columns!r}: {self._num_rows} rows in "
                 f"{len(self._groups)} row groups of {len(self.files)} files)")
 
     # ------------------------------------------------------------ building
@@ -189,7 +190,7 @@ class ParquetDataset(torch.utils.data.Dataset):
             else:
                 found = {}
         except Exception as e:  # noqa: BLE001
-            raise StorageError(f"ParquetDataset: listing {self.uri} failed: {type(e).__name__}: {e}") from e
+            raise self._error(f"ParquetDataset: listing {self.uri} failed: {type(e).__name__}: {e}", e)
         files = sorted((p, int(d.get("size") or 0)) for p, d in found.items() if d.get("type") != "directory")
         if not files:
             raise ValueError(f"ParquetDataset: no Parquet files match {self.uri}: check the URI (and "
@@ -324,8 +325,8 @@ class ParquetDataset(torch.utils.data.Dataset):
                 pf = pq.ParquetFile(window, metadata=self._footers[f], pre_buffer=False)
                 table = pf.read_row_group(r, columns=self.columns, use_threads=False)
             except Exception as e:  # noqa: BLE001
-                raise StorageError(f"ParquetDataset: reading row group {r} of {self._uri_of(f)} failed: "
-                                   f"{type(e).__name__}: {e}") from e
+                raise self._error(f"ParquetDataset: reading row group {r} of {self._uri_of(f)} failed: "
+                                  f"{type(e).__name__}: {e}", e)
             out[g] = _Decoded([_column(c, table.column(c), f"row group {r} of {self._uri_of(f)}")
                                for c in self.columns])
         return out
@@ -355,8 +356,12 @@ class ParquetDataset(torch.utils.data.Dataset):
             return self._fs.cat_ranges(paths, starts, ends, on_error="raise")
         except Exception as e:  # noqa: BLE001
             names = ", ".join(sorted({self._fs.unstrip_protocol(p) for p in paths})[:3])
-            raise StorageError(f"ParquetDataset: reading {names}{' ...' if len(set(paths)) > 3 else ''} "
-                               f"failed: {type(e).__name__}: {e}") from e
+            raise self._error(f"ParquetDataset: reading {names}{' ...' if len(set(paths)) > 3 else ''} "
+                              f"failed: {type(e).__name__}: {e}", e)
+
+    def _error(self, message: str, cause: BaseException) -> StorageError:
+        """A storage failure whose message quotes none of storage_options' credentials."""
+        return scrubbed_error(message, cause, secret_values(self.storage_options, self.uri))
 
     def _uri_of(self, f: int) -> str:
         return self._fs.unstrip_protocol(self._paths[f])

@@ -14,6 +14,10 @@ A resumed run (same name, same storage) goes on with the log it left: it
 appends to the file, or numbers its segments after the last one. `read_events`
 reads either layout (both, in order: a file first, then its segments).
 
+No event holds a credential: `emit` scrubs the job's secrets (its storage options'
+credential values, a URI's password) from every field, whatever code path put
+them in an error message (elastic/config/secrets.py).
+
 Unlike the controller's other writes (a rollback's un-commits, metrics.json,
 ledger.json), the log is not fenced (elastic/checkpoint/fencing.py): it is the
 record of what happened, including how a generation was fenced off, so a fence
@@ -29,8 +33,9 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
+from elastic.config.secrets import scrub
 from elastic.storage import Storage, StorageError, call_within, join
 
 log = logging.getLogger(__name__)
@@ -47,8 +52,9 @@ def event_log_uri(run_dir: str) -> str:
 
 
 class EventLog:
-    def __init__(self, storage: Storage | None, run_dir: str | None, echo=None):
+    def __init__(self, storage: Storage | None, run_dir: str | None, echo=None, secrets: Iterable[str] = ()):
         self.storage, self.run_dir = storage, run_dir
+        self._secrets = frozenset(secrets)  # credential values never to write (config.secrets.job_secrets)
         self.uri = event_log_uri(run_dir) if storage is not None and run_dir else None
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -65,7 +71,7 @@ class EventLog:
 
     def emit(self, kind: str, **fields: Any) -> dict:
         # Round-trip through JSON so in-memory events equal what the log file holds (str keys).
-        ev = json.loads(json.dumps({"t": time.time(), "kind": kind, **fields}, default=str))
+        ev = scrub(json.loads(json.dumps({"t": time.time(), "kind": kind, **fields}, default=str)), self._secrets)
         with self._lock:
             self.events.append(ev)
         if self._echo:

@@ -247,18 +247,21 @@ def incident_line(i: dict) -> str:
 
 def run_status(run: str, as_json: bool = False, now: float | None = None) -> int:
     """The `elastic status` command: print the summary (or its JSON); 2 when there is no log to read."""
+    from elastic.config.secrets import redact, redact_uri
     from elastic.storage import StorageError
     from elastic.observability.timeline import load
     try:
         events = load(run)
     except (StorageError, OSError) as e:
-        print(f"elastic: cannot read the event log of {run}: {e}", file=sys.stderr)
+        print(f"elastic: cannot read the event log of {redact_uri(run)}: {redact_uri(str(e))}", file=sys.stderr)
         return 2
     if not events:
-        print(f"elastic: no events in {run}: give a run folder (a path, file://, s3://...) holding events.jsonl "
-              f"or events/000001.jsonl..., or an events.jsonl file", file=sys.stderr)
+        print(f"elastic: no events in {redact_uri(run)}: give a run folder (a path, file://, s3://...) holding "
+              f"events.jsonl or events/000001.jsonl..., or an events.jsonl file", file=sys.stderr)
         return 2
-    summary = summarize(events, now=time.time() if now is None else now)
+    # A log written before events were scrubbed (or by another tool) may quote a credential by
+    # key or in a URI: the summary shows neither (elastic/config/secrets.py).
+    summary = redact(summarize(events, now=time.time() if now is None else now))
     print(json.dumps(summary, indent=2) if as_json else format_status(summary))
     return 0
 
