@@ -3,7 +3,7 @@
 The Trainer holds no training state; everything it shows comes from the
 controller's progress snapshots and events. Before any worker starts it refuses
 a job it can tell is wrong: a bad callable, a dataset that cannot be built or
-measured, unwritable storage, or a resume that would change the sample order.
+measured, unwritable storage, or a resume that would change the sample order or the data.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.config.secrets import named_secrets
 from elastic.parallel.strategies import STRATEGIES
 from elastic.controller import Controller
+from elastic.data.fingerprint import KEY as FINGERPRINT_KEY
+from elastic.data.fingerprint import dataset_fingerprint, has_hook
 from elastic.data.prefetch import check_data_workers
 from elastic.storage import Storage, StorageError, join
 
@@ -68,7 +70,7 @@ class Trainer:
             fns = job.train.resolve()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        num_samples = _dataset_length(fns["dataset"], job.train)
+        num_samples, fingerprint = _measure_dataset(fns["dataset"], job.train)
         if num_samples < 1:
             raise ConfigError("train.dataset: the dataset is empty")
         try:  # the strategy's own plan (fsdp: its blocks; a pipeline: its cuts), on the meta device
@@ -84,7 +86,7 @@ class Trainer:
             storage.check_writable(uri)
         except StorageError as e:
             raise ConfigError(f"checkpoint.storage_uri: {e}") from None
-        _check_resume(storage, self.job, num_samples)
+        _check_resume(storage, self.job, num_samples, fingerprint)
 
     def fit(self, progress: bool = True, on_event: Callable[[dict], None] | None = None) -> Result:
         """Run the job to its end. `progress` draws a bar on the driver; `on_event`, if given, is
@@ -160,10 +162,11 @@ class Trainer:
         return TrainingFailed(message, result)
 
 
-def _dataset_length(build, tr) -> int:
-    """Build the dataset once on the driver and measure it, turning the user's exceptions into
-    one line that names the field (the workers would hit the same error, later and once each).
-    Data workers that do not fork receive it pickled: check that it pickles, too."""
+def _measure_dataset(build, tr) -> tuple[int, str | None]:
+    """Build the dataset once on the driver and measure it: its length and its fingerprint (None
+    where its items cannot be read here), turning the user's exceptions into one line that names
+    the field (the workers would hit the same error, later and once each). Data workers that do
+    not fork receive it pickled: check that it pickles, too."""
     ref = tr.dataset_ref
     try:
         dataset = build()
@@ -178,14 +181,28 @@ def _dataset_length(build, tr) -> int:
         check_data_workers(tr, dataset)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return n
+    try:
+        fingerprint = dataset_fingerprint(dataset)
+    except Exception as e:  # noqa: BLE001
+        if has_hook(dataset):  # the user's own hook: theirs to fix
+            raise ConfigError(f"train.dataset: fingerprint() of the dataset from {ref}() raised "
+                              f"{type(e).__name__}: {e}") from None
+        # Reading items on the driver is new to it (the workers read them): a dataset that reads
+        # only on worker nodes still trains; its resume check compares the length alone.
+        log.warning("train.dataset: reading items of the dataset from %s() for its fingerprint raised %s: %s; "
+                    "a resume is checked against its length only", ref, type(e).__name__, e)
+        fingerprint = None
+    return n, fingerprint
 
 
-def _check_resume(storage: Storage, job: JobConfig, num_samples: int) -> None:
+def _check_resume(storage: Storage, job: JobConfig, num_samples: int, fingerprint: str | None = None) -> None:
     """A run resumes from its newest committed checkpoint (same run.name and storage). Its data
     cursor counts positions in the sample order, which is a function of the global batch size,
     the seed and the number of samples: with any of them changed the cursor points into another
-    order, and samples would be skipped or repeated without a word. Refuse that here."""
+    order, and samples would be skipped or repeated without a word. Another dataset of the same
+    length keeps the order but not the samples: its fingerprint tells it apart
+    (elastic/data/fingerprint.py). Refuse both here; a manifest from before a value was recorded
+    is not checked on it."""
     root = checkpoints_root(storage.uri, job.run.name)
     try:
         latest = latest_committed(storage, root)
@@ -196,16 +213,27 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int) -> None:
     recorded = latest.manifest.data_order  # empty in manifests from before it was recorded
     name = latest.uri.rsplit("/", 1)[1]
     tr = job.train
+    data = 'train.dataset ' + tr.dataset if tr.dataset else tr.dataset_ref
     checks = {  # manifest key: (the job's value, how to name it, what to keep the same)
         "global_batch_size": (tr.global_batch_size, f"train.global_batch_size={tr.global_batch_size}", "value"),
         "seed": (job.run.seed, f"run.seed={job.run.seed}", "value"),
-        "num_samples": (num_samples, f"{'train.dataset ' + tr.dataset if tr.dataset else tr.dataset_ref} has "
-                                     f"{num_samples} samples", "dataset"),
+        "num_samples": (num_samples, f"{data} has {num_samples} samples", "dataset"),
     }
     for key, (value, what, same) in checks.items():
         if key in recorded and recorded[key] != value:
             raise ConfigError(f"{what} but the run's checkpoint {name} was written with {recorded[key]}: the "
                               f"sample order would change; use a new run.name or the same {same}")
+    written = recorded.get(FINGERPRINT_KEY)
+    if written is None:
+        return
+    if fingerprint is None:
+        log.warning("the run's checkpoint %s records dataset fingerprint %s, but this dataset's could not be "
+                    "taken: resuming on its length alone", name, written)
+    elif fingerprint != written:
+        raise ConfigError(f"{data} has fingerprint {fingerprint} but the run's checkpoint {name} was written with "
+                          f"{written}: another dataset of the same length, or its items changed, and the data "
+                          f"cursor would resume into other samples; use a new run.name or the same dataset (one "
+                          f"whose items differ on purpose in each build can define fingerprint(); docs/data.md)")
 
 
 def _warn_inline_credentials(job: JobConfig) -> None:

@@ -291,6 +291,36 @@ def test_pickles_without_handles_and_rebuilds_lazily(tmp_path):
         stale[12]
 
 
+# ---------------------------------------------------------------- fingerprint
+def test_fingerprint_follows_the_files_content_not_their_folder(mem, monkeypatch):
+    """What the resume check compares (elastic/data/fingerprint.py): taken from what building read
+    (no read of its own), the same for a copy of the files elsewhere, another for a shard
+    rewritten with other values of the same length and row groups, or other columns."""
+    _shards(mem, sizes=(10, 7, 13))
+    spy = _Spy(monkeypatch)
+    ds = ParquetDataset(mem, columns=["g", "v"])
+    reads = len(spy.reads)
+    fp = ds.fingerprint()
+    assert len(spy.reads) == reads and fp.startswith("parquet:3:")
+    assert pickle.loads(pickle.dumps(ds)).fingerprint() == fp  # and in a data worker, unread
+    assert ParquetDataset(mem, columns=["g", "v"]).fingerprint() == fp  # built again: the same
+
+    copy = f"memory://pq-{uuid.uuid4().hex[:8]}"
+    try:
+        _shards(copy, sizes=(10, 7, 13))
+        assert ParquetDataset(copy, columns=["g", "v"]).fingerprint() == fp
+    finally:
+        fsspec.filesystem("memory").rm(copy, recursive=True)
+    assert ParquetDataset(mem, columns=["v", "g"]).fingerprint() != fp
+
+    # part-1 rewritten to the same size, in the same row groups, one value changed.
+    t = _table(10, 7)
+    _write(mem, "part-1.parquet", t.set_column(0, "g", pa.array(np.arange(10, 17) + np.array([0] * 6 + [1]))))
+    changed = ParquetDataset(mem, columns=["g", "v"])
+    assert changed._sizes == ds._sizes and changed._file_rows == ds._file_rows
+    assert changed.fingerprint() != fp
+
+
 # ---------------------------------------------------------------- the charlm example
 def test_example_shards_match_next_char_dataset(tmp_path, monkeypatch, charlm):
     uri = f"file://{tmp_path}/corpus"

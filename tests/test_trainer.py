@@ -40,6 +40,42 @@ def data_100():
 def data_120():
     return samples(120)
 
+def data_100_other():
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(100, 2, generator=g), torch.randn(100, generator=g))
+
+class Augmented(torch.utils.data.Dataset):
+    """Random augmentation on every read: the same dataset all the same."""
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), 0.0]) + torch.rand(2), torch.tensor(float(i))
+
+def augmented():
+    return Augmented()
+
+class Versioned(torch.utils.data.TensorDataset):
+    version = "v1"
+
+    def fingerprint(self):
+        return f"corpus-{self.version}"
+
+def versioned_v1():
+    return Versioned(*samples(100).tensors)
+
+def versioned_v2():
+    ds = Versioned(*samples(100).tensors)
+    ds.version = "v2"
+    return ds
+
+class BadHook(torch.utils.data.TensorDataset):
+    def fingerprint(self):
+        return None
+
+def bad_hook():
+    return BadHook(*samples(100).tensors)
+
 def missing_file():
     with open("/nonexistent/train.parquet", "rb") as f:
         return f.read()
@@ -149,6 +185,60 @@ def test_checkpoints_from_before_the_order_was_recorded_do_not_block_a_resume(tm
     Trainer(job(tmp_path, user_module, global_batch_size=64))
 
 
+def recorded_with(user_module, dataset) -> dict:
+    """RECORDED and the fingerprint of `dataset` as a worker records it."""
+    import importlib
+
+    from elastic.data.fingerprint import dataset_fingerprint
+    return {**RECORDED, "dataset_fingerprint": dataset_fingerprint(getattr(importlib.import_module(user_module),
+                                                                           dataset)())}
+
+
+def test_a_resume_on_another_dataset_of_the_same_length_is_refused(tmp_path, user_module, capsys):
+    """Batch size, seed and length alone let another dataset of 100 samples resume the run from
+    its cursor: the fingerprint (a sample of items, hashed) tells them apart."""
+    recorded = recorded_with(user_module, "data_100")
+    committed_checkpoint(tmp_path, "run-a", 20, recorded)
+    mine = recorded_with(user_module, "data_100_other")["dataset_fingerprint"]
+    message = (f"train.dataset {user_module}:data_100_other has fingerprint {mine} but the run's checkpoint "
+               f"step_000000020 was written with {recorded['dataset_fingerprint']}: another dataset of the same "
+               f"length, or its items changed, and the data cursor would resume into other samples; use a new "
+               f"run.name or the same dataset (one whose items differ on purpose in each build can define "
+               f"fingerprint(); docs/data.md)")
+    with pytest.raises(ConfigError) as e:
+        Trainer(job(tmp_path, user_module, dataset="data_100_other"))
+    assert str(e.value) == message
+    rc, err = train(tmp_path, job(tmp_path, user_module, dataset="data_100_other"), capsys)
+    assert rc == 2 and err == f"elastic: {message}\n"
+    Trainer(job(tmp_path, user_module))  # the same dataset, built again: resumes
+
+
+def test_random_augmentation_keeps_a_dataset_its_fingerprint(tmp_path, user_module):
+    """Items are read for the fingerprint with the generators seeded for each: augmentation that
+    draws from them does not make the same dataset look like another."""
+    committed_checkpoint(tmp_path, "run-a", 20, recorded_with(user_module, "augmented"))
+    Trainer(job(tmp_path, user_module, dataset="augmented"))
+
+
+def test_a_datasets_own_fingerprint_is_what_the_resume_compares(tmp_path, user_module, capsys):
+    recorded = recorded_with(user_module, "versioned_v1")
+    assert recorded["dataset_fingerprint"] == "user:corpus-v1"
+    committed_checkpoint(tmp_path, "run-a", 20, recorded)
+    Trainer(job(tmp_path, user_module, dataset="versioned_v1"))
+    with pytest.raises(ConfigError, match="versioned_v2 has fingerprint user:corpus-v2 but the run's checkpoint "
+                                          "step_000000020 was written with user:corpus-v1"):
+        Trainer(job(tmp_path, user_module, dataset="versioned_v2"))
+    rc, err = train(tmp_path, job(tmp_path, user_module, dataset="bad_hook", name="run-b"), capsys)
+    assert rc == 2 and err == (f"elastic: train.dataset: fingerprint() of the dataset from {user_module}:bad_hook() "
+                               f"raised ValueError: fingerprint() returned None: it must return a non-empty string\n")
+
+
+def test_checkpoints_from_before_the_fingerprint_was_recorded_resume_on_any_dataset_of_that_length(
+        tmp_path, user_module):
+    committed_checkpoint(tmp_path, "run-a", 20, RECORDED)
+    Trainer(job(tmp_path, user_module, dataset="data_100_other"))
+
+
 # ---------------------------------------------------------------- the controller dies (real Ray, one node)
 
 class _ControllerThatDies:
@@ -206,8 +296,11 @@ def test_a_dead_controller_ends_the_run_with_training_failed_naming_the_last_che
     assert named.group(1).startswith(root + "/step_")
     manifest = validate(storage, named.group(1))  # named: a committed checkpoint
     assert manifest.step == int(named.group(2))
-    # The workers recorded what the sample order depends on.
-    assert manifest.data_order == {"global_batch_size": 16, "seed": 0, "num_samples": 8192}
+    # The workers recorded what the sample order depends on, and the dataset's fingerprint.
+    from elastic.data.fingerprint import dataset_fingerprint
+    from elastic.workload import build_dataset
+    assert manifest.data_order == {"global_batch_size": 16, "seed": 0, "num_samples": 8192,
+                                   "dataset_fingerprint": dataset_fingerprint(build_dataset())}
     assert result.checkpoint == named.group(1) and result.error == message
     assert result.run_dir == join(storage.uri, "dies")
     assert any(ev["kind"] == "run_started" for ev in result.events)

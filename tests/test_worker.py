@@ -141,3 +141,16 @@ def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not
     finally:
         fs.failures = 0
         w.leave()
+
+
+def test_checkpoints_record_the_datasets_fingerprint(worker, tmp_path):
+    """What the driver's resume check compares against (elastic/trainer.py, _check_resume)."""
+    from elastic.checkpoint.layout import latest_committed
+    from elastic.data.fingerprint import dataset_fingerprint
+    from elastic.storage import Storage
+    from elastic.workload import build_dataset
+
+    assert worker.run(2, []).status == "done"
+    latest = latest_committed(Storage(f"file://{tmp_path}"), worker.root)
+    assert latest.step == 2
+    assert latest.manifest.data_order["dataset_fingerprint"] == dataset_fingerprint(build_dataset())

@@ -75,9 +75,10 @@ class Manifest:
     created_at: float
     metrics: dict[str, float] = field(default_factory=dict)
     # What the global sample order depends on (see elastic.data.order): global_batch_size, seed,
-    # num_samples. A resume with other values would train on another order. Empty in manifests
-    # written before it was recorded; those are loaded without the check.
-    data_order: dict[str, int] = field(default_factory=dict)
+    # num_samples; and what the samples are: dataset_fingerprint (elastic.data.fingerprint). A
+    # resume with other values would train on another order or other data. Empty in manifests
+    # written before it was recorded (and no fingerprint before that was): those keys are not checked.
+    data_order: dict[str, int | str] = field(default_factory=dict)
     # name -> "crc32:xxxxxxxx" of every file in `files`, computed by the rank that wrote it from its
     # local copy right after DCP wrote it. Empty in manifests written before digests were recorded:
     # their files are checked by size only, and a file without a digest is never reported corrupt.

@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import bisect
 import glob as _glob
+import hashlib
+import json
 import logging
 import operator
+import posixpath
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -87,6 +91,7 @@ class ParquetDataset(torch.utils.data.Dataset):
         self._init_transient()
 
         self._paths, self._sizes = self._list_files()
+        self._tail_crcs: dict[int, int] = {}  # file -> crc32 of its last _TAIL_BYTES, read while building
         self.files = [self._fs.unstrip_protocol(p) for p in self._paths]
         self._read_footers(range(len(self._paths)))
         self.columns = self._check_columns(columns)
@@ -106,6 +111,8 @@ class ParquetDataset(torch.utils.data.Dataset):
                     self._starts.append(total)
                     total += n
         self._num_rows = total
+        self._fingerprint = self._fingerprint_of_files()
+        del self._tail_crcs
 
     # ------------------------------------------------------------ pickling
     def _init_transient(self) -> None:
@@ -167,6 +174,22 @@ class ParquetDataset(torch.utils.data.Dataset):
         threading.Thread(target=run, name="elastic-parquet-prefetch", daemon=True).start()
         return done
 
+    def fingerprint(self) -> str:
+        """What the resume check compares (elastic/data/fingerprint.py): the files' paths below the
+        folder they share, their sizes, the crc32 of each one's last 64 KiB (its footer: schema, row
+        groups, column chunk sizes and statistics) and the selected columns. Computed from what
+        building the dataset read; nothing is read now. The same files copied to another bucket or
+        folder have the same fingerprint; a shard rewritten with other rows has another."""
+        return self._fingerprint
+
+    def _fingerprint_of_files(self) -> str:
+        base = posixpath.commonpath([posixpath.dirname(p) for p in self._paths])
+        h = hashlib.sha256(json.dumps(self.columns).encode())
+        for f, path in enumerate(self._paths):
+            h.update(json.dumps([posixpath.relpath(path, base) if base else path, self._sizes[f],
+                                 self._tail_crcs[f]]).encode())
+        return f"parquet:{len(self._paths)}:{h.hexdigest()[:16]}"
+
     @property
     def num_row_groups(self) -> int:
         """Non-empty row groups across all files."""
@@ -211,6 +234,8 @@ class ParquetDataset(torch.utils.data.Dataset):
         tails = self._cat_ranges([self._paths[f] for f in todo], starts, [self._sizes[f] for f in todo])
         expected = self.__dict__.get("_file_rows")  # set once built: a re-read is checked against it
         for f, start, tail in zip(todo, starts, tails, strict=True):
+            if expected is None:  # building: the tail (footer and all) goes into the fingerprint
+                self._tail_crcs[f] = zlib.crc32(tail)
             footer, problem = None, "no PAR1 footer"
             if tail[-4:] == _MAGIC:
                 try:

@@ -22,6 +22,7 @@ from elastic.checkpoint import fencing
 from elastic.checkpoint.dcp_io import load_shards, verify_shards
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import describe_failure
+from elastic.data.fingerprint import KEY as FINGERPRINT_KEY
 from elastic.parallel import resharding
 from elastic.parallel.base import broadcast_tensors
 from elastic.protocol import RankStatus, RestoreResult
@@ -167,7 +168,8 @@ def start_checkpointer(w: Worker) -> None:
         w.job.checkpoint.persist_retries, w.job.checkpoint.persist_retry_backoff_s,
         w.job.checkpoint.num_to_keep,
         data_order={"global_batch_size": w.job.train.global_batch_size, "seed": w.job.run.seed,
-                    "num_samples": len(w.dataset)},
+                    "num_samples": len(w.dataset),
+                    **({FINGERPRINT_KEY: w.dataset_fingerprint} if w.dataset_fingerprint else {})},
         may_write=fencing.Fence(w.storage, w.root, w.generation),
         # Half the checkpoint group's collective timeout: a rank that waits the whole bound
         # still meets its peers in the agreement's all-reduce before that times out.

@@ -33,6 +33,7 @@ from elastic.runtime.checkpoint_book import CheckpointBook
 from elastic.runtime.faults import fire_fault
 from elastic.runtime.step import BadStep, CollectiveError, RollBack, StepRunner
 from elastic.config import JobConfig
+from elastic.data.fingerprint import fingerprint_or_none
 from elastic.data.order import GlobalOrder, cursor_after
 from elastic.protocol import AbortResult, PollReport, RankStatus, RestoreResult, RunResult, RunStatus, WorkerInfo
 from elastic.storage import Storage
@@ -50,6 +51,8 @@ class Worker:
         self.device = torch.device("cuda", 0) if self.job.scaling.use_gpu else torch.device("cpu")
         self.fns = self.job.train.resolve()
         self.dataset = self.fns["dataset"]()
+        # Recorded in every manifest for the resume check (elastic/data/fingerprint.py); taken once.
+        self.dataset_fingerprint = fingerprint_or_none(self.dataset)
         self.order = GlobalOrder(len(self.dataset), self.job.run.seed)
         self.storage = Storage(self.job.checkpoint.storage_uri, self.job.checkpoint.storage_options)
         self.root = checkpoints_root
