@@ -154,3 +154,46 @@ def test_checkpoints_record_the_datasets_fingerprint(worker, tmp_path):
     latest = latest_committed(Storage(f"file://{tmp_path}"), worker.root)
     assert latest.step == 2
     assert latest.manifest.data_order["dataset_fingerprint"] == dataset_fingerprint(build_dataset())
+
+
+def test_each_step_seeds_cuda_too_once_cuda_has_started(worker, monkeypatch):
+    """A CPU rank whose code started CUDA draws from CUDA's generators too: every device is seeded
+    per step, as the CPU's is (on a GPU rank CUDA has always started by its first step)."""
+    import torch
+
+    from elastic.runtime.step import step_seed
+
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    assert worker.run(2, []).status == "done"
+    assert seeded == [step_seed(1, 0, 0), step_seed(1, 1, 0)]
+
+
+def test_deterministic_sets_torchs_flags_in_the_worker_and_cublas_only_on_gpu(tmp_path, monkeypatch):
+    import torch
+
+    from elastic.runtime.determinism import CUBLAS_VAR
+
+    monkeypatch.delenv(CUBLAS_VAR, raising=False)
+    job = JobConfig.model_validate({
+        "run": {"name": "w", "num_steps": 3, "seed": 1}, "scaling": {"num_workers": 1},
+        "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 100},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": "elastic.workload:loss_fn", "global_batch_size": 8, "deterministic": True},
+    })
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        import os
+        assert CUBLAS_VAR not in os.environ  # a CPU rank: cuBLAS is not used
+        _fence_before_join(w)
+        w.join("127.0.0.1", _port(), 0, 1, generation=1)
+        w.restore([])
+        assert w.run(3, []).status == "done"  # the step's CPU ops all have deterministic kernels
+        w.leave()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

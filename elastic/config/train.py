@@ -130,6 +130,12 @@ class TrainSpec(_Strict):
                             "2^16, halved on overflow, doubled after 2000 good steps; the scale is saved and "
                             "restored with the state). On GPU, FSDP's parameter and reduce dtypes follow it unless "
                             "train.fsdp sets them.")
+    deterministic: bool = Field(
+        False, description="Deterministic kernels on every rank: torch.use_deterministic_algorithms(True) (an op "
+                           "with no deterministic implementation then raises, naming itself), cuDNN's deterministic "
+                           "algorithms without benchmarking, and on GPU CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless "
+                           "already :4096:8 or :16:8), set before CUDA starts. Costs speed on GPU; the CPU runs of the "
+                           "chaos tests repeat bit for bit without it.")
     bad_step: Literal["raise", "skip", "rollback"] = Field(
         "raise", description="A step whose loss (or, with clipping or fp16, gradient norm) is not finite on any rank: "
                              "raise: stop with an error naming the step; skip: no update on any rank (the samples are "

@@ -167,13 +167,14 @@ class StepRunner:
         clock = ComputeClock(w.device)  # the rank's own work, on a GPU too (see compute_clock)
         clock.start()
         seed = step_seed(w.job.run.seed, w.step, w.rank)
-        # The CPU generator, and on a GPU this process's one device's: all a step draws from.
-        # torch.manual_seed would also queue lazy XPU/MTIA seeding (and on a CPU, CUDA's),
-        # formatting the Python stack each time: up to 0.3 ms a step in a Ray actor's deep
-        # stack, against 1 us for this (measured on CPU). Ray shows a worker one GPU.
+        # The CPU generator, and every CUDA device's once CUDA has started in this process (a GPU
+        # rank's own; any a CPU rank's code started): all a step draws from. torch.manual_seed
+        # would also queue lazy XPU/MTIA seeding (and CUDA's before it starts), formatting the
+        # Python stack each time: up to 0.3 ms a step in a Ray actor's deep stack, against 1 us
+        # for this (measured on CPU).
         torch.default_generator.manual_seed(seed)
-        if w.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(seed)
         # Python's and NumPy's too, for a model or loss that draws from them (about 10 us).
         random.seed(seed)
         np.random.seed(seed % 2**32)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from elastic.runtime import collectives, heartbeat, priority, restore, state
+from elastic.runtime import collectives, determinism, heartbeat, priority, restore, state
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.runtime.checkpoint_book import CheckpointBook
 from elastic.runtime.faults import fire_fault
@@ -49,6 +49,8 @@ class Worker:
         torch.set_num_threads(max(1, int(self.job.scaling.cpus_per_worker)))
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
         self.device = torch.device("cuda", 0) if self.job.scaling.use_gpu else torch.device("cpu")
+        if self.job.train.deterministic:  # before the job's modules are imported: they may start CUDA
+            determinism.make_deterministic(self.device)
         self.fns = self.job.train.resolve()
         self.dataset = self.fns["dataset"]()
         # Recorded in every manifest for the resume check (elastic/data/fingerprint.py); taken once.
