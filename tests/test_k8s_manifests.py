@@ -1,7 +1,10 @@
 """The KubeRay manifests in k8s/, checked without a Kubernetes cluster: every field of the RayJob
 against the RayJob CRD's schema (vendored from the KubeRay repository in k8s/schemas/, with its
 source), the rules KubeRay's validation adds on top for autoscaler v2, and the worker group sized
-for the job config it runs, which is itself parsed by elastic's own config loader."""
+for the job config it runs, which is itself parsed by elastic's own config loader. And the
+hardening: every container unprivileged, a NetworkPolicy that admits only the Ray cluster's own
+pods (and KubeRay's submitter and operator to the job API), credentials from a Secret, never in a
+job config."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +17,7 @@ import ray
 import yaml
 
 from elastic.config import parse_job
+from elastic.config.secrets import is_secret_key, named_secrets
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 SCHEMA_FILE = K8S / "schemas" / "rayjob.ray.io-v1.schema.yaml"
@@ -118,7 +122,8 @@ def schema() -> Schema:
 
 def test_every_manifest_is_a_known_kind():
     known = {("ray.io/v1", "RayJob"), ("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("batch/v1", "Job"),
-             ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding")}
+             ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+             ("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Secret")}
     assert MANIFESTS, "no manifests found under k8s/"
     for path in MANIFESTS:
         for doc in documents(path):
@@ -217,3 +222,166 @@ def test_the_pod_deleting_drill_pod_is_a_valid_pod_template(schema):
     assert set(job["spec"]) <= {"backoffLimit", "ttlSecondsAfterFinished", "template"}
     assert schema.errors(job["spec"]["template"], {"$ref": "#/definitions/podTemplateSpec"}, "spec.template") == []
     assert job["metadata"]["name"] == "elastic-chaos-kill-worker"
+
+
+# ------------------------------------------------------------------ hardening
+RAY_UID = 1000  # the rayproject/ray images' user "ray" (uid 1000, gid 100)
+
+
+def pod_templates(job: dict) -> dict[str, dict]:
+    rc = job["spec"]["rayClusterSpec"]
+    return {"head": rc["headGroupSpec"]["template"], "workers": worker_group(job)["template"]}
+
+
+def chaos_job() -> dict:
+    (job,) = [d for d in documents(K8S / "chaos" / "kill-worker-pod.yaml") if d["kind"] == "Job"]
+    return job
+
+
+def unprivileged(ctx: dict | None, uid: int | None = None) -> list[str]:
+    """Why a container securityContext is not the hardened one (empty: it is)."""
+    ctx = ctx or {}
+    out = []
+    if ctx.get("runAsNonRoot") is not True:
+        out.append("runAsNonRoot is not true")
+    if uid is not None and ctx.get("runAsUser") != uid:
+        out.append(f"runAsUser {ctx.get('runAsUser')} is not {uid}")
+    if ctx.get("runAsUser") == 0 or ctx.get("privileged"):
+        out.append("runs as root or privileged")
+    if ctx.get("allowPrivilegeEscalation") is not False:
+        out.append("allowPrivilegeEscalation is not false")
+    if ctx.get("capabilities", {}).get("drop") != ["ALL"] or ctx.get("capabilities", {}).get("add"):
+        out.append("capabilities: not drop [ALL] (or some added)")
+    if ctx.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+        out.append("seccompProfile is not RuntimeDefault")
+    return out
+
+
+def test_every_container_runs_unprivileged():
+    job = rayjob()
+    for name, container in ray_containers(job).items():
+        assert unprivileged(container.get("securityContext"), RAY_UID) == [], name
+    autoscaler = job["spec"]["rayClusterSpec"]["autoscalerOptions"]  # a sidecar of the head, same image
+    assert unprivileged(autoscaler.get("securityContext"), RAY_UID) == []
+    for container in chaos_job()["spec"]["template"]["spec"]["containers"]:
+        assert unprivileged(container.get("securityContext")) == [], container["name"]
+    # ...and the check is not vacuous.
+    assert unprivileged({}) and unprivileged({**ray_containers(job)["head"]["securityContext"], "runAsUser": 0})
+    assert unprivileged({**ray_containers(job)["head"]["securityContext"], "capabilities": {"drop": ["ALL"],
+                                                                                            "add": ["NET_ADMIN"]}})
+
+
+def network_policy() -> dict:
+    (policy,) = documents(K8S / "networkpolicy.yaml")
+    return policy
+
+
+def selector_errors(sel, where: str) -> list[str]:
+    """A metav1.LabelSelector, by hand (NetworkPolicy is core Kubernetes: no vendored schema)."""
+    if not isinstance(sel, dict) or set(sel) - {"matchLabels", "matchExpressions"}:
+        return [f"{where}: not a label selector: {sel!r}"]
+    labels = sel.get("matchLabels", {})
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        return [f"{where}.matchLabels: must map strings to strings"]
+    return []
+
+
+def policy_errors(policy: dict) -> list[str]:
+    """The networking.k8s.io/v1 NetworkPolicy fields, checked by hand: names, types, enums."""
+    out = []
+    spec = policy.get("spec", {})
+    if set(spec) - {"podSelector", "policyTypes", "ingress", "egress"}:
+        out.append(f"spec: unknown fields {sorted(set(spec) - {'podSelector', 'policyTypes', 'ingress', 'egress'})}")
+    if "podSelector" not in spec:
+        out.append("spec: required field 'podSelector' is missing")
+    out += selector_errors(spec.get("podSelector", {}), "spec.podSelector")
+    if not set(spec.get("policyTypes", [])) <= {"Ingress", "Egress"}:
+        out.append(f"spec.policyTypes: {spec['policyTypes']}")
+    for i, rule in enumerate(spec.get("ingress", [])):
+        where = f"spec.ingress[{i}]"
+        if set(rule) - {"from", "ports"}:
+            out.append(f"{where}: unknown fields {sorted(set(rule) - {'from', 'ports'})}")
+        for j, peer in enumerate(rule.get("from", [])):
+            if not peer or set(peer) - {"podSelector", "namespaceSelector", "ipBlock"}:
+                out.append(f"{where}.from[{j}]: not a peer: {peer!r}")
+            for key in ("podSelector", "namespaceSelector"):
+                if key in peer:
+                    out += selector_errors(peer[key], f"{where}.from[{j}].{key}")
+        for j, port in enumerate(rule.get("ports", [])):
+            if set(port) - {"port", "protocol", "endPort"} or port.get("protocol", "TCP") not in ("TCP", "UDP", "SCTP") \
+                    or not isinstance(port.get("port"), (int, str)):
+                out.append(f"{where}.ports[{j}]: {port!r}")
+    return out
+
+
+def test_the_network_policy_admits_only_the_clusters_own_pods():
+    policy, job = network_policy(), rayjob()
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    assert policy_errors(policy) == []
+    spec = policy["spec"]
+    # It selects the RayJob's head and worker pods: every label it asks for is on both templates.
+    own = spec["podSelector"]["matchLabels"]
+    assert own and "matchExpressions" not in spec["podSelector"]
+    for name, template in pod_templates(job).items():
+        assert own.items() <= template["metadata"]["labels"].items(), name
+    assert "Ingress" in spec["policyTypes"]
+    # Every rule names who it admits (a rule without `from` admits everyone), by selector only.
+    rules = spec["ingress"]
+    assert all(rule.get("from") for rule in rules)
+    assert not any("ipBlock" in peer for rule in rules for peer in rule["from"])
+    inside = [rule for rule in rules if rule["from"] == [{"podSelector": {"matchLabels": own}}]]
+    assert len(inside) == 1 and "ports" not in inside[0]  # Ray needs every port among its own pods
+    # Anyone else reaches the job API, 8265/TCP, and nothing more (not GCS 6379): the RayJob's
+    # submitter (a Job named after the RayJob) and the KubeRay operator.
+    outside = [rule for rule in rules if rule is not inside[0]]
+    assert outside and all(rule.get("ports") == [{"port": 8265, "protocol": "TCP"}] for rule in outside)
+    peers = [peer for rule in outside for peer in rule["from"]]
+    assert {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": job["metadata"]["name"]}}} in peers
+    (operator,) = [p for p in peers if "namespaceSelector" in p]
+    assert operator["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+    assert operator["namespaceSelector"]["matchLabels"]  # one namespace, not every one
+    # The head really serves those ports.
+    served = {p["containerPort"] for p in ray_containers(job)["head"]["ports"]}
+    assert {6379, 8265} <= served
+
+
+def test_the_policy_check_is_not_vacuous():
+    spec = network_policy()["spec"]
+    assert policy_errors({"spec": {**spec, "podSelectors": {}}})
+    assert policy_errors({"spec": {**spec, "ingress": [{"from": [{}]}]}})
+    assert policy_errors({"spec": {**spec, "ingress": [{"ports": [{"port": 8265, "protocol": "HTTP"}]}]}})
+    assert policy_errors({"spec": {**spec, "podSelector": {"matchLabel": {"a": "b"}}}})
+
+
+def _env_entries(obj):
+    """Every `env` entry ({name, value|valueFrom}) anywhere in a manifest."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == "env" and isinstance(v, list):
+                yield from (e for e in v if isinstance(e, dict))
+            yield from _env_entries(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _env_entries(v)
+
+
+def test_credentials_come_from_a_secret_never_from_a_manifest_or_job_config():
+    secrets = {d["metadata"]["name"]: d for path in MANIFESTS for d in documents(path) if d["kind"] == "Secret"}
+    # The only Secret shipped is an example, with placeholders.
+    assert list(secrets) == ["elastic-s3"]
+    example = secrets["elastic-s3"]
+    assert set(example["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} and "data" not in example
+    assert set(example["stringData"].values()) == {"REPLACE-ME"}
+    # Every Ray container (the driver on the head, a rank on each worker) takes them from it.
+    for name, container in ray_containers(rayjob()).items():
+        assert {"secretRef": {"name": "elastic-s3"}} in container.get("envFrom", []), name
+    # No manifest sets a secret-looking variable to a literal value.
+    for path in MANIFESTS:
+        for doc in documents(path):
+            literal = [e["name"] for e in _env_entries(doc) if is_secret_key(e.get("name")) and "value" in e]
+            assert not literal, f"{path}: {literal} set inline; use a secretRef"
+    # No job config carries a credential (storage options, a password in a URI).
+    for path in JOB_CONFIGMAPS:
+        (cm,) = documents(path)
+        job = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+        assert named_secrets(job) == [], path
