@@ -96,8 +96,11 @@ class CheckpointConfig(_Strict):
                                      "worker needs its share of one checkpoint free there, and uploaded from a child "
                                      "process of each worker (memory:// uploads in the worker).")
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, key, secret for s3)."
-    )
+        default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, client_kwargs for s3). Give "
+                                          "credentials through the environment (AWS_ACCESS_KEY_ID, "
+                                          "AWS_SECRET_ACCESS_KEY) or the platform's identity: a key, secret or token "
+                                          "here works but travels with the job to every worker (it is redacted from "
+                                          "events, errors and elastic status).")
     every_steps: int = Field(10, ge=1, description="Checkpoint after every this many steps.")
     num_to_keep: int = Field(3, ge=1, description="Committed checkpoints kept; the newest is never removed.")
     persist_retries: int = Field(5, ge=0, description="Retries of a background persist on storage errors.")

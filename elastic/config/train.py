@@ -87,7 +87,8 @@ class DataSpec(_Strict):
     uri: str = Field(description="fsspec URI of the files: one file, a folder, or a glob (s3://bucket/corpus/*.parquet).")
     columns: list[str] | None = Field(None, description="Columns, in the order each sample's tuple has them; default all.")
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to fsspec (e.g. endpoint_url, key, secret for s3).")
+        default_factory=dict, description="Passed to fsspec, as checkpoint.storage_options is (credentials: "
+                                          "from the environment, as there).")
 
     def factory(self) -> Callable:
         return functools.partial(_parquet_dataset, self.uri, self.columns, self.storage_options)
