@@ -24,6 +24,12 @@ class StorageError(RuntimeError):
     """A storage operation failed; the message names the URI."""
 
 
+class StorageTimeout(StorageError):
+    """A storage call or upload did not end within its bound (a hung request, not a refused one);
+    the message names the URI and the bound, with the settings it comes from. Handled as any
+    storage failure: retried, then reported."""
+
+
 def scrubbed_error(message: str, cause: BaseException | None, secrets: frozenset[str]) -> StorageError:
     """A StorageError for `message` with the credentials in `secrets` (and a URI's password)
     scrubbed. Its __cause__ (which a traceback prints, and callers test: fencing's "no such file")

@@ -306,3 +306,58 @@ def test_a_multipart_upload_is_completed_only_after_the_fence_is_read_again(tmp_
     calls.clear()
     fsspec.asyn.sync(fs.loop, fs._put_file, str(big), "bucket/other", chunksize=5 * 2 ** 20)
     assert not any(c.startswith("read") for c in calls)  # an upload without a fence: unchanged
+
+
+# ---------------------------------------------------------------- an upload that hangs has a deadline
+@pytest.fixture
+def silent_store():
+    """An S3 endpoint that takes every connection and never answers (a hung store, not a refusing
+    one): storage options for s3fs pointing at it."""
+    import socket
+    server = socket.create_server(("127.0.0.1", 0))
+    held, done = [], threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not done.is_set():
+            try:
+                held.append(server.accept()[0])  # kept open, never read, never answered
+            except OSError:
+                pass
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "key": "k", "secret": "s"}
+    done.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_that_hangs_is_cut_at_its_deadline_naming_the_object_and_the_bound(tmp_path, silent_store):
+    """Before, put() polled a child whose request was never answered for as long as it waited."""
+    from elastic.storage import StorageError, StorageTimeout
+    src = _folder(tmp_path / "src", {"a.distcp": os.urandom(1000)})
+    _started("s3://bucket/run")
+    (child,) = uploader._idle
+    with pytest.raises(StorageTimeout) as raised:
+        uploader.put(src, "s3://bucket/run/step_1", silent_store, timeout_s=1.0, bound="the test's bound")
+    assert isinstance(raised.value, StorageError)  # retried and reported as any storage failure is
+    assert "s3://bucket/run/step_1" in str(raised.value) and "the test's bound" in str(raised.value)
+    assert _gone(child.proc.pid, 10) and uploader._idle == []  # killed: its request dropped
+
+
+@pytest.mark.timeout(60)
+def test_a_save_whose_upload_hangs_in_the_worker_fails_within_its_bound(tmp_path, silent_store):
+    """A worker's first upload runs in the worker itself (no child yet): cut short there too."""
+    import torch
+
+    from elastic.checkpoint import dcp_io
+    from elastic.storage import StorageTimeout
+    _no_children()
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    with pytest.raises(StorageTimeout, match=r"checkpoint\.upload_timeout_s=0\.5 \+ .* MB at "
+                                             r"checkpoint\.upload_min_mb_per_s=100"):
+        dcp_io.save_shards(state, "s3://bucket/run/step_2", silent_store, None,
+                           upload_bound=dcp_io.UploadBound(0.5, 100.0))

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from elastic.checkpoint import uploader
 from elastic.checkpoint.layout import (MANIFEST, VERDICTS, CorruptCheckpoint, Manifest, check_files,
                                      local_file_digest)
 from elastic.checkpoint.staging import stage_folder
-from elastic.storage import StorageError
+from elastic.storage import StorageError, StorageTimeout
 from elastic.checkpoint.uploader import UploadCut
 
 DCP_METADATA = ".metadata"  # DCP's index of a save, written last by its coordinator
@@ -31,6 +32,22 @@ DCP_METADATA = ".metadata"  # DCP's index of a save, written last by its coordin
 # worker's: False uploads in the worker (for an A/B of the two). Process-private filesystems
 # (`_process_private`: memory://) always upload in the worker, the only process that sees them.
 UPLOAD_IN_CHILD = True
+
+
+@dataclass(frozen=True)
+class UploadBound:
+    """How long one rank's upload of a save may take before it counts as hung:
+    checkpoint.upload_timeout_s, plus its bytes at checkpoint.upload_min_mb_per_s (a 1.2 GB
+    shard at the defaults: 60 + 600 s). Past it the upload is cut short with `StorageTimeout`."""
+    floor_s: float
+    min_mb_per_s: float
+
+    def seconds(self, num_bytes: int) -> float:
+        return self.floor_s + num_bytes / (self.min_mb_per_s * 1e6)
+
+    def describe(self, num_bytes: int) -> str:
+        return (f"checkpoint.upload_timeout_s={self.floor_s:g} + {num_bytes / 1e6:.1f} MB at "
+                f"checkpoint.upload_min_mb_per_s={self.min_mb_per_s:g}")
 
 
 @dataclass(frozen=True)
@@ -44,7 +61,7 @@ class SavedShards:
 def save_shards(state: dict, folder: str, storage_options: dict, process_group,
                 on_write: Callable[[], None] | None = None, cancel: threading.Event | None = None,
                 on_cuttable: Callable[[], None] | None = None,
-                fence: tuple[str, int] | None = None) -> SavedShards:
+                fence: tuple[str, int] | None = None, upload_bound: UploadBound | None = None) -> SavedShards:
     """Collective DCP save into `folder`; returns DCP's index of what it wrote and every file's
     digest (`SavedShards`). Each rank digests the files it wrote from its local copy, right after
     DCP wrote them (page cache, not a second read from storage), and the ranks gather them.
@@ -54,6 +71,8 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
     upload that can be cut begins. `fence` (the fence's URI, this group's generation): a remote
     upload reads it before each object it writes and stops at a "no" (`uploader.put_tree`:
     `UploadFenced`, `FenceNotConfirmed`), raised on this rank; the caller makes it collective.
+    `upload_bound`: a remote upload still running past it (for this rank's staged bytes) is cut
+    short with `StorageTimeout`, a storage error like any other (None: no bound).
     A save into an existing folder overwrites files of the same name and leaves the others.
 
     Local disk (file://): DCP writes the folder itself. Anything else (S3, GCS, ...): DCP writes
@@ -95,12 +114,16 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
                 on_write()
             fs, path = fsspec.core.url_to_fs(folder, **storage_options)
             in_child = UPLOAD_IN_CHILD and not _process_private(fs)
+            timeout_s, bound = None, ""
+            if upload_bound is not None:
+                num_bytes = sum(os.path.getsize(os.path.join(stage, n)) for n in os.listdir(stage))
+                timeout_s, bound = upload_bound.seconds(num_bytes), upload_bound.describe(num_bytes)
             if not (in_child and uploader.put(stage, folder, storage_options, cancel, on_cuttable=on_cuttable,
-                                              fence=fence)):
+                                              fence=fence, timeout_s=timeout_s, bound=bound)):
                 # No child idle (this worker's first upload, or its child busy): in this process,
                 # then a child is started for the next upload.
                 upload(fs, stage.rstrip("/") + "/", path.rstrip("/") + "/", cancel, on_cuttable=on_cuttable,
-                       fence=fence)
+                       fence=fence, timeout_s=timeout_s, bound=bound)
                 if in_child:
                     uploader.prestart(folder, storage_options)
         except UploadCut:
@@ -201,30 +224,39 @@ def _process_private(fs) -> bool:
 
 
 def upload(fs, src: str, dst: str, cancel: threading.Event | None = None, poll_s: float = 0.05,
-           on_cuttable: Callable[[], None] | None = None, fence: tuple[str, int] | None = None) -> None:
+           on_cuttable: Callable[[], None] | None = None, fence: tuple[str, int] | None = None,
+           timeout_s: float | None = None, bound: str = "") -> None:
     """In this process (`uploader.put` is the child's): `fs.put(src, dst, recursive=True)`, cut
     short within `poll_s` once `cancel` is set, on an async filesystem (s3fs, gcsfs, adlfs): its
     coroutine is cancelled on fsspec's event loop, which drops the connection mid-request
     (`on_cuttable` is called as such an upload begins). A synchronous filesystem uploads to the end.
     A multipart upload cut short stays incomplete in the bucket, invisible to readers, until
     the store's lifecycle rule for incomplete uploads removes it. `fence` (its URI, this group's
-    generation): read before each object, as the child does (`uploader.put_tree`)."""
-    if cancel is None or not getattr(fs, "async_impl", False):
+    generation): read before each object, as the child does (`uploader.put_tree`). `timeout_s`:
+    an async upload still running then is cut short the same way, with `StorageTimeout` naming
+    the bound (`bound`: where it comes from); a synchronous one cannot be cut (the persist's own
+    bound, checkpoint.persist_timeout_s, then gives the persist up without it)."""
+    if (cancel is None and timeout_s is None) or not getattr(fs, "async_impl", False):
         uploader.put_tree(fs, src, dst, fence)
         return
-    if cancel.is_set():
+    if cancel is not None and cancel.is_set():
         raise UploadCut(f"upload of {dst} not begun")
     future = asyncio.run_coroutine_threadsafe(uploader.put_tree_async(fs, src, dst, fence), fs.loop)
     if on_cuttable:
         on_cuttable()
+    t0 = time.monotonic()
     while True:
         try:
             future.result(timeout=poll_s)
             return
         except concurrent.futures.TimeoutError:
-            if cancel.is_set():
+            if cancel is not None and cancel.is_set():
                 future.cancel()
                 raise UploadCut(f"upload of {dst} cut short") from None
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                future.cancel()
+                raise StorageTimeout(f"upload of {dst} did not finish within {timeout_s:.1f} s"
+                                     f"{f' ({bound})' if bound else ''}: cut short") from None
 
 
 class _RecordingWriter(FsspecWriter):

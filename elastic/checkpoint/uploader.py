@@ -29,6 +29,11 @@ else (fail closed; the save is retried like any storage error). Without that, a 
 mid-upload went on writing shards for the whole freeze once it thawed. The check costs one small
 GET per object; a rank's save is one shard file (DCP's default) plus the index on the coordinator.
 
+An upload has a deadline (`timeout_s`, from checkpoint.upload_timeout_s and the upload's bytes at
+checkpoint.upload_min_mb_per_s): a store that takes the connection and never answers would
+otherwise hold the persist, and every checkpoint after it, for good. Past it the child is killed
+and the upload fails with `StorageTimeout`, retried and reported like any storage error.
+
 Cutting an upload short (the group failed, see `AsyncCheckpointer.abort`) kills the child:
 its connections drop mid-request, on any filesystem. A multipart upload cut short stays
 incomplete in the bucket, invisible to readers, until the store's lifecycle rule removes it.
@@ -179,7 +184,8 @@ def _give_back(child: _Child) -> None:
 
 
 def put(src: str, url: str, storage_options: dict, cancel: threading.Event | None = None,
-        on_cuttable=None, poll_s: float = POLL_S, fence: tuple[str, int] | None = None) -> bool:
+        on_cuttable=None, poll_s: float = POLL_S, fence: tuple[str, int] | None = None,
+        timeout_s: float | None = None, bound: str = "") -> bool:
     """Upload the local folder `src` to `url` (an fsspec URL), as `fs.put(src, path,
     recursive=True)` would, in an idle child process; True once done. False, having done
     nothing, when no child is idle (none started yet, or the one there is busy): the caller
@@ -187,8 +193,11 @@ def put(src: str, url: str, storage_options: dict, cancel: threading.Event | Non
     `cancel` is set (`UploadCut`; `on_cuttable` is called as the upload begins). `fence`: (the
     fence's URI, this upload's generation): the child checks it before each object (`put_tree`)
     and stops with `UploadFenced` or `FenceNotConfirmed`, raised here. The child's other errors
-    are raised here: the same exception where it pickles, else `UploadFailed` naming it."""
-    from elastic.storage import StorageError
+    are raised here: the same exception where it pickles, else `UploadFailed` naming it.
+    `timeout_s`: an upload not done by then hangs (a store that took the connection and never
+    answers): its child is killed and `StorageTimeout` names `url` and the bound (`bound`: where
+    it comes from). Without it, a hung upload was polled forever."""
+    from elastic.storage import StorageError, StorageTimeout
 
     if cancel is not None and cancel.is_set():
         raise UploadCut(f"upload of {url} not begun")
@@ -203,10 +212,15 @@ def put(src: str, url: str, storage_options: dict, cancel: threading.Event | Non
     if on_cuttable:
         on_cuttable()
     out = child.proc.stdout
+    t0 = time.monotonic()
     while not select.select([out], [], [], poll_s)[0]:
         if cancel is not None and cancel.is_set():
             child.kill()
             raise UploadCut(f"upload of {url} cut short")
+        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+            child.kill()  # its connections drop mid-request; the next upload gets a new child
+            raise StorageTimeout(f"upload of {url} did not finish within {timeout_s:.1f} s"
+                                 f"{f' ({bound})' if bound else ''}: cut short, its upload process killed")
     try:
         answer = _recv(out)
     except (EOFError, OSError, pickle.UnpicklingError) as e:
