@@ -366,6 +366,62 @@ def test_a_persist_whose_group_failed_during_its_save_is_never_committed(store, 
     assert latest_committed(storage, root) is None
 
 
+def _hung_upload(monkeypatch, cuttable: bool = True) -> threading.Event:
+    """Every shard save hangs in its upload: until the persist is stopped (its upload cut short:
+    UploadCut) or, `cuttable` False, until the returned event is set (a call nothing can cut)."""
+    import elastic.checkpoint.persister as ckpt
+    from elastic.checkpoint.uploader import UploadCut
+    release = threading.Event()
+
+    def hang(*a, cancel=None, **kw):
+        while not release.wait(0.02):
+            if cuttable and cancel is not None and cancel.is_set():
+                raise UploadCut("upload cut short")
+        raise ConnectionError("released")
+    monkeypatch.setattr(ckpt, "save_shards", hang)
+    return release
+
+
+@pytest.mark.timeout(60)
+def test_a_persist_past_its_bound_is_given_up_reported_timed_out_and_owed(store, one_rank_group, monkeypatch):
+    """A persist whose upload hangs (rather than fails) used to be waited for forever."""
+    from elastic.checkpoint.retry import owes_retry
+    storage, root = store
+    release = _hung_upload(monkeypatch)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=2, backoff_s=0.0, num_to_keep=2,
+                           persist_timeout_s=0.3)
+    ck.save(10, 80, model_state(0), {})
+    assert not ck.expire() and ck.in_flight()  # within its bound: left alone
+    ck.wait_within_bound(grace_s=30)
+    assert not ck.in_flight() and not ck.aborted()  # the group goes on
+    (res,) = ck.drain()
+    assert not res.committed and res.error.startswith("timed out:")
+    assert "checkpoint.persist_timeout_s=0.3" in res.error and "step_000000010" in res.error
+    assert owes_retry(res.error)  # a storage failure: the checkpoint is saved again
+    assert latest_committed(storage, root) is None
+    release.set()
+    monkeypatch.undo()  # storage answers again: the next persist of this checkpointer commits
+    ck.save(20, 160, model_state(0), {})
+    ck.wait_within_bound(grace_s=30)
+    (res,) = ck.drain()
+    assert res.committed, res.error
+
+
+@pytest.mark.timeout(60)
+def test_a_persist_that_cannot_be_cut_is_left_running_past_its_bound(store, one_rank_group, monkeypatch):
+    storage, root = store
+    release = _hung_upload(monkeypatch, cuttable=False)
+    ck = AsyncCheckpointer(storage, root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2,
+                           persist_timeout_s=0.2)
+    ck.save(10, 80, model_state(0), {})
+    ck.wait_within_bound(grace_s=0.2)  # returns, bounded, though the persist goes on
+    assert ck.in_flight() and ck.expire()
+    release.set()
+    ck.wait()
+    (res,) = ck.drain()
+    assert not res.committed and res.error.startswith("timed out:") and "released" in res.error
+
+
 def test_a_worker_fenced_during_its_save_never_commits(store, one_rank_group):
     storage, root = store
     answers = iter([True])  # may write when the save starts; a newer generation took over since

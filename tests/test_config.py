@@ -32,6 +32,13 @@ def test_valid_job_parses():
     ({"chaos": [{"action": "kill_node", "rank": 1, "at_step": 2, "during_upload": "often"}]}, "chaos.0.during_upload"),
     ({"chaos": [{"action": "hold_gil", "rank": 1, "at_step": 2, "hold_s": -1}]}, "chaos.0.hold_s"),
     ({"failure": {"heartbeat": "maybe"}}, "failure.heartbeat"),
+    ({"checkpoint": {"upload_timeout_s": 0}}, "checkpoint.upload_timeout_s"),
+    ({"checkpoint": {"upload_min_mb_per_s": -1}}, "checkpoint.upload_min_mb_per_s"),
+    ({"checkpoint": {"persist_timeout_s": 0}}, "checkpoint.persist_timeout_s"),
+    ({"checkpoint": {"storage_options": {"config_kwargs": {"read_timeout": None}}}},
+     "checkpoint.storage_options.config_kwargs.read_timeout"),
+    ({"checkpoint": {"storage_options": {"config_kwargs": {"connect_timeout": 0}}}},
+     "checkpoint.storage_options.config_kwargs.connect_timeout"),
 ])
 def test_errors_name_the_field(over, field):
     with pytest.raises(ConfigError) as e:

@@ -30,12 +30,13 @@ def _fence_before_join(w) -> None:
     w.join = join
 
 
-@pytest.fixture
-def worker(tmp_path):
+def _one_rank(tmp_path, checkpoint=None, failure=None) -> Worker:
+    """A worker in a world of one, joined (generation 1) and restored from nothing."""
     job = JobConfig.model_validate({
         "run": {"name": "w", "num_steps": 20, "seed": 1},
         "scaling": {"num_workers": 1},
-        "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 100},
+        "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 100, **(checkpoint or {})},
+        "failure": failure or {},
         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
                   "loss": "elastic.workload:loss_fn", "global_batch_size": 8},
     })
@@ -43,6 +44,12 @@ def worker(tmp_path):
     _fence_before_join(w)
     w.join("127.0.0.1", _port(), 0, 1, generation=1)
     w.restore([])
+    return w
+
+
+@pytest.fixture
+def worker(tmp_path):
+    w = _one_rank(tmp_path)
     yield w
     w.leave()
 
@@ -197,3 +204,42 @@ def test_deterministic_sets_torchs_flags_in_the_worker_and_cublas_only_on_gpu(tm
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+def test_a_last_persist_that_never_ends_is_given_up_at_its_bound_and_the_run_goes_on(tmp_path, monkeypatch):
+    """The run's end waits for its last persist (`_wait_persist`): a persist that hangs used to hold
+    the rank there forever. Now it is given up past checkpoint.persist_timeout_s and reported;
+    one that cannot even be cut short is left running, and the next save is reported not made."""
+    import threading
+
+    import elastic.checkpoint.persister as persister
+    from elastic.checkpoint.retry import owes_retry
+    from elastic.checkpoint.uploader import UploadCut
+
+    release = threading.Event()
+    cuttable = [True]
+
+    def hung(*a, cancel=None, **kw):  # an upload that hangs: cut short only where it can be
+        while not release.wait(0.02):
+            if cuttable[0] and cancel is not None and cancel.is_set():
+                raise UploadCut("upload cut short")
+        raise ConnectionError("released")
+
+    w = _one_rank(tmp_path, checkpoint={"persist_timeout_s": 0.5}, failure={"ping_timeout_s": 0.5})
+    monkeypatch.setattr(persister, "save_shards", hung)
+    try:
+        assert w.run(3, []).status == "done"  # its last persist hung, and was given up
+        (failed,) = w.poll().persists
+        assert failed.step == 3 and not failed.committed and failed.error.startswith("timed out:")
+        assert "checkpoint.persist_timeout_s=0.5" in failed.error and owes_retry(failed.error)
+
+        cuttable[0] = False  # a call nothing can cut: the wait still ends, and nothing runs beside it
+        w._save(w.job.train, None)
+        assert w.save_again() == 3
+        report = w.poll()
+        assert w.ckpt.in_flight() and [p.step for p in report.persists] == [3]
+        assert report.persists[0].error.startswith("timed out:") and "step 3 not saved" in report.persists[0].error
+    finally:
+        release.set()
+        w.ckpt.wait()
+        w.leave()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint import fencing
-from elastic.checkpoint.dcp_io import _written_files, save_shards, snapshot, staging_for
+from elastic.checkpoint.dcp_io import UploadBound, _written_files, save_shards, snapshot, staging_for
 from elastic.checkpoint.layout import (COMMIT_MARKER, MANIFEST, VERDICTS, Manifest, apply_retention, commit,
                                        step_dir, validate)
 from elastic.checkpoint.retry import _is_peer_failure
@@ -66,7 +66,8 @@ class AsyncCheckpointer:
                  data_order: dict[str, int] | None = None,
                  may_write: Callable[[], bool | tuple[bool | None, str]] | None = None,
                  after: Sequence["AsyncCheckpointer"] = (), wait_timeout_s: float = 60.0,
-                 staged: Any = None, rollback_window: int = 0):
+                 staged: Any = None, rollback_window: int = 0, upload_bound: UploadBound | None = None,
+                 persist_timeout_s: float | None = None):
         """`data_order`: what the run's sample order depends on (global_batch_size, seed,
         num_samples), stored in every manifest so a resume can refuse another order.
         `may_write`: asked before the shard save and again before the commit; False, (False,
@@ -87,7 +88,13 @@ class AsyncCheckpointer:
         `staged`: staging buffers to copy the first snapshot into (`spare_buffers()` of this
         process's previous checkpointer, or None).
         `rollback_window`: retention's (see `apply_retention`): bad_step_limit - 1 under
-        train.bad_step=rollback, else 0."""
+        train.bad_step=rollback, else 0.
+        `upload_bound`: a remote upload still running past it is cut short (`StorageTimeout`),
+        retried and reported like any storage error.
+        `persist_timeout_s` (checkpoint.persist_timeout_s): the most one persist may run, from
+        its save() on. The worker gives a persist past it up (`expire`, `wait_within_bound`):
+        its upload is cut short, it stops retrying, it never commits, and it reports an error
+        starting "timed out:", a storage failure (the checkpoint stays owed). None: no bound."""
         self.storage, self.root = storage, root
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.pg, self.retries, self.backoff_s, self.num_to_keep = process_group, retries, backoff_s, num_to_keep
@@ -97,8 +104,15 @@ class AsyncCheckpointer:
         self.may_write = may_write
         self.results: "queue.Queue[PersistResult]" = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._abort = threading.Event()
+        self._abort = threading.Event()  # the group failed: no persist of this checkpointer commits
         self._aborted_at = 0.0
+        # The persist in flight stops (cut short, no more retries, never committed): set by
+        # `abort` for the group, or by `give_up` for this persist alone. One per persist.
+        self._stop = threading.Event()
+        self._gave_up: str | None = None  # why the persist in flight was given up (`give_up`)
+        self.upload_bound = upload_bound
+        self.persist_timeout_s = persist_timeout_s
+        self._started_at = 0.0  # monotonic, of the persist last started
         self._staged = staged  # the last snapshot: its buffers are reused once its persist is done
         self._prestage: threading.Thread | None = None
         self._prestaged = None
@@ -114,6 +128,40 @@ class AsyncCheckpointer:
         if not self._abort.is_set():
             self._aborted_at = time.monotonic()
         self._abort.set()
+        self._stop.set()
+
+    def give_up(self, why: str) -> None:
+        """Stop the persist in flight alone (the group goes on): its upload is cut short, it stops
+        retrying, it never commits, and it reports "timed out: `why`". The next save() starts
+        afresh once its thread has ended."""
+        if self.in_flight() and not self._stop.is_set():
+            self._gave_up = why
+            log.warning("persist of step %s given up: %s", self.step_in_flight, why)
+            self._stop.set()
+
+    def overdue(self) -> bool:
+        """The persist in flight has run past checkpoint.persist_timeout_s."""
+        return (self.persist_timeout_s is not None and self.in_flight()
+                and time.monotonic() - self._started_at > self.persist_timeout_s)
+
+    def expire(self) -> bool:
+        """Give the persist in flight up if it is overdue; True if it was (now or before)."""
+        if self.overdue():
+            self.give_up(f"it ran past checkpoint.persist_timeout_s={self.persist_timeout_s:g} s")
+        return self._gave_up is not None and self.in_flight()
+
+    def wait_within_bound(self, grace_s: float) -> float:
+        """Wait for the persist in flight until checkpoint.persist_timeout_s after its start;
+        give it up then, and wait at most `grace_s` more for it to end (a cut upload ends at its
+        next poll). A persist that does not end even then (a synchronous filesystem's call, a
+        collective until its timeout) is left running. Returns seconds waited."""
+        if self.persist_timeout_s is None:
+            return self.wait()
+        t0 = time.monotonic()
+        self.wait(max(0.0, self._started_at + self.persist_timeout_s - t0))
+        if self.expire():
+            self.wait(grace_s)
+        return time.monotonic() - t0
 
     def aborted(self) -> bool:
         """`abort` was called: the group failed, and a persist in flight can never commit."""
@@ -181,6 +229,10 @@ class AsyncCheckpointer:
         self.step_in_flight = step
         self.writing = threading.Event()
         self.cuttable = threading.Event()
+        self._stop, self._gave_up = threading.Event(), None
+        if self._abort.is_set():
+            self._stop.set()
+        self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._persist, args=(step, cursor, snap, dict(metrics), stall_s),
                                         name=f"persist-{step}", daemon=True)
         self._thread.start()
@@ -201,6 +253,8 @@ class AsyncCheckpointer:
             verdict, detail, found = self._agree(folder, step)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the group failed: nothing to retry
             return report(error=f"{type(e).__name__}: {e}")
+        if self._gave_up is not None and verdict != _COMMITTED:
+            return report(error=self._timed_out(folder, detail or None))
         if verdict in (_FENCED, _LATE):
             return report(error=detail)
         if verdict == _COMMITTED:
@@ -216,25 +270,30 @@ class AsyncCheckpointer:
         for attempt in range(1, self.retries + 2):
             try:
                 saved = save_shards(snap, folder, self.storage.options, self.pg, on_write=writing.set,
-                                       cancel=self._abort, on_cuttable=cuttable.set, fence=self._fence())
+                                    cancel=self._stop, on_cuttable=cuttable.set, fence=self._fence(),
+                                    upload_bound=self.upload_bound)
                 err = None
                 break
             except UploadCut:
+                if self._gave_up is not None:
+                    return report(attempts=attempt, error=self._timed_out(folder))
                 return report(attempts=attempt, error=f"abandoned: the group failed during the upload, cut "
                                                       f"short {time.monotonic() - self._aborted_at:.2f} s after; "
                                                       f"never committed")
             # DCP's CheckpointException is a BaseException, not an Exception.
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - storage and peer errors: retry or report
                 err = f"{type(e).__name__}: {e}"
-                if self._abort.is_set() or _is_peer_failure(e):
-                    break  # the group is gone; the controller will recover, retrying is pointless
+                if self._stop.is_set() or _is_peer_failure(e):
+                    break  # the group is gone (or the persist given up): retrying is pointless
                 if self._any_rank_fenced(isinstance(e, UploadFenced)):
                     return report(attempts=attempt, error=f"fenced: rank {self.rank}: {e}; {folder} not committed"
                                   if isinstance(e, UploadFenced) else
                                   f"fenced: another rank's upload found the run moved on; {folder} not committed")
                 log.warning("persist of step %d failed (attempt %d): %s", step, attempt, err)
-                if attempt > self.retries or self._abort.wait(self.backoff_s * 2 ** (attempt - 1)):
+                if attempt > self.retries or self._stop.wait(self.backoff_s * 2 ** (attempt - 1)):
                     break
+        if self._gave_up is not None:
+            return report(attempts=attempt, error=self._timed_out(folder, err))
         if err is not None:
             return report(attempts=attempt, error=err)
         if self._abort.is_set():
@@ -248,7 +307,7 @@ class AsyncCheckpointer:
         try:
             self._commit_with_retries(folder, step, cursor, metrics, saved)
         except (StorageError, Fenced) as e:
-            return report(attempts=attempt, error=str(e))
+            return report(attempts=attempt, error=self._timed_out(folder, str(e)) if self._gave_up else str(e))
         report(committed=True, attempts=attempt, metrics_=metrics)
         # Retention deletes only while this generation may write: a zombie's deletes could
         # remove what the run that moved on still restores from.
@@ -260,6 +319,12 @@ class AsyncCheckpointer:
             apply_retention(self.storage, self.root, self.num_to_keep, rollback_window=self.rollback_window)
         except Exception as e:  # noqa: BLE001 - old folders stay until the next pass; the commit stands
             log.warning("retention after step %d failed (next checkpoint retries): %s", step, e)
+
+    def _timed_out(self, folder: str, last_error: str | None = None) -> str:
+        """The error of a persist given up (`give_up`): a storage failure, so the checkpoint is owed."""
+        last = f" (last error: {last_error})" if last_error else ""
+        return (f"timed out: {self._gave_up}; the persist of {folder} was given up{last}, its upload cut "
+                f"short; never committed, saved again once storage answers")
 
     def _allowed(self, deadline: float | None = None) -> tuple[bool | None, str]:
         """Whether this rank may write: (True, ""), or (False, why) when it may not (fenced off, or
@@ -284,7 +349,9 @@ class AsyncCheckpointer:
                     unreadable and num_unreadable >= self.retries):
                 wait_s = self.backoff_s * 2 ** num_unreadable if unreadable else 0.5
                 num_unreadable += unreadable
-                if self._abort.wait(min(wait_s, max(0.0, deadline - time.monotonic()))):
+                if self._stop.wait(min(wait_s, max(0.0, deadline - time.monotonic()))):
+                    if self._gave_up is not None:  # not a "no": the checkpoint stays owed
+                        return None, f"the persist was given up while waiting ({self._gave_up}): {why}"
                     return False, "the group failed while waiting: " + why
                 continue
             if unreadable:
@@ -366,7 +433,7 @@ class AsyncCheckpointer:
                                      f"({e}); a committed folder is never rewritten, so step {step} is not "
                                      f"checkpointed again (readers skip that folder)"), None
             except StorageError as e:
-                if attempt == self.retries or self._abort.wait(self.backoff_s * 2 ** attempt):
+                if attempt == self.retries or self._stop.wait(self.backoff_s * 2 ** attempt):
                     return _UNREADABLE, f"cannot look at {folder} before saving: {e}", None
         raise AssertionError("unreachable")
 
@@ -398,7 +465,7 @@ class AsyncCheckpointer:
                 commit(self.storage, folder, manifest)
                 return
             except StorageError as e:
-                if attempt == self.retries or self._abort.wait(self.backoff_s * 2 ** attempt):
+                if attempt == self.retries or self._stop.wait(self.backoff_s * 2 ** attempt):
                     raise StorageError(f"commit of {folder} failed after {attempt + 1} attempt(s): {e}") from e
                 log.warning("commit of step %d failed (attempt %d): %s", step, attempt + 1, e)
 

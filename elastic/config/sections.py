@@ -116,6 +116,37 @@ class CheckpointConfig(_Strict):
                                  "(asked again with backoff; the same failures twice while storage answers end it at "
                                  "once). Past it the run fails, naming the newest committed "
                                  "checkpoint. It never starts over from step 0 while committed checkpoints exist.")
+    upload_timeout_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="The least time one rank's upload of a checkpoint is given before it counts as hung (a store "
+                    "that took the connection and never answers); its bytes at upload_min_mb_per_s are added. "
+                    "Past that bound the upload is cut short (its upload process killed) and fails like any storage "
+                    "error: retried persist_retries times, then reported (checkpoint_failed).")
+    upload_min_mb_per_s: float = Field(
+        2.0, gt=0, description="The slowest upload (MB/s) not taken for a hang: an upload of B bytes is given "
+                               "upload_timeout_s + B / upload_min_mb_per_s (a 1.2 GB shard: 660 s at the defaults).")
+    persist_timeout_s: float = Field(
+        1800.0, gt=0, le=7 * 86_400,
+        description="The most one checkpoint persist may run (snapshot to commit, its retries included). One still "
+                    "running past it is given up: its upload cut short, never committed, reported failed "
+                    "(checkpoint_failed, 'timed out:'), and the checkpoint is owed, saved again like after a "
+                    "storage failure. Training goes on. Where every rank waits for a persist (the last step, a "
+                    "planned stop, a rollback) for longer than this plus 3 x failure.ping_timeout_s, the "
+                    "controller fails the run (storage_timeout). Raise it for very large shards on slow storage.")
+
+    @model_validator(mode="after")
+    def _check_storage_timeouts(self) -> "CheckpointConfig":
+        # s3fs bounds each request (connect_timeout 5 s, read_timeout 15 s, then its retries); None or
+        # 0 given here would let one request that is never answered hold a persist or the controller.
+        given = self.storage_options.get("config_kwargs") or {}
+        for key in ("connect_timeout", "read_timeout"):
+            if key in given:
+                value = given[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                    raise ValueError(f"checkpoint.storage_options.config_kwargs.{key}={value!r}: a storage "
+                                     f"request needs a finite timeout in seconds, greater than 0 (leave it out "
+                                     f"for s3fs's default)")
+        return self
 
 
 class StragglerConfig(_Strict):

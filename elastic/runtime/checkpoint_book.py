@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import owes_retry, retry_wait_s
 from elastic.protocol import PersistResult
@@ -43,6 +44,13 @@ class CheckpointBook:
     def note_deferred(self, step: int) -> None:
         with self._lock:
             self.deferred.append(step)
+
+    def note_not_saved(self, step: int, root: str, error: str) -> None:
+        """The checkpoint of `step` could not start (the previous persist still runs past its
+        bound): reported as a failed persist, and owed like one that failed on storage."""
+        with self._lock:
+            self.persists.append(PersistResult(step, step_dir(root, step), False, 0.0, 0, error))
+            self._note_persist(error)
 
     def abandon(self, ck: AsyncCheckpointer) -> None:
         """`ck`, of a group this rank leaves, still persists: left to end on its own."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint import fencing
-from elastic.checkpoint.dcp_io import load_shards, verify_shards
+from elastic.checkpoint.dcp_io import UploadBound, load_shards, verify_shards
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import describe_failure
 from elastic.data.fingerprint import KEY as FINGERPRINT_KEY
@@ -177,6 +177,8 @@ def start_checkpointer(w: Worker) -> None:
         staged=w.staging,
         # A rollback goes back past a run of up to bad_step_limit - 1 bad steps: retention keeps
         # the newest checkpoint before such a run (see apply_retention).
-        rollback_window=w.job.train.bad_step_limit - 1 if w.job.train.bad_step == "rollback" else 0)
+        rollback_window=w.job.train.bad_step_limit - 1 if w.job.train.bad_step == "rollback" else 0,
+        upload_bound=UploadBound(w.job.checkpoint.upload_timeout_s, w.job.checkpoint.upload_min_mb_per_s),
+        persist_timeout_s=w.job.checkpoint.persist_timeout_s)
     w.staging = None
     w.set_progress(step=w.step, status=RankStatus.RESTORED, step_end=None, first_step_end=None, holds_state=True)

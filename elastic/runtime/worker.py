@@ -281,7 +281,7 @@ class Worker:
                     if not self.job.failure.peer_restore and saved != self.step:
                         # State moves through storage at this planned change: checkpoint this
                         # very step, so nothing is redone.
-                        self._save(tr)
+                        self._save(tr, saved)
                     self._wait_persist()
                     self.book.collect(self.ckpt)
                     self.stop_requested = self._stop_agreed = False  # consumed
@@ -290,6 +290,7 @@ class Worker:
                 for f in faults:
                     if f["rank"] == self.rank and f["at_step"] == self.step:
                         fire_fault(self, f)
+                self.ckpt.expire()  # a persist past checkpoint.persist_timeout_s is given up: never waited on forever
                 agreed = self.runner.train_step(micro)
                 self._stop_agreed = agreed.stop
                 self._persist_busy = agreed.persist_busy  # on any rank: agreed, like the stop
@@ -299,7 +300,7 @@ class Worker:
                     self.ckpt.prestage(state.state_dict(self))  # once per group, after its first step
                 retry = self._retry_agreed and not due and self.step != num_steps
                 if self.step == num_steps or ((due or retry) and not self._persist_busy):
-                    saved = self._save(tr)
+                    saved = self._save(tr, saved)
                     if retry and self.rank == 0:
                         self.book.note_retried(self.step)
                 elif due and self.rank == 0:
@@ -337,22 +338,33 @@ class Worker:
         """The run's last checkpoint did not commit: save the final state again (every rank at
         once, as at any checkpoint step; its group is still formed) and wait for the persist.
         Its result reaches the controller with the next poll, like any other. Returns the step."""
-        self._save(self.job.train)
+        self._save(self.job.train, None)
         self._wait_persist()
         self.book.collect(self.ckpt)
         return self.step
 
     def _wait_persist(self) -> None:
-        """Wait for the persist in flight. While storage holds us up, say so: the controller must
-        not take a stall that storage causes for a hang."""
+        """Wait for the persist in flight, within its bound: checkpoint.persist_timeout_s from its
+        start, then it is given up (its upload cut short, reported "timed out:", the checkpoint
+        owed) and training goes on; a wait without a bound held a run whose storage hung forever.
+        While storage holds us up, say so: the controller must not take a stall that storage
+        causes for a hang (nor wait on it past the same bound: running.py)."""
         if self.ckpt.in_flight():
             self.set_progress(status=RankStatus.STORAGE_WAIT)
-        self.ckpt.wait()
+        self.ckpt.wait_within_bound(grace_s=self.job.failure.ping_timeout_s)
         self.set_progress(status=RankStatus.RUNNING)
 
-    def _save(self, tr) -> int:
+    def _save(self, tr, saved: int | None) -> int | None:
+        """Checkpoint this step; the step saved (`saved`, the last one, if this save could not start)."""
+        if self.ckpt.in_flight():  # only at the last step or a planned stop (see run())
+            self._wait_persist()
         if self.ckpt.in_flight():
-            self.set_progress(status=RankStatus.STORAGE_WAIT)  # only at the last step or a planned stop (see run())
+            # Given up past its bound, and still not ended (a call that cannot be cut short): a
+            # second persist must not run beside it on the checkpoint group. Reported as failed.
+            self.book.note_not_saved(self.step, self.root, f"timed out: the persist of step "
+                                     f"{self.ckpt.step_in_flight} still runs past checkpoint.persist_timeout_s="
+                                     f"{self.job.checkpoint.persist_timeout_s:g} s; step {self.step} not saved")
+            return saved
         stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
                                  state.state_dict(self),
                                  {"loss": self._progress["loss"]}, self.runner.skip_steps)
