@@ -572,6 +572,20 @@ def test_a_last_commit_that_waits_for_storage_after_the_other_ranks_returned_is_
     assert kinds(c, "storage_wait")
 
 
+def test_ranks_held_in_storage_wait_past_the_bound_end_the_run_naming_storage_and_the_bound():
+    """Every rank waiting for a persist counted as progress forever: a storage call that never
+    returns (and that the ranks could not give up themselves) hung the run with no verdict."""
+    c, g, clock = make(num_steps=30, checkpoint={"persist_timeout_s": 10},
+                       final_persist_s={r: 1e9 for r in range(3)})
+    drive(c)
+    assert isinstance(c.state, Errored)
+    (ev,) = kinds(c, "storage_timeout")
+    bound = 10 + 3 * c.job.failure.ping_timeout_s
+    assert ev["bound_s"] == bound and ev["waited_s"] >= bound and ev["ranks"] == [0, 1, 2] and ev["step"] == 30
+    assert "checkpoint.persist_timeout_s=10" in c.state.error and c.storage.uri in c.state.error
+    assert kinds(c, "storage_wait") and not kinds(c, "hang_detected")  # a storage verdict, not a hang
+
+
 def test_a_second_controller_on_a_held_run_is_refused_and_starts_and_writes_nothing():
     """Two drivers on one run (a KubeRay retry while the first head is cut off, or the same job
     submitted twice): the second is refused at once, naming the holder; it starts no worker and

@@ -128,7 +128,14 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
             w.storage_wait_logged = True
             ctl.events.emit("storage_wait", step=ctl.step,
                             reason="every rank waits for a checkpoint persist; not counted as a hang")
+        if w.storage_wait_since is None:
+            w.storage_wait_since = ctl.now()
+        verdict = storage_wait_verdict(ctl, ctl.now() - w.storage_wait_since, sorted(waiting))
+        if verdict is not None:
+            return verdict
         tr.last_progress_at = ctl.now()
+    else:
+        w.storage_wait_since = None
     hung, reason = detect_hang(tr.last_progress_at, list(tr.step_times), cfg, ctl.now())
     if hung:
         culprits = silent or {r: "no progress" for r in members}
@@ -137,6 +144,25 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
                                    for r, b in sorted(beats.items()) if r in culprits})
         return Recovering(tuple(LostRank(r, LostCause.HANG, reason) for r in culprits), ctl.wall())
     return None
+
+
+def storage_wait_verdict(ctl: Controller, waited_s: float, ranks: list[int]) -> Errored | None:
+    """A wait for storage is progress only within a bound: checkpoint.persist_timeout_s, after
+    which each rank gives its persist up by itself and goes on (worker `_wait_persist`), plus
+    the grace for that to show in a poll (3 x ping_timeout_s). A wait past it means the ranks
+    could not give the persist up (a storage call that cannot be cut short holds them): the run
+    fails, naming storage and the bound, rather than wait on it without end."""
+    bound_s = ctl.job.checkpoint.persist_timeout_s + ctl.grace_s
+    if waited_s <= bound_s:
+        return None
+    reason = (f"storage {ctl.storage.uri} held every rank in a checkpoint persist for {waited_s:.0f} s, "
+              f"past its bound of {bound_s:g} s (checkpoint.persist_timeout_s="
+              f"{ctl.job.checkpoint.persist_timeout_s:g} + 3 x failure.ping_timeout_s), and the ranks did "
+              f"not give it up themselves; last committed checkpoint: {ctl.last_committed or 'none'}: "
+              f"resume from it once storage answers")
+    ctl.events.emit("storage_timeout", step=ctl.step, ranks=ranks, waited_s=round(waited_s, 1),
+                    bound_s=round(bound_s, 1), reason=reason)
+    return Errored(reason)
 
 
 def note_excused(ctl: Controller, silent: dict[int, str], unanswered: dict[int, float], idle: float,

@@ -44,6 +44,7 @@ class RunWatch:
     failing_since: float | None = None  # first failure signal; then we settle who is lost
     planned: "Swapping | Growing | Dropping | None" = None  # a planned stop in progress
     storage_wait_logged: bool = False
+    storage_wait_since: float | None = None  # every waiting rank has been in storage_wait since then
     rollback: dict[int, RunResult] = field(default_factory=dict)  # ranks asking for a rollback (bad steps)
 
 
