@@ -118,3 +118,29 @@ def test_on_s3_the_lease_is_created_exclusively_and_a_second_driver_is_refused(s
     first.take()
     with pytest.raises(LeaseHeld, match=first.holder):
         Lease(storage, join(uri, "run"), ttl_s=30).take()
+
+
+@pytest.mark.timeout(30)
+def test_a_renewal_that_hangs_loses_the_lease_within_its_ttl_and_release_does_not_wait_on_it(run_dir):
+    """A renewal call that storage never answers stopped the renewal thread for good: the lease
+    expired unnoticed while this driver trained on. Now each renewal has ttl_s / 4."""
+    import threading
+    import time
+
+    storage, run = run_dir
+    lease = Lease(storage, run, ttl_s=0.4)
+    lease.take()
+    hung = threading.Event()
+    real_write = storage.write_bytes
+
+    def write(uri, data):
+        hung.wait()  # storage takes the request and never answers
+        return real_write(uri, data)
+    storage.write_bytes = write
+    lease.start_renewing()
+    deadline = time.monotonic() + 20
+    while lease.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lease.lost is not None and "not renewed for" in lease.lost and "not answered within 0.1 s" in lease.lost
+    lease.release()  # returns, though its write would hang too
+    hung.set()

@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from elastic.storage import Storage, StorageError, join
+from elastic.storage import Storage, StorageError, StorageTimeout, call_within, join
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,8 @@ class Lease:
 
     def start_renewing(self) -> None:
         """Renew every ttl_s / 4 on a daemon thread until `release()`. A newer lease taken by
-        another driver, or no successful renewal for ttl_s, loses it: `lost` says why."""
+        another driver, or no successful renewal for ttl_s, loses it: `lost` says why. A renewal
+        storage does not answer within ttl_s / 4 counts as failed (`StorageTimeout`)."""
         self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self._thread.start()
 
@@ -151,7 +152,14 @@ class Lease:
         last_ok = self.wall()
         while not self._stop.wait(self.ttl_s / 4) and self.lost is None:
             try:
-                self.renew_once()
+                # Each renewal within ttl_s / 4: one hung call (a store that never answers) would
+                # stop the loop, and the lease would expire unnoticed while this driver trains on.
+                answered, _, error = call_within(self.renew_once, self.ttl_s / 4)
+                if not answered:
+                    raise StorageTimeout(f"renewal of lease {self.number} in {self.dir} not answered within "
+                                         f"{self.ttl_s / 4:g} s (run.lease_ttl_s / 4)")
+                if error is not None:
+                    raise error
                 last_ok = self.wall()
             except Exception as e:  # noqa: BLE001 - storage trouble: retried until the lease would expire
                 log.warning("lease renewal failed: %s", e)
@@ -167,8 +175,11 @@ class Lease:
             self._thread.join(timeout=5)
         if self.number is None or self.lost is not None:
             return
-        try:
+
+        def mark_released() -> None:
             if self.newest().number == self.number:
                 self.storage.write_bytes(join(self.dir, _name(self.number, "renewed")), RELEASED.encode())
-        except Exception as e:  # noqa: BLE001 - best effort: the lease expires on its own after ttl_s
-            log.warning("lease not released: %s", e)
+        # Within ttl_s / 4: the run is over, and its end must not wait on storage that hangs.
+        answered, _, error = call_within(mark_released, self.ttl_s / 4)
+        if not answered or error is not None:  # best effort: the lease expires on its own after ttl_s
+            log.warning("lease not released: %s", error or f"storage did not answer within {self.ttl_s / 4:g} s")
