@@ -84,6 +84,7 @@ class AbortResult:
     transports: int = 0  # connections cut
     running: bool = False  # run() was in a step when the abort came
     step: int | None = None
+    joining: str | None = None  # a join in progress: what it was doing, and for how long
 
 
 @dataclass(frozen=True)

@@ -3,20 +3,25 @@ joins, restores (fresh init or the given checkpoints), trains, and reports what 
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
 from elastic.checkpoint.fencing import write_fence
 from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
+from elastic.group.rendezvous import Rendezvous
 from elastic.storage import Storage
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_STORES: list[Rendezvous] = []  # kept for the test process's life: their ranks may still read them
+
+
+def rendezvous_port() -> int:
+    """The port of a new rendezvous store hosted in this (the test's) process, as the controller
+    hosts one for its workers (elastic/group/rendezvous.py). A new one per call: the ranks of
+    another test that used the same generation numbers must not find each other's keys."""
+    _STORES.append(Rendezvous("127.0.0.1", timeout_s=120))
+    return _STORES[-1].address()[1]
 
 
 def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q):
@@ -42,7 +47,7 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
     # The controller's part: generation 1 in the fence before the group forms (no fence, no write).
     write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
-    port = _port()
+    port = rendezvous_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   steps or jc.run.num_steps, env or {}, q)) for r in range(world)]
     for p in procs:

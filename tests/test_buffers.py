@@ -16,7 +16,7 @@ from elastic.config import ConfigError, JobConfig
 from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
 from elastic.parallel.strategies import STRATEGIES
 from elastic.storage import Storage
-from tests.spawn_ranks import _port
+from tests.spawn_ranks import rendezvous_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,7 +74,7 @@ def run(job: dict) -> list[tuple]:
     q = ctx.Queue()
     root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
     write_fence(Storage(jc.checkpoint.storage_uri), root, 1)  # the controller's part: generation 1 may write
-    port = _port()
+    port = rendezvous_port()
     procs = [ctx.Process(target=_rank, args=(r, WORLD, jc.model_dump_json(), root, port, q)) for r in range(WORLD)]
     for p in procs:
         p.start()

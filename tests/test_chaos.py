@@ -474,8 +474,8 @@ def test_a_node_kill_during_a_slow_upload_keeps_the_survivors(cluster, baseline,
 
 
 @pytest.mark.s3
-def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waiting(cluster, baseline, tmp_path,
-                                                                                 s3_server):  # noqa: F811
+def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waiting(  # noqa: F811
+        cluster, baseline, tmp_path, s3_server):  # noqa: F811
     """The failures real clusters have come together: SeaweedFS stops answering (paused) once the
     step-10 persist has begun, and rank 1's node is killed at step 25 during the outage. The
     survivors' memory needs no storage, so the recovery ends while storage is still out (the

@@ -14,6 +14,7 @@ from elastic.checkpoint.layout import (
     COMMIT_MARKER, MANIFEST, Manifest, apply_retention, commit, committed_checkpoints, latest_committed, step_dir)
 from elastic.checkpoint.persister import AsyncCheckpointer
 from tests.support.flaky_fs import flaky_memory_fs
+from tests.spawn_ranks import rendezvous_port
 from elastic.storage import Storage, StorageError, join
 
 
@@ -935,8 +936,6 @@ def _save_manifest_then_verify(rank, world, port, folder, out_dir):
 # ---------------------------------------------------------------- verified checkpoints through a worker's restore
 
 def _one_worker(tmp_path, num_to_keep):
-    import socket
-
     from elastic.checkpoint.layout import checkpoints_root
     from elastic.config import JobConfig
     from elastic.runtime.worker import Worker
@@ -952,10 +951,7 @@ def _one_worker(tmp_path, num_to_keep):
     def join(generation):
         from elastic.checkpoint.fencing import write_fence
         write_fence(Storage(w.root), w.root, generation)  # as the controller does before a group forms
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        w.join("127.0.0.1", port, 0, 1, generation=generation)
+        w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=generation)
     return w, join
 
 

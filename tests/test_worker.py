@@ -1,21 +1,14 @@
 """One Worker in this process, in a world of one (gloo, no Ray): the stop flag's lifetime."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
 from elastic.runtime.worker import Worker
+from tests.spawn_ranks import rendezvous_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fence_before_join(w) -> None:
@@ -42,7 +35,7 @@ def _one_rank(tmp_path, checkpoint=None, failure=None) -> Worker:
     })
     w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
     _fence_before_join(w)
-    w.join("127.0.0.1", _port(), 0, 1, generation=1)
+    w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=1)
     w.restore([])
     return w
 
@@ -66,7 +59,7 @@ def test_a_stop_of_an_older_generation_is_ignored_and_a_new_group_clears_a_pendi
     worker.request_stop(generation=0)  # stale: meant for a group that no longer exists
     assert worker.run(3, []).status == "done"
     worker.request_stop(generation=1)
-    worker.join("127.0.0.1", _port(), 0, 1, generation=2)  # a stop belongs to the group it was asked in
+    worker.join("127.0.0.1", rendezvous_port(), 0, 1, generation=2)  # a stop belongs to the group it was asked in
     worker.restore([])
     assert worker.run(3, []).status == "done"
 
@@ -81,7 +74,7 @@ def test_a_model_replaced_by_a_restore_is_freed(worker):
 
     param = weakref.ref(next(worker.model.parameters()))
     assert worker.run(3, []).status == "done"  # gradients and AdamW state exist
-    worker.join("127.0.0.1", _port(), 0, 1, generation=2)
+    worker.join("127.0.0.1", rendezvous_port(), 0, 1, generation=2)
     worker.restore([])
     gc.collect()
     assert param() is None
@@ -103,7 +96,7 @@ def test_a_restore_whose_checkpoints_all_fail_to_load_does_not_start_from_step_0
     """Committed checkpoints that do not load (storage out after the listing) used to give a fresh
     init at step 0, silently; now the rank says none loaded and the controller decides."""
     assert worker.run(3, []).status == "done"
-    worker.join("127.0.0.1", _port(), 0, 1, generation=2)
+    worker.join("127.0.0.1", rendezvous_port(), 0, 1, generation=2)
     gone = f"file://{tmp_path}/w/checkpoints/step_000000002"  # listed, then unreadable
     out = worker.restore([gone])
     assert out.source == "none loaded" and out.uri is None
@@ -130,7 +123,7 @@ def test_a_checkpoint_that_failed_on_storage_is_saved_again_at_the_next_step_not
     root = checkpoints_root(uri, "w")
     w = Worker(job.model_dump_json(), root)
     _fence_before_join(w)
-    w.join("127.0.0.1", _port(), 0, 1, generation=1)
+    w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=1)
     w.restore([])
     try:
         fs.failures = 10 ** 6  # every write fails: storage is out
@@ -197,7 +190,7 @@ def test_deterministic_sets_torchs_flags_in_the_worker_and_cublas_only_on_gpu(tm
         import os
         assert CUBLAS_VAR not in os.environ  # a CPU rank: cuBLAS is not used
         _fence_before_join(w)
-        w.join("127.0.0.1", _port(), 0, 1, generation=1)
+        w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=1)
         w.restore([])
         assert w.run(3, []).status == "done"  # the step's CPU ops all have deterministic kernels
         w.leave()
@@ -243,3 +236,28 @@ def test_a_last_persist_that_never_ends_is_given_up_at_its_bound_and_the_run_goe
         release.set()
         w.ckpt.wait()
         w.leave()
+
+
+def test_after_a_formation_cut_mid_join_the_next_group_has_the_names_every_member_uses(tmp_path):
+    """A join cut short (its peer never came; the controller aborted it) raised inside torch's group
+    creation. torch's per-process group counter stayed up, so this member's next group published
+    its rendezvous keys under another name than a fresh member's, and that formation never
+    completed with every member alive. The next group must be named as a fresh process names it."""
+    import threading
+
+    import torch.distributed as dist
+
+    w = _one_rank(tmp_path)
+    w.leave()
+    cut = threading.Timer(1.0, lambda: w.abort(generation=2))
+    cut.start()
+    with pytest.raises(Exception):
+        w.join("127.0.0.1", rendezvous_port(), 0, 2, generation=2)  # rank 1 never comes
+    cut.join()
+    assert not dist.is_initialized()
+    w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=3)
+    try:
+        assert dist.distributed_c10d._get_default_group().group_name == "0"
+    finally:
+        w.leave()
+

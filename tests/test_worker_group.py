@@ -1,6 +1,6 @@
 """Group formation and spare calibration against real Ray actors that answer slowly or not at all.
 
-The members here speak the worker's formation protocol (free_port, join, ping, abort) without a
+The members here speak the worker's formation protocol (join, ping, abort) without a
 process group behind it, so the test can choose how late each one answers. What is checked is
 WorkerGroup.form's rule: a member without a heartbeat is lost only after FORMATION_SILENCE x
 ping_timeout_s without an answer; one with a heartbeat sidecar (elastic/heartbeat.py, a real one
@@ -34,17 +34,16 @@ PING_TIMEOUT_S = 0.5
 class FormationMember:
     """Joins after `join_s` unless its rendezvous is cut (abort); answers a ping after `ping_s`."""
 
-    def __init__(self, ping_s: float, join_s: float):
-        self.ping_s, self.join_s = ping_s, join_s
+    def __init__(self, ping_s: float, join_s: float, join_error: str | None = None):
+        self.ping_s, self.join_s, self.join_error = ping_s, join_s, join_error
         self.cut = threading.Event()
-
-    def free_port(self) -> int:
-        return 0
 
     def where(self) -> tuple[str, int]:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def join(self, addr, port, rank, world_size, generation, pp=1) -> None:
+        if self.join_error:
+            raise RuntimeError(self.join_error)
         if self.cut.wait(self.join_s):
             raise RuntimeError("rendezvous cut")
 
@@ -54,7 +53,7 @@ class FormationMember:
 
     def abort(self, generation: int) -> AbortResult:
         self.cut.set()
-        return AbortResult(aborted=True)
+        return AbortResult(aborted=True, joining="waiting for the others at the rendezvous for 9.0 s")
 
     def calibrate(self) -> float:
         time.sleep(self.ping_s)
@@ -84,8 +83,8 @@ def group_of(*members: tuple[float, float]) -> WorkerGroup:
     return g
 
 
-def member(rank: int, ping_s: float, join_s: float, **kw) -> Member:
-    h = ray.remote(max_concurrency=4, num_cpus=0)(FormationMember).remote(ping_s, join_s)
+def member(rank: int, ping_s: float, join_s: float, join_error: str | None = None, **kw) -> Member:
+    h = ray.remote(max_concurrency=4, num_cpus=0)(FormationMember).remote(ping_s, join_s, join_error)
     node_id, pid = ray.get(h.where.remote())
     return Member(rank, h, node_id, "127.0.0.1", pid, **kw)
 
@@ -105,7 +104,27 @@ def test_a_silent_member_fails_formation_and_the_others_are_cut_loose(local_ray)
     g = group_of((0.0, 600.0), (600.0, 600.0))
     with pytest.raises(GroupError) as e:
         g.form(generation=1, timeout_s=60, ping_timeout_s=PING_TIMEOUT_S)
-    assert e.value.ranks == {1: "unresponsive", 0: "error: peer failed during formation"}
+    assert e.value.ranks == {1: "unresponsive", 0: ("error: peer failed during formation (was waiting for the "
+                                                    "others at the rendezvous for 9.0 s)")}
+
+
+def test_a_member_whose_join_fails_cuts_the_others_at_once(local_ray):
+    # Rank 1 answers its pings but its join raises at once: the others wait for it in vain, so
+    # their joins are cut now, not at the rendezvous timeout (600 s here, past the test's bound).
+    g = group_of((0.0, 600.0), (0.0, 600.0))
+    g.members[1] = member(1, 0.0, 600.0, join_error="previous run() is still inside a collective")
+    with pytest.raises(GroupError) as e:
+        g.form(generation=1, timeout_s=600, ping_timeout_s=PING_TIMEOUT_S)
+    assert e.value.ranks[1] == "error: RuntimeError: previous run() is still inside a collective"
+    assert e.value.ranks[0].startswith("error: peer failed during formation")
+
+
+def test_a_formation_every_member_answers_but_none_completes_says_where_each_was(local_ray):
+    g = group_of((0.0, 600.0), (0.0, 600.0))
+    with pytest.raises(GroupError) as e:
+        g.form(generation=1, timeout_s=2.0, ping_timeout_s=PING_TIMEOUT_S)
+    assert e.value.ranks == {r: ("error: did not join within failure.rendezvous_timeout_s=2 (was waiting for "
+                                 "the others at the rendezvous for 9.0 s)") for r in (0, 1)}
 
 
 def with_heartbeat(g: WorkerGroup, rank: int) -> Sidecar:
@@ -141,7 +160,8 @@ def test_a_stopped_member_is_found_by_its_heartbeat_after_ping_timeout(local_ray
         os.kill(g.members[1].pid, signal.SIGKILL)
         side.close()
     assert 8.0 < 2.0 * FORMATION_SILENCE
-    assert e.value.ranks == {1: "unresponsive", 0: "error: peer failed during formation"}
+    assert e.value.ranks[1] == "unresponsive"
+    assert e.value.ranks[0].startswith("error: peer failed during formation")
 
 
 def test_spares_started_on_demand_are_calibrated_when_weighed_and_silent_ones_dropped(local_ray):

@@ -14,6 +14,7 @@ from dataclasses import replace
 import ray
 from ray.exceptions import RayActorError
 
+from elastic.group.rendezvous import Rendezvous
 from elastic.group.member import GroupError, Member, cause_of, death_cause, gather, kill_member, short_reason
 from elastic.group.spares import SparePool
 from elastic.policies.failure import formation_silent
@@ -31,6 +32,7 @@ class WorkerGroup(SparePool):
         self.heartbeats = Heartbeats()
         self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
         self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
+        self.rendezvous = Rendezvous(ray.util.get_node_ip_address(), job.failure.rendezvous_timeout_s)
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
@@ -65,19 +67,17 @@ class WorkerGroup(SparePool):
 
     # ---------------------------------------------------------------- form / restore / run
     def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> float:
-        """A fresh rendezvous (new port, so a fresh store) for the current members, as group
-        `generation`. A member that dies or stops answering fails the formation at once: the
-        others' joins are aborted, and they come back with their state as survivors (a join
-        that failed because of a peer is the peer's failure, reported as "peer failed").
+        """A rendezvous for the current members, as group `generation`: on the controller's store
+        (elastic/group/rendezvous.py), under the generation's own prefix. A member that dies,
+        stops answering or fails its join ends the formation at once: the others' joins are
+        cut, and they come back with their state as survivors (a join that failed because of a
+        peer is the peer's failure, reported as "peer failed", with where the join was).
         "Stops answering" is `formation_silent`'s verdict on its unanswered ping and its heartbeat.
         Returns the slowest ping answer seen (seconds), for the group_formed event."""
         world = len(self.members)
         assert sorted(self.members) == list(range(world)), f"ranks must be 0..{world - 1}: {sorted(self.members)}"
-        m0 = self.members[0]
-        port, bad = gather({0: m0.handle.free_port.remote()}, ping_timeout_s * 5)
-        if bad:
-            raise GroupError(f"rank 0 did not give a rendezvous port: {bad}", bad)
-        refs = {r: m.handle.join.remote(m0.ip, port[0], r, world, generation, pp) for r, m in self.members.items()}
+        host, port = self.rendezvous.address()  # the controller's store: no member hosts it
+        refs = {r: m.handle.join.remote(host, port, r, world, generation, pp) for r, m in self.members.items()}
         pending = {ref: r for r, ref in refs.items()}
         bad: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
@@ -92,7 +92,8 @@ class WorkerGroup(SparePool):
                 except RayActorError as e:
                     bad[r] = death_cause(e).value
                 except Exception as e:  # noqa: BLE001 - join raised: a peer failed, or the rendezvous timed out
-                    bad[r] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                    cause = getattr(e, "cause", None) or e  # a RayTaskError wraps what join() raised
+                    bad[r] = f"error: {type(cause).__name__}: {str(cause)[:300]}"
             # A member that stops answering (its machine stopped) would hold everyone for the whole
             # rendezvous timeout: watch them all, as the run loop does.
             now = time.monotonic()
@@ -114,10 +115,16 @@ class WorkerGroup(SparePool):
                         bad[r] = death_cause(e).value
                 elif formation_silent(now - ref_sent[1], beats.get(r), ping_timeout_s):
                     bad[r] = LostCause.UNRESPONSIVE.value
-            if any(cause_of(w) != LostCause.ERROR for w in bad.values()):
-                break  # someone is gone: the rest cannot complete; cut their rendezvous
-        if pending and bad:
-            self.abort_all(generation, ping_timeout_s * 3, only=[r for r in pending.values() if r not in bad])
+            if bad:
+                break  # someone is gone, silent, or failed to join: the rest cannot complete; cut them
+        if pending and not bad:  # the rendezvous timed out with every member answering
+            bad = {r: f"error: did not join within failure.rendezvous_timeout_s={timeout_s:g}"
+                   for r in pending.values()}
+        where: dict[int, str] = {}
+        if pending:
+            cut = [r for r in pending.values() if r in self.members and cause_of(bad.get(r, "error")) == LostCause.ERROR]
+            answers, _ = gather({r: self.members[r].handle.abort.remote(generation) for r in cut}, ping_timeout_s * 3)
+            where = {r: a.joining for r, a in answers.items() if a.joining}
             late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=ping_timeout_s * 5)
             for ref in late:
                 r = pending.pop(ref)
@@ -128,6 +135,9 @@ class WorkerGroup(SparePool):
                 bad.setdefault(r, "error: peer failed during formation")
         for r in pending.values():
             bad.setdefault(r, LostCause.UNRESPONSIVE.value)
+        if where:  # what each cut member was doing: a formation that hung says where
+            bad = {r: f"{w} (was {where[r]})" if r in where and cause_of(w) == LostCause.ERROR else w
+                   for r, w in bad.items()}
         if bad:
             raise GroupError(f"process group formation failed for ranks {sorted(bad)}: {bad}", bad)
         return slowest

@@ -113,11 +113,23 @@ class GroupAbort:
         return n
 
 
+def fresh_group_names() -> None:
+    """Before a process group forms in a process that has none: number its groups from 0 again,
+    as every other member's are. torch names a group without an explicit name by a per-process
+    counter and keys its rendezvous under that name; it resets the counter when the default
+    group is destroyed, but a formation cut short (a peer lost mid-join) raised before there was
+    a group to destroy, so the counter stayed up. That member's next formation then published its
+    address under "1/" while fresh members waited under "0/": every member alive, none ever
+    joined (churn: 30-55 s per formation, until the next fault cut it)."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
+
+
 def cut_rendezvous(before: dict[int, str], store_port: int) -> int:
-    """Abort a formation in progress: shut this process's connections to (or, on rank 0, from)
-    the rendezvous store opened since `before`, so a join waiting on a silent peer fails now
-    instead of at rendezvous_timeout_s. A join still retrying its connect has no socket to cut
-    and waits out the timeout."""
+    """Abort a formation in progress: shut this process's connections to the rendezvous store
+    opened since `before`, so a join waiting on a silent peer fails now instead of at
+    rendezvous_timeout_s. The store is the controller's (elastic/group/rendezvous.py), up for the
+    whole run, so a join is connected to it from its first moment: there is always a socket to cut."""
     n = 0
     for fd, ino in socket_inodes().items():
         if before.get(fd) == ino:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import threading
+import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
@@ -35,6 +35,7 @@ from elastic.runtime.step import BadStep, CollectiveError, RollBack, StepRunner
 from elastic.config import JobConfig
 from elastic.data.fingerprint import fingerprint_or_none
 from elastic.data.order import GlobalOrder, cursor_after
+from elastic.group import rendezvous
 from elastic.protocol import AbortResult, PollReport, RankStatus, RestoreResult, RunResult, RunStatus, WorkerInfo
 from elastic.storage import Storage
 from elastic.parallel.strategies import make_strategy
@@ -65,6 +66,10 @@ class Worker:
         self.generation = 0  # the controller's group generation this rank last joined
         self._abort: collectives.GroupAbort | None = None
         self._joining = None
+        self._join_phase: tuple[str, float] | None = None  # (what a join in progress is doing, since)
+        self._join_lock = threading.Lock()
+        self._join_pending: int | None = None  # the generation a join in progress is for
+        self._join_cut: int | None = None  # a generation whose formation was cut while this rank left the old
         self._running = threading.Event()
         self.step = 0
         self.model = self.optimizer = self.strategy = None
@@ -115,15 +120,11 @@ class Worker:
     def ping(self) -> bool:
         return True
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-
     # ---------------------------------------------------------------- group
     def join(self, addr: str, port: int, rank: int, world_size: int, generation: int, pp: int = 1) -> None:
-        """Form generation `generation` of the group. The rendezvous (a fresh TCP store on rank 0's
-        port) waits at most failure.rendezvous_timeout_s; the group's collectives at most
+        """Form generation `generation` of the group. The rendezvous (the controller's store at
+        `addr:port`, elastic/group/rendezvous.py, under this generation's prefix) waits at most
+        failure.rendezvous_timeout_s; the group's collectives at most
         failure.collective_timeout_s, a backstop: the controller aborts a collective blocked on
         a silent peer long before (see `abort`). `pp`: pipeline stages (elastic.parallel.topology: rank =
         replica x pp + stage); 1 for ddp and fsdp."""
@@ -131,18 +132,28 @@ class Worker:
             # A run() still blocked in a collective of the old group would, when it finally fails,
             # tear down whatever group is current. Refuse; the controller aborts or replaces us.
             raise RuntimeError("previous run() is still inside a collective of the old group")
+        self._join_phase = (f"leaving generation {self.generation}", time.monotonic())
+        self._join_pending = generation
         self.leave()
-        self.generation = generation
+        with self._join_lock:  # an abort that came while leaving is seen here, or cuts the rendezvous
+            if self._join_cut == generation:
+                self._join_phase = None
+                raise RuntimeError(f"the formation of generation {generation} was cut before this rank "
+                                   f"reached its rendezvous")
+            self.generation = generation
+            before = collectives.socket_inodes()
+            self._joining = (before, port)
         self.stop_requested = self._stop_agreed = self._persist_busy = self._retry_agreed = False  # one generation's
         fc = self.job.failure
-        before = collectives.socket_inodes()
-        self._joining = (before, port)
         try:
-            store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
-                                  timeout=timedelta(seconds=fc.rendezvous_timeout_s))
+            self._join_phase = ("waiting for the others at the rendezvous", time.monotonic())
+            store = dist.PrefixStore(rendezvous.prefix(generation), dist.TCPStore(
+                addr, port, is_master=False, timeout=timedelta(seconds=fc.rendezvous_timeout_s)))
+            collectives.fresh_group_names()  # after a cut formation: the same names as every other member
             dist.init_process_group(
                 "nccl" if self.job.scaling.use_gpu else "gloo", store=store,
                 rank=rank, world_size=world_size, timeout=timedelta(seconds=fc.collective_timeout_s))
+            self._join_phase = ("building the device mesh and the checkpoint group", time.monotonic())
             self.rank, self.world_size = rank, world_size
             self.layout = Layout(pp, world_size // pp)
             device = "cuda" if self.job.scaling.use_gpu else "cpu"
@@ -157,21 +168,30 @@ class Worker:
             self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
         finally:
             self._joining = None
+        self._join_phase = ("sharing its transports for an abort", time.monotonic())
         self._abort = collectives.capture(before, self.ckpt_pg, nccl=self.job.scaling.use_gpu, store_port=port)
         self.strategy = make_strategy(self.job.train, self.mesh, self.layout, rank)
         self.forget_old_meshes()
+        self._join_phase = None
         self.set_progress(status=RankStatus.JOINED)
 
     def abort(self, generation: int) -> AbortResult:
         """Fail this rank's collectives of `generation` now (a peer went silent): run() returns
         "aborted" with the state of the last completed step, and the rank can join a new group.
         A stale request (an older generation) is ignored, so it can never cut a newer group."""
-        if generation != self.generation:
-            return AbortResult(aborted=False, reason=f"generation {self.generation}, not {generation}")
-        joining = self._joining
-        if joining is not None:  # still forming this generation: cut its rendezvous
-            return AbortResult(aborted=True, transports=collectives.cut_rendezvous(*joining), running=False,
-                               step=self.step)
+        phase = self._join_phase  # where a join of this rank is, for the formation's failure report
+        where = f"{phase[0]} for {time.monotonic() - phase[1]:.1f} s" if phase else None
+        with self._join_lock:
+            if generation != self.generation:
+                if generation == self._join_pending:  # still leaving the old group: it never enters this one
+                    self._join_cut = generation
+                    return AbortResult(aborted=True, running=False, step=self.step, joining=where)
+                return AbortResult(aborted=False, reason=f"generation {self.generation}, not {generation}",
+                                   joining=where)
+            joining = self._joining
+            if joining is not None:  # still forming this generation: cut its rendezvous
+                return AbortResult(aborted=True, transports=collectives.cut_rendezvous(*joining), running=False,
+                                   step=self.step, joining=where)
         n = self._abort.abort() if self._abort is not None else 0
         return AbortResult(aborted=True, transports=n, running=self._running.is_set(), step=self.step)
 
