@@ -155,6 +155,25 @@ def test_when_every_member_with_state_is_lost_the_restore_comes_from_storage():
     assert calls(g, "restore_from_peer") == [] and calls(g, "restore")[-1] == 0
 
 
+def test_a_member_that_dies_while_replacements_start_is_merged_into_the_same_recovery():
+    """Rank 1 is lost; rank 2 dies while rank 1's replacement starts. Both are replaced before
+    the group forms: no formation is tried with a dead member in it."""
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 10)
+    step = c.step
+    g.freeze(1)
+    drive(c, lambda c: isinstance(c.state, Recovering))
+    g.die_on_promote = [2]
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    (merged,) = kinds(c, "faults_merged")
+    assert merged["lost"] == [2]
+    assert not kinds(c, "group_error")  # no formation with a dead member
+    forms_after = [x for x in calls(g, "form")]
+    assert len(forms_after) == 2  # the first group, and the one after both replacements
+    assert calls(g, "restore_from_peer") == [0] and kinds(c, "restored")[-1]["step"] == step
+
+
 def test_a_failure_during_a_resize_recovers_at_the_new_size():
     c, g, clock = make(num_steps=400, scaling={"num_workers": 2, "max_workers": 3, "grow_check_s": 1})
     drive(c, lambda c: type(c.state).__name__ == "Growing")

@@ -102,7 +102,22 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
         return shrink(ctl, str(e), t0)
     ctl.events.emit("workers_replaced", ranks=missing, start_s=ctl.now() - t0, how=how,
                     nodes={r: group.members[r].node_id[:12] for r in missing})
-    return Forming()
+    return merge_overlapping(ctl)
+
+
+def merge_overlapping(ctl: Controller) -> State:
+    """Faults that overlap: a member that died while the replacements started (a second node lost
+    seconds after the first) is taken into this recovery now, not found by a formation that cannot
+    complete. Only deaths Ray reports count here; silence is the formation's to judge, with the
+    heartbeat (`formation_silent`), so a busy survivor is never taken for a lost one."""
+    answers, silent = reports.collect(ctl, ctl.job.failure.ping_timeout_s, progress=False)
+    gone = {r: w for r, w in silent.items() if cause_of(w) in (LostCause.PROCESS_DIED, LostCause.NODE_DIED,
+                                                                 LostCause.UNREACHABLE)}
+    if not gone:
+        return Forming()
+    ctl.events.emit("faults_merged", lost=sorted(gone), reason="died while the replacements started: "
+                    "replaced in this recovery, before the group forms")
+    return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in gone.items()), ctl.wall())
 
 
 def lost_from(ctl: Controller, e: GroupError, during: str) -> State:

@@ -72,6 +72,7 @@ class FakeGroup:
     # test hooks
     fail_promote: int = 0  # the next N promote() calls raise (replacements that never come)
     die_on_form: list = field(default_factory=list)  # ranks that die during the next form()
+    die_on_promote: list = field(default_factory=list)  # ranks that die while the next promote() starts workers
     stop_undelivered: set = field(default_factory=set)  # ranks a request_stop does not reach
     self_s: float = 0.0  # real seconds spent inside this fake (to subtract from controller timings)
     persisting: bool = False  # every rank reports a checkpoint persist in flight
@@ -214,6 +215,9 @@ class FakeGroup:
             self.clock.advance(timeout_s)
             raise GroupError(f"no worker could be started for ranks {list(ranks)}", {r: "unavailable" for r in ranks})
         how = {}
+        dying, self.die_on_promote = self.die_on_promote, []
+        for r in dying:
+            self.members[r].dead = True
         self.refresh_spares()
         for r in ranks:
             if self.ready_spares:
