@@ -688,3 +688,19 @@ def test_a_manifest_without_skip_steps_still_reads():
                            b'"created_at": 0.0}')
     assert m.skip_steps == [] and Manifest.from_json(Manifest(5, 1, 2, "ddp", {}, 0.0, skip_steps=[3]).to_json()
                                                      ).skip_steps == [3]
+
+
+def test_a_lapsed_lease_is_said_and_the_run_trains_on_until_a_renewal_lands():
+    """No renewal landed for run.lease_ttl_s (storage out): said once, with why; the run trains
+    on (the fence, not the lease, keeps another driver's run apart), and the renewal is said too."""
+    c, g, clock = make()
+    drive(c, lambda c: c.step >= 5)
+    c.lease.lapsed_s = lambda: 31.0
+    c.lease.last_error = "StorageTimeout: renewal not answered within 7.5 s"
+    drive(c, lambda c: c.step >= 15)
+    c.lease.lapsed_s = lambda: None
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 40
+    (lapsed,) = kinds(c, "lease_lapsed")
+    assert lapsed["since_s"] == 31.0 and "StorageTimeout" in lapsed["error"]
+    assert len(kinds(c, "lease_renewed")) == 1

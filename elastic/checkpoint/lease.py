@@ -75,6 +75,8 @@ class Lease:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.number: int | None = None
         self.lost: str | None = None  # why this holder lost the lease, once it has
+        self.renewed_t: float | None = None  # wall time of the last renewal that landed (or the take)
+        self.last_error: str | None = None  # why the last renewal did not land
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -108,7 +110,7 @@ class Lease:
         now = self.wall()
         cur = self.newest()
         if cur is not None and cur.holder == self.holder:  # an earlier call that timed out took it after all
-            self.number = cur.number
+            self.number, self.renewed_t = cur.number, now
             return cur
         if cur is not None and cur.age_s(now) < self.ttl_s:
             raise LeaseHeld(f"run folder {self.dir.rsplit('/', 2)[0]} is in use: lease {cur.number} is held by "
@@ -123,7 +125,7 @@ class Lease:
         if not created or back["holder"] != self.holder:
             raise LeaseHeld(f"run folder {self.dir.rsplit('/', 2)[0]}: another driver ({back['holder']}) took "
                             f"lease {number} at the same moment; it owns the run")
-        self.number = number
+        self.number, self.renewed_t = number, now
         return LeaseInfo(number, self.holder, body["host"], body["pid"], now, now)
 
     def generation_base(self) -> int:
@@ -134,8 +136,14 @@ class Lease:
 
     def start_renewing(self) -> None:
         """Renew every ttl_s / 4 on a daemon thread until `release()`. A newer lease taken by
-        another driver, or no successful renewal for ttl_s, loses it: `lost` says why. A renewal
-        storage does not answer within ttl_s / 4 counts as failed (`StorageTimeout`)."""
+        another driver loses it: `lost` says why. A renewal storage does not answer within
+        ttl_s / 4 counts as failed (`StorageTimeout`); with no renewal landed for ttl_s the lease
+        has lapsed (`lapsed_s`) and another driver may take the run. That alone does not end this
+        one: a storage outage longer than ttl_s must not stop a run that needs no storage to
+        train. What keeps two drivers apart meanwhile is the fence: a driver that took over has
+        written a newer generation, so this one's workers commit nothing and its own writes are
+        refused (`FenceWriter.holds`), and its next renewal that reaches storage finds the newer
+        lease and stops it."""
         self._thread = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
         self._thread.start()
 
@@ -148,8 +156,14 @@ class Lease:
             return
         self.storage.write_bytes(join(self.dir, _name(self.number, "renewed")), repr(self.wall()).encode())
 
+    def lapsed_s(self) -> float | None:
+        """Seconds since the last renewal that landed, once that is ttl_s or more; else None."""
+        if self.renewed_t is None:
+            return None
+        age = self.wall() - self.renewed_t
+        return age if age >= self.ttl_s else None
+
     def _renew_loop(self) -> None:
-        last_ok = self.wall()
         while not self._stop.wait(self.ttl_s / 4) and self.lost is None:
             try:
                 # Each renewal within ttl_s / 4: one hung call (a store that never answers) would
@@ -160,13 +174,11 @@ class Lease:
                                          f"{self.ttl_s / 4:g} s (run.lease_ttl_s / 4)")
                 if error is not None:
                     raise error
-                last_ok = self.wall()
-            except Exception as e:  # noqa: BLE001 - storage trouble: retried until the lease would expire
+                if self.lost is None:
+                    self.renewed_t, self.last_error = self.wall(), None
+            except Exception as e:  # noqa: BLE001 - storage trouble: retried every ttl_s / 4
                 log.warning("lease renewal failed: %s", e)
-                if self.wall() - last_ok >= self.ttl_s:
-                    self.lost = (f"lease {self.number} not renewed for {self.wall() - last_ok:.0f} s "
-                                 f"(run.lease_ttl_s={self.ttl_s:g}): another driver may have taken the run; "
-                                 f"last error: {type(e).__name__}: {e}"[:500])
+                self.last_error = f"{type(e).__name__}: {e}"[:300]
 
     def release(self) -> None:
         """Stop renewing and mark the lease expired, so the next submission need not wait out ttl_s."""

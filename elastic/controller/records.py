@@ -142,3 +142,4 @@ class Housekeeping:
     excused: set = field(default_factory=set)  # silent ranks kept alive by their heartbeat, this silent spell
     beats: dict = field(default_factory=dict)  # rank -> Beat at the run loop's last look (run_finished)
     stale: set = field(default_factory=set)  # (rank, generation) of stale answers already logged
+    lease_lapsed: bool = False  # a lease_lapsed event is out, its lease_renewed not yet

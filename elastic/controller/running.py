@@ -39,6 +39,7 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
     tr = ctl.training
     if ctl.lease.lost:  # another driver took the run over: stop, and write nothing more into its folder
         return Errored(f"this driver no longer owns the run: {ctl.lease.lost}")
+    note_lease(ctl)
     results, died = ctl.group.collect_runs(w.refs, POLL_INTERVAL_S)
     for rank, (cause, detail) in died.items():
         w.lost[rank] = LostRank(rank, cause, detail)
@@ -203,3 +204,18 @@ def rollback(ctl: Controller, bad_steps: list[int]) -> State:
     ctl.restore_plan = FromStorage(max_step=to_step)
     ctl.run_refs = {}
     return Restoring()
+
+
+def note_lease(ctl: Controller) -> None:
+    """Say when the lease lapses (no renewal landed for run.lease_ttl_s: storage out or cut off)
+    and when a renewal lands again: the run trains on either way (see Lease.start_renewing)."""
+    lapsed = ctl.lease.lapsed_s()
+    if lapsed is not None and not ctl.house.lease_lapsed:
+        ctl.house.lease_lapsed = True
+        ctl.events.emit("lease_lapsed", lease=ctl.lease.number, since_s=round(lapsed, 1), error=ctl.lease.last_error,
+                        then="training goes on; a driver that takes the run over fences this one's "
+                             "workers off, and this one stops when a renewal finds the newer lease")
+    elif lapsed is None and ctl.house.lease_lapsed:
+        ctl.house.lease_lapsed = False
+        ctl.events.emit("lease_renewed", lease=ctl.lease.number)
+
