@@ -9,7 +9,11 @@ messages, `elastic status`, the job's repr) may show them. Two pure tools:
   depth, and the password part of any URI in a string hidden. Knows names, not values.
 * `scrub(obj, values)`: `redact`, plus every occurrence of a known secret value in any string
   replaced, for text that quotes a credential without its key (an exception's message).
-  `secret_values(options, uri)` collects those values from a job's storage settings.
+  `secret_values(options, uri)` collects those values from a job's storage settings: the secret
+  ones only. An access key id (s3fs's `key`, `aws_access_key_id`, a URI's user) is an identifier
+  (S3 puts it in every presigned URL and its own error messages): masked where it is a setting,
+  never searched for in text, where its value ("elastic", say) may be a bucket's name too, and a
+  checkpoint's URI in an event must stay that URI.
 
 The job sent to the controller and the workers still carries `storage_options` as given (they
 need it to open storage); hence the advice to give credentials through the environment or the
@@ -32,6 +36,9 @@ _WORD_SPLIT = re.compile(r"[_\-.\s]+")
 # scheme://user:password@host: the userinfo is hidden whole (its user is often an access key id).
 _USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s:]*:[^/@\s]*@")
 MIN_SECRET_LEN = 4  # shorter values are not searched for in text: "1" would mangle every number
+# Settings whose value identifies a credential rather than being one: masked, not searched for.
+_IDENTIFIER_NAMES = frozenset({"key", "access_key", "access_key_id", "aws_access_key_id", "accesskey",
+                               "accesskeyid", "key_id", "keyid"})
 
 
 def is_secret_key(name: Any) -> bool:
@@ -62,21 +69,23 @@ def redact(obj: Any) -> Any:
 
 def secret_values(*sources: Any) -> frozenset[str]:
     """The credentials in `sources` (storage options, URIs), as strings to search text for: every
-    string under a secret-looking key, at any depth, and the userinfo of URIs."""
+    string under a secret-looking key that is not an identifier's, at any depth, and the password
+    of URIs."""
     found: set[str] = set()
 
     def walk(obj: Any, secret: bool) -> None:
         if isinstance(obj, dict):
             for k, v in obj.items():
-                walk(v, secret or is_secret_key(k))
+                identifier = isinstance(k, str) and _CAMEL.sub("_", k).lower() in _IDENTIFIER_NAMES
+                walk(v, (secret or is_secret_key(k)) and not identifier)
         elif isinstance(obj, (list, tuple, set, frozenset)):
             for v in obj:
                 walk(v, secret)
         elif isinstance(obj, str):
             if secret:
                 found.add(obj)
-            for m in _USERINFO.finditer(obj):
-                found.update(m.group(0)[len(m.group(1)):-1].split(":", 1))
+            for m in _USERINFO.finditer(obj):  # the password only: the user is an identifier
+                found.update(m.group(0)[len(m.group(1)):-1].split(":", 1)[1:])
         elif secret and isinstance(obj, (int, float)) and not isinstance(obj, bool):
             found.add(str(obj))
 
