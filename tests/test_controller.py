@@ -118,14 +118,21 @@ def test_a_grow_waits_for_one_persist_at_most():
     assert c.world_size == 3 and kinds(c, "checkpoint_committed") and g.persisting
 
 
-def test_a_failure_during_a_recovery_keeps_the_survivors():
-    """Rank 1's machine stops; while the new group forms, rank 2 dies. Ranks 0 and the replacement
-    failed their join because of a peer: they are survivors, and rank 0's state is still used."""
-    c, g, clock = make()
+def rank_1_lost_at_step_10():
+    """A run whose rank 1 stopped after step 10, its controller now recovering: (controller,
+    group, the step reached), for a test to add a second fault to the recovery."""
+    c, g, _ = make()
     drive(c, lambda c: c.step >= 10)
     step = c.step
     g.freeze(1)
     drive(c, lambda c: isinstance(c.state, Recovering))
+    return c, g, step
+
+
+def test_a_failure_during_a_recovery_keeps_the_survivors():
+    """Rank 1's machine stops; while the new group forms, rank 2 dies. Ranks 0 and the replacement
+    failed their join because of a peer: they are survivors, and rank 0's state is still used."""
+    c, g, step = rank_1_lost_at_step_10()
     g.die_on_form = [2]
     drive(c)
     assert isinstance(c.state, Finished) and c.step == 40
@@ -142,10 +149,7 @@ def test_when_every_member_with_state_is_lost_the_restore_comes_from_storage():
     """Rank 1 is lost; while its replacement joins, the other two die too. The members left are
     replacements that never restored: they report step 0 but hold no state, so the restore must
     come from the newest committed checkpoint, not from "rank 0's memory at step 0"."""
-    c, g, clock = make()
-    drive(c, lambda c: c.step >= 10)
-    g.freeze(1)
-    drive(c, lambda c: isinstance(c.state, Recovering))
+    c, g, _ = rank_1_lost_at_step_10()
     g.die_on_form = [0, 2]
     drive(c)
     assert isinstance(c.state, Finished) and c.step == 40
@@ -158,19 +162,14 @@ def test_when_every_member_with_state_is_lost_the_restore_comes_from_storage():
 def test_a_member_that_dies_while_replacements_start_is_merged_into_the_same_recovery():
     """Rank 1 is lost; rank 2 dies while rank 1's replacement starts. Both are replaced before
     the group forms: no formation is tried with a dead member in it."""
-    c, g, clock = make()
-    drive(c, lambda c: c.step >= 10)
-    step = c.step
-    g.freeze(1)
-    drive(c, lambda c: isinstance(c.state, Recovering))
+    c, g, step = rank_1_lost_at_step_10()
     g.die_on_promote = [2]
     drive(c)
     assert isinstance(c.state, Finished) and c.step == 40
     (merged,) = kinds(c, "faults_merged")
     assert merged["lost"] == [2]
     assert not kinds(c, "group_error")  # no formation with a dead member
-    forms_after = [x for x in calls(g, "form")]
-    assert len(forms_after) == 2  # the first group, and the one after both replacements
+    assert len(calls(g, "form")) == 2  # the first group, and the one after both replacements
     assert calls(g, "restore_from_peer") == [0] and kinds(c, "restored")[-1]["step"] == step
 
 

@@ -18,7 +18,7 @@ from elastic.group.rendezvous import Rendezvous
 from elastic.group.member import GroupError, Member, cause_of, death_cause, gather, kill_member, short_reason
 from elastic.group.spares import SparePool
 from elastic.policies.failure import formation_silent
-from elastic.protocol import LostCause, PollReport, RestoreResult, RunResult
+from elastic.protocol import AbortResult, LostCause, PollReport, RestoreResult, RunResult
 from elastic.runtime.heartbeat import Heartbeats
 
 __all__ = ["WorkerGroup", "GroupError", "Member", "cause_of"]
@@ -123,7 +123,7 @@ class WorkerGroup(SparePool):
         where: dict[int, str] = {}
         if pending:
             cut = [r for r in pending.values() if r in self.members and cause_of(bad.get(r, "error")) == LostCause.ERROR]
-            answers, _ = gather({r: self.members[r].handle.abort.remote(generation) for r in cut}, ping_timeout_s * 3)
+            answers, _ = self._abort(generation, ping_timeout_s * 3, cut)
             where = {r: a.joining for r, a in answers.items() if a.joining}
             late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=ping_timeout_s * 5)
             for ref in late:
@@ -146,10 +146,12 @@ class WorkerGroup(SparePool):
         """Ask members (all, or `only`) to abort their collectives of `generation` (answered on
         another actor thread while run() or join() is blocked). Returns {rank: why} for those
         that did not answer."""
-        ranks = self.members if only is None else only
-        _, bad = gather({r: self.members[r].handle.abort.remote(generation) for r in ranks
-                         if r in self.members}, timeout_s)
-        return bad
+        return self._abort(generation, timeout_s, self.members if only is None else only)[1]
+
+    def _abort(self, generation: int, timeout_s: float, ranks) -> tuple[dict[int, AbortResult], dict[int, str]]:
+        """`abort(generation)` on `ranks`: (answers by rank, {rank: why} for those that did not answer)."""
+        return gather({r: self.members[r].handle.abort.remote(generation) for r in ranks if r in self.members},
+                      timeout_s)
 
     def restore(self, candidates: list[str], timeout_s: float) -> dict[int, RestoreResult]:
         return self._all("restore", timeout_s, candidates)
