@@ -38,6 +38,13 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP. The fused `qkv` projection is head-major (head h's q, k and v
+    features one after another) and the forward takes the number of heads from the width it
+    gets, so a column-wise split over tensor-parallel ranks gives each whole heads
+    (train.tp: the built-in plan, elastic/parallel/tensor.py)."""
+
+    heads = HEADS
+
     def __init__(self):
         super().__init__()
         self.ln1 = nn.LayerNorm(DIM)
@@ -47,10 +54,11 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        qkv = self.qkv(self.ln1(x))  # (b, t, 3 x local width): this rank's heads
+        q, k, v = qkv.view(b, t, -1, 3, DIM // HEADS).permute(3, 0, 2, 1, 4)
         a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from elastic.config import ConfigError, parse_job
 from elastic.parallel.pipeline import PlanError, balanced_bounds, chunks_of_stage, plan_chunks, stage_of_unit, units_of
 from tests.spawn_ranks import run_ranks
-from elastic.parallel.topology import Layout, chain, grow_to, reassign, shrink_to, stage_sources
+from elastic.parallel.topology import Layout, chain, grow_to, reassign, shrink_to, slot_sources
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,18 +52,18 @@ def test_layout_chain_drops_replicas_then_stages():
     assert grow_to(top, Layout(2, 1), 1) == Layout(3, 1) and grow_to(top, Layout(3, 1), 2) is None
     assert grow_to(top, Layout(3, 1), 3) == Layout(3, 2)
     lay = Layout(3, 2)  # rank = replica x pp + stage
-    assert [lay.stage_of(r) for r in range(6)] == [0, 1, 2, 0, 1, 2] and lay.stage_ranks(1) == [1, 4]
+    assert [lay.stage_of(r) for r in range(6)] == [0, 1, 2, 0, 1, 2]
 
 
 def test_reassign_keeps_survivors_on_their_stage_and_finds_a_source_per_stage():
     old, new = Layout(2, 2), Layout(2, 1)
     mapping = reassign(old, [0, 2, 3], new)  # rank 1 (stage 1, replica 0) lost
     assert mapping == {0: 0, 3: 1}  # rank 3 (stage 1, replica 1) becomes stage 1 of the one replica left
-    assert stage_sources(old, mapping, new, {0: 9, 2: 9, 3: 9}) == (0, 1)
-    assert stage_sources(old, mapping, new, {0: 9, 2: 9, 3: 8}) is None  # stage 1 only held at an older step
+    assert slot_sources(old, mapping, new, {0: 9, 2: 9, 3: 9}) == (0, 1)
+    assert slot_sources(old, mapping, new, {0: 9, 2: 9, 3: 8}) is None  # stage 1 only held at an older step
     # Re-partitioned: no survivor keeps its stage's layers, so storage.
     mapping = reassign(Layout(3, 1), [0, 2], Layout(2, 1))
-    assert mapping == {0: 0, 2: 1} and stage_sources(Layout(3, 1), mapping, Layout(2, 1), {0: 5, 2: 5}) is None
+    assert mapping == {0: 0, 2: 1} and slot_sources(Layout(3, 1), mapping, Layout(2, 1), {0: 5, 2: 5}) is None
 
 
 # ---------------------------------------------------------------- job checks

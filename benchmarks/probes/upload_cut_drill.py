@@ -1,7 +1,7 @@
 """One drill: the bench's recovery job at 90 M parameters (1.08 GB of state) on S3, rank 1's node
 killed at step 15 once its step-10 shards are uploading. Prints the events that say what the
 survivors' abandoned uploads cost the new group."""
-import json, os, sys, tempfile, time
+import json, sys, time
 from elastic.local_cluster import local_cluster
 from benchmarks.overhead import _connect_with_env
 from benchmarks.recovery import elastic_job, model_size, NUM_WORKERS

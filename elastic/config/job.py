@@ -44,13 +44,17 @@ class JobConfig(_Strict):
     def _check_plan(self) -> "JobConfig":
         # The global batch is a constant of the run: it must split for every world size the run may take.
         sc, tr = self.scaling, self.train
+        self._check_tp()
         if tr.strategy == "pipeline":
             self._check_pipeline()
             return self._check_chaos()
         bad = {}
+        tp = tr.tp.size
         for w in range(sc.min_size, sc.max_size + 1):
+            if w % tp:
+                continue  # not a layout this run takes: whole replicas of tp ranks only
             try:
-                batch_plan(tr.global_batch_size, w, tr.micro_batch_size)
+                batch_plan(tr.global_batch_size, w // tp, tr.micro_batch_size)
             except ValueError as e:
                 bad[w] = str(e)
         if bad and sc.min_size == sc.max_size:
@@ -70,17 +74,42 @@ class JobConfig(_Strict):
             raise ValueError(f"train.fsdp is set but train.strategy={tr.strategy}: set train.strategy: fsdp")
         return self._check_chaos()
 
+    def _check_tp(self) -> None:
+        """With tensor parallelism, every world size the run may take is whole replicas of
+        stages x tp ranks; the rest (divisibility of heads and widths) is the strategy's check,
+        on the meta device (elastic/parallel/tensor.py)."""
+        sc, tr = self.scaling, self.train
+        tp = tr.tp.size
+        if tp == 1:
+            if tr.tp.plan is not None:
+                raise ValueError("train.tp.plan is set but train.tp.size is 1: set train.tp.size")
+            return
+        stages = tr.pipeline.stages if tr.pipeline else 1
+        unit = stages * tp
+        what = f"train.pipeline.stages={stages} x train.tp.size={tp}" if tr.pipeline else f"train.tp.size={tp}"
+        if tr.pipeline and sc.min_size < unit:
+            raise ValueError(f"scaling.min_workers={sc.min_size}: with train.tp.size={tp} a pipeline keeps its "
+                             f"{stages} stages (it is not re-partitioned onto fewer); set scaling.min_workers >= {unit}")
+        for field, n in (("num_workers", sc.num_workers), ("min_workers", sc.min_size), ("max_workers", sc.max_size)):
+            if n % unit:
+                raise ValueError(f"scaling.{field}={n} is not a multiple of {what}: the world is replicas x "
+                                 f"stages x tp, and grows and shrinks by whole replicas of {unit} ranks")
+        if self.stragglers.enabled:
+            raise ValueError("stragglers.enabled: straggler swaps are not built for tensor parallelism yet (a tp "
+                             "rank's step time includes waiting for its group); leave it off with train.tp.size > 1")
+
     def _check_pipeline(self) -> None:
         """Every layout the run may take (replicas dropped, then stages: elastic.parallel.topology.chain)
         must split the global batch and suit the schedule."""
         from elastic.parallel.topology import Layout, chain
         sc, tr = self.scaling, self.train
         pl = tr.pipeline
+        tp = tr.tp.size
         for field, n in (("num_workers", sc.num_workers), ("max_workers", sc.max_size)):
-            if n % pl.stages:
+            if n % pl.stages and tp == 1:  # with tp: _check_tp
                 raise ValueError(f"scaling.{field}={n} is not a multiple of train.pipeline.stages={pl.stages}: a "
                                  f"pipeline runs whole replicas of {pl.stages} stages")
-        for lay in chain(Layout(pl.stages, sc.max_size // pl.stages), sc.min_size):
+        for lay in chain(Layout(pl.stages, sc.max_size // (pl.stages * tp), tp), sc.min_size):
             pipeline_plan(tr.global_batch_size, lay.dp, pl.microbatches)
             if pl.schedule == "1f1b" and pl.microbatches < lay.pp:
                 raise ValueError(f"train.pipeline.microbatches={pl.microbatches} < {lay.pp} stages: the 1f1b schedule "

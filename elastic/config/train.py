@@ -80,6 +80,20 @@ class PipelineSpec(_Strict):
         return self
 
 
+class TensorParallelSpec(_Strict):
+    """Tensor parallelism (train.tp): every stage's layers split over `size` ranks
+    (torch.distributed.tensor.parallel). scaling.num_workers = replicas x stages x size."""
+
+    size: int = Field(1, ge=1, description="Ranks each layer is split over (1: no tensor parallelism). Fixed "
+                                           "for the run: the world grows and shrinks by whole replicas.")
+    plan: str | None = Field(
+        None, description="module:function(model, tp_mesh) that parallelizes the model in place with "
+                          "torch.distributed.tensor.parallel (a pipeline passes the rank's stage). Default: the "
+                          "built-in Megatron-style plan for transformer blocks (a head-major fused `qkv` or "
+                          "`q`/`k`/`v` column-wise, `proj` row-wise, an `mlp`'s first Linear column-wise and last "
+                          "row-wise; docs/large-models.md). Checked on the meta device before any worker starts.")
+
+
 class DataSpec(_Strict):
     """A built-in dataset (train.data), instead of a dataset function."""
 
@@ -119,6 +133,12 @@ class TrainSpec(_Strict):
                            "into stages, one per rank, with data-parallel replicas of the whole pipeline.")
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="Used when strategy is fsdp.")
     pipeline: PipelineSpec | None = Field(None, description="Required when strategy is pipeline.")
+    tp: TensorParallelSpec = Field(default_factory=TensorParallelSpec,
+                                   description="Tensor parallelism, with any strategy (docs/large-models.md).")
+    activation_checkpointing: list[str] | None = Field(
+        None, description="Class names of the blocks whose activations are recomputed in backward instead of kept "
+                          "(torch.utils.checkpoint, non-reentrant, one block at a time; e.g. [Block]). Checked on "
+                          "the meta device before any worker starts. Default: none.")
     scheduler: str | None = Field(
         None, description="module:function(optimizer) -> torch LRScheduler, stepped once per training step; its state "
                           "is a function of the step, replayed on every restore. ReduceLROnPlateau is "
@@ -190,6 +210,7 @@ class TrainSpec(_Strict):
             "dataset": _import_ref(self.dataset, "train.dataset") if self.dataset else self.data.factory(),
             "loss": _import_ref(self.loss, "train.loss") if self.loss else None,
             "stage_loss": _import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
+            "tp_plan": _import_ref(self.tp.plan, "train.tp.plan") if self.tp.plan else None,
             "scheduler": _import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
             "optimizer": _import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
         }

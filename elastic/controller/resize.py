@@ -193,7 +193,8 @@ def on_swapping(ctl: Controller, st: Swapping) -> State:
         ctl.group.promote([st.rank], cfg.replacement_timeout_s, cfg.ping_timeout_s)
         how = "started on demand"
     src = min(r for r in ctl.group.members if r != st.rank)
-    ctl.restore_plan = planned_restore(ctl.shape, cfg.peer_restore, ctl.step, ctl.offers, ctl.world_size, src)
+    ctl.restore_plan = planned_restore(ctl.shape, cfg.peer_restore, ctl.step, ctl.offers, ctl.world_size, src,
+                                       old_layout=ctl.layout, new_layout=ctl.layout, swapped=st.rank)
     ctl.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
                     new_node=ctl.group.members[st.rank].node_id[:12], swap_s=ctl.now() - t0,
                     spare_calib_s=spare.calib_s if spare else None)

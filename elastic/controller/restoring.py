@@ -28,7 +28,7 @@ def on_restoring(ctl: Controller, _: Restoring) -> State:
         return restored(ctl, out)
     if isinstance(plan, FromPeer):
         try:
-            out = ctl.group.restore_from_peer(plan.src_rank, timeout_s, plan.stage_sources)
+            out = ctl.group.restore_from_peer(plan.src_rank, timeout_s, plan.slot_sources)
         except GroupError as e:
             return lost_from(ctl, e, "restore from peer")
         return restored(ctl, out)

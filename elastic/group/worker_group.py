@@ -157,8 +157,8 @@ class WorkerGroup(SparePool):
         return self._all("restore", timeout_s, candidates)
 
     def restore_from_peer(self, src_rank: int, timeout_s: float,
-                          stage_sources: tuple[int, ...] = ()) -> dict[int, RestoreResult]:
-        return self._all("restore_from_peer", timeout_s, src_rank, list(stage_sources))
+                          slot_sources: tuple[int, ...] = ()) -> dict[int, RestoreResult]:
+        return self._all("restore_from_peer", timeout_s, src_rank, list(slot_sources))
 
     def restore_from_shards(self, offers: dict[int, "ray.ObjectRef"], old_world: int,
                             timeout_s: float, old_pp: int = 1) -> dict[int, RestoreResult]:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from elastic.parallel import memory, tensor
 from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
 from elastic.parallel.shape import Shape
 
@@ -36,32 +37,55 @@ class Strategy(ABC):
     # bit, so a rank's own sum of squares is the global one (no collective needed to learn it).
     whole_grads_everywhere = False
 
-    layout_key = None  # what a rank's built model depends on besides the seed (a pipeline: its stage)
     needs_data = True  # whether this rank reads the step's samples (a pipeline's middle stages do not)
 
     def __init__(self, mesh, spec=None):
-        self.mesh = mesh  # a DeviceMesh with named axes; "dp" for data parallel
+        self.mesh = mesh  # a DeviceMesh with named axes: "dp" for data parallel, "tp" with tensor parallelism
         self.spec = spec  # the job's TrainSpec (strategy options)
+        self.tp = spec.tp.size if spec is not None else 1
         self._buffer_sync: BufferSync | None = None
         self._buffers_of = None  # the model `_buffer_sync` was built for
+
+    @property
+    def layout_key(self):
+        """What a rank's built model depends on besides the seed: None where every rank builds the
+        same (a model built before the rank joined, a spare's, is used as it is); with tensor
+        parallelism, the rank's tp slice (a pipeline adds its stage)."""
+        return None if self.tp == 1 else ("tp", self.tp, self.mesh.get_local_rank("tp"))
 
     @classmethod
     def check_job(cls, job, model_fn) -> None:
         """Before any worker starts: raise ValueError, naming the field, if this strategy cannot
         run the job's model (the driver turns it into a ConfigError). By default: no
-        nn.SyncBatchNorm where torch cannot run it, seen on the model built on the meta device."""
+        nn.SyncBatchNorm where torch cannot run it, the blocks named for activation checkpointing
+        exist, and the built-in tensor-parallel plan fits; seen on the model built on the meta
+        device."""
+        tr = job.train
+        needs_meta = tr.tp.size > 1 or tr.activation_checkpointing is not None
         try:
             with torch.device("meta"):
                 model = model_fn()
         except Exception:  # noqa: BLE001 - a model that cannot be built on meta: nothing to check here
+            if needs_meta:
+                raise
             return  # (its workers build it for real; this check must not refuse what would run)
+        cls.check_model(job, model)
+
+    @classmethod
+    def check_model(cls, job, model: nn.Module) -> None:
+        """The checks every strategy makes on the model (built on the meta device)."""
+        tr = job.train
         check_sync_batchnorm(job, model, cls.name)
+        memory.select(model, tr.activation_checkpointing, "train.activation_checkpointing")
+        if tr.tp.size > 1 and tr.tp.plan is None:
+            tensor.check_builtin(model, tr.tp.size)
 
     @classmethod
     def shape(cls, spec) -> Shape:
         """How this strategy's layout grows and shrinks (the controller asks this, never the name):
-        flat by default, every rank a data-parallel replica."""
-        return Shape(sharded=cls.sharded)
+        flat by default, every rank a data-parallel replica; with tensor parallelism, whole
+        replicas of tp ranks."""
+        return Shape(sharded=cls.sharded, tp=spec.tp.size)
 
     @property
     def world_size(self) -> int:
@@ -70,12 +94,22 @@ class Strategy(ABC):
     @property
     def grad_copies(self) -> int:
         """How many ranks hold each gradient element after the reduction (replicas hold copies,
-        shards hold parts): a sum of squares over the world divided by this is the global one."""
-        return self.world_size
+        shards hold parts): a sum of squares over the world divided by this is the global one
+        (with tensor parallelism, weighted by `grad_weights` first)."""
+        return self.world_size // self.tp
 
     def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
         """This rank's gradient tensors (the local shards of sharded ones)."""
         return [g.to_local() if hasattr(g, "to_local") else g
+                for g in (p.grad for p in model.parameters()) if g is not None]
+
+    def grad_weights(self, model: nn.Module) -> list[float] | None:
+        """Per tensor of `local_grads`: 1 / the ranks of this rank's tp group that hold the same
+        elements (a sum of squares over the world, weighted so, and divided by `grad_copies`, is
+        the global one). None without tensor parallelism: every weight is 1."""
+        if self.tp == 1:
+            return None
+        return [1.0 / tensor.copies_in_slot_group(g, self.tp)
                 for g in (p.grad for p in model.parameters()) if g is not None]
 
     @property
@@ -108,10 +142,16 @@ class Strategy(ABC):
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
         """Wrap a freshly built model for this strategy. `sync_init`: make every rank's initial
-        weights rank 0's first (a fresh start; skipped when state is about to be loaded anyway)."""
+        weights rank 0's first (a fresh start; skipped when state is about to be loaded anyway).
+        Then, in torchtitan's order: the tensor-parallel split (each rank keeps its slice of the
+        whole model it built), and activation checkpointing of the named blocks."""
         if sync_init:
             group = self.mesh.get_group("dp")
             broadcast_tensors(list(model.state_dict().values()), dist.get_global_rank(group, 0), group)
+        if self.tp > 1:
+            plan = self.spec.tp.plan
+            model = tensor.apply(model, self.mesh["tp"], tensor.import_plan(plan) if plan else None)
+        memory.checkpoint_blocks(model, self.spec.activation_checkpointing if self.spec else None)
         return model
 
     def set_gradient_sync(self, model: nn.Module, on: bool) -> None:

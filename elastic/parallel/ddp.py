@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.parallel.base import Strategy, broadcast_tensors
+from elastic.parallel.tensor import like, local
 
 
 BUCKET_BYTES = 25 * 2 ** 20  # as torch DDP's default bucket_cap_mb
@@ -38,7 +39,7 @@ def plan_buckets(params: list[torch.Tensor], cap_bytes: int = BUCKET_BYTES) -> l
     buckets: list[list[int]] = []
     size, dtype = 0, None
     for i in reversed(range(len(params))):
-        p = params[i]
+        p = local(params[i])
         nbytes = p.numel() * p.element_size()
         if not buckets or p.dtype != dtype or size + nbytes > cap_bytes:
             buckets.append([])
@@ -61,19 +62,25 @@ def unhook(model: nn.Module) -> None:
 class DataParallel(Strategy):
     name = "ddp"
     overlap = True  # bucketed all-reduce during backward; False: one flat all-reduce after it
-    whole_grads_everywhere = True  # the dp axis is the whole world; all-reduced buckets are equal on every rank
 
     def __init__(self, mesh, spec=None):
         super().__init__(mesh, spec)
         self._hooked = None  # the model whose gradient hooks feed this strategy's buckets
         self._sync = True
 
+    @property
+    def whole_grads_everywhere(self) -> bool:
+        """The dp axis is the whole world (no tensor parallelism): all-reduced buckets are equal
+        on every rank."""
+        return self.tp == 1
+
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         """Every replica holds the whole state, so one broadcast per dtype of every model and
         optimizer tensor, in a fixed key order, copies the source replica exactly: how a
-        replacement gets a survivor's state without touching storage."""
+        replacement gets a survivor's state without touching storage. With tensor parallelism,
+        over the slot's `dp` group: each rank's local slice from its replica at `src_rank`."""
         state = self.state_dict(model, optimizer)
-        broadcast_tensors(_tensors_in_order(state), src_rank, self.mesh.get_group("dp"))
+        broadcast_tensors([local(t) for t in _tensors_in_order(state)], src_rank, self.mesh.get_group("dp"))
         self.load_state_dict(model, optimizer, state)
 
     # ---------------------------------------------------------------- overlapped buckets
@@ -86,7 +93,7 @@ class DataParallel(Strategy):
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = plan_buckets(self._params, BUCKET_BYTES)
         self._bucket_of = {i: k for k, b in enumerate(self._buckets) for i in b}
-        self._bufs = [torch.empty(sum(self._params[i].numel() for i in b), dtype=self._params[b[0]].dtype,
+        self._bufs = [torch.empty(sum(local(self._params[i]).numel() for i in b), dtype=self._params[b[0]].dtype,
                                   device=self._params[b[0]].device) for b in self._buckets]
         index = {id(p): i for i, p in enumerate(self._params)}
         model.elastic_grad_hooks = [p.register_post_accumulate_grad_hook(
@@ -118,11 +125,11 @@ class DataParallel(Strategy):
         buf, scale, offset = self._bufs[k], self._scale, 0
         for i in self._buckets[k]:
             p = self._params[i]
-            n = p.numel()
+            n = local(p).numel()
             if p.grad is None:  # no gradient this step (an unused parameter): zeros
                 buf[offset:offset + n].zero_()
             else:
-                torch.mul(p.grad.reshape(-1), scale, out=buf[offset:offset + n])
+                torch.mul(local(p.grad).reshape(-1), scale, out=buf[offset:offset + n])
             offset += n
         self._works.append(dist.all_reduce(self._bufs[k], op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"),
                                            async_op=True))
@@ -152,6 +159,8 @@ class DataParallel(Strategy):
         # and is waited for with the buckets: no sync point of its own.
         buffer_sync = self.buffer_sync(model)
         buffers = buffer_sync.launch() if buffer_sync is not None else None
+        if self.tp > 1:  # the dp group is not the whole world: the caller sums `extra` over it
+            extra = None
         extra_work = dist.all_reduce(extra, group=group, async_op=True) if extra is not None else None
         for k, work in enumerate(self._works):
             work.wait()
@@ -159,8 +168,9 @@ class DataParallel(Strategy):
             offset = 0
             for i in self._buckets[k]:
                 p = self._params[i]
-                p.grad = buf[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+                n = local(p).numel()
+                p.grad = like(buf[offset:offset + n], p)
+                offset += n
         self._works = []
         if buffers is not None:
             buffer_sync.finish(buffers)
@@ -173,15 +183,15 @@ class DataParallel(Strategy):
         group = self.mesh.get_group("dp")
         grad_scale = 1.0 / dist.get_world_size(group)
         params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         if grad_scale != 1.0:
             flat.mul_(grad_scale)
         offset = 0
         for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            n = local(p).numel()
+            p.grad = like(flat[offset:offset + n].clone(), p)
             offset += n
         self.sync_buffers(model)
 

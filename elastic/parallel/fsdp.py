@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from elastic.parallel.base import Strategy
-from elastic.parallel.buffers import check_sync_batchnorm
+from elastic.parallel.memory import select
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -35,14 +35,7 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
 def select_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
     if class_names is None:
         return default_blocks(model)
-    wanted = set(class_names)
-    blocks = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
-    if not blocks:
-        present = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(f"train.fsdp.blocks={class_names}: no submodule of that class; the model has {present}")
-    # Nested matches would be sharded twice: keep the outermost.
-    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
-    return [b for b in blocks if id(b) not in inner]
+    return select(model, class_names, "train.fsdp.blocks")  # nested matches would be sharded twice: outermost
 
 
 class FullyShardedDataParallel(Strategy):
@@ -54,12 +47,12 @@ class FullyShardedDataParallel(Strategy):
         """Build the model on the meta device (no memory, no init) to check the wrap plan now."""
         with torch.device("meta"):
             model = model_fn()
-        check_sync_batchnorm(job, model, cls.name)
+        cls.check_model(job, model)
         select_blocks(model, job.train.fsdp.blocks)
     grad_copies = 1  # every rank holds its own part of each gradient
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
-        model = super().prepare(model, sync_init)  # rank 0's init, broadcast before sharding
+        model = super().prepare(model, sync_init)  # rank 0's init, broadcast; then tp and checkpointing
         fs = self.spec.fsdp
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fs.param_dtype),
                                   reduce_dtype=getattr(torch, fs.reduce_dtype))
@@ -68,7 +61,9 @@ class FullyShardedDataParallel(Strategy):
             # on CPU, autocast alone; gloo's reduce-scatter is float32 there).
             dtype = torch.bfloat16 if self.spec.precision == "bf16" else torch.float16
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-        kw = dict(mesh=self.mesh, mp_policy=mp)
+        # With tensor parallelism the parameters are DTensors on the mesh's tp axis already: sharding
+        # them over its dp axis makes them 2-D (FSDP2 + TP, as torchtitan composes them).
+        kw = dict(mesh=self.mesh["dp"] if self.tp > 1 else self.mesh, mp_policy=mp)
         for block in select_blocks(model, fs.blocks):
             fully_shard(block, reshard_after_forward=fs.reshard_after_forward, **kw)
         fully_shard(model, **kw)

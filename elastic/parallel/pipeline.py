@@ -27,7 +27,6 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from elastic.parallel.buffers import check_sync_batchnorm
 from elastic.parallel.ddp import DataParallel
 from elastic.parallel.shape import Shape
 from elastic.parallel.topology import Layout, chain
@@ -111,9 +110,10 @@ class Pipeline(DataParallel):
         pl = job.train.pipeline
         with torch.device("meta"):
             model = model_fn()
-        check_sync_batchnorm(job, model, cls.name)
+        cls.check_model(job, model)
         units = units_of(model)
-        for pp in sorted({lay.pp for lay in chain(Layout(pl.stages, 1), job.scaling.min_size)}, reverse=True):
+        tp = job.train.tp.size
+        for pp in sorted({lay.pp for lay in chain(Layout(pl.stages, 1, tp), job.scaling.min_size)}, reverse=True):
             try:
                 plan_chunks(units, pp * pl.chunks_per_rank, pl.split if pp == pl.stages else None)
             except PlanError as e:
@@ -122,12 +122,13 @@ class Pipeline(DataParallel):
     @classmethod
     def shape(cls, spec) -> Shape:
         """Whole layouts of the topology's chain: replicas come and go first, then stages."""
-        return Shape(stages=spec.pipeline.stages, sharded=cls.sharded, staged=True)
+        return Shape(stages=spec.pipeline.stages, sharded=cls.sharded, staged=True, tp=spec.tp.size)
 
     def __init__(self, mesh, spec, layout: Layout, rank: int):
         super().__init__(mesh, spec)
         self.layout = layout
         self.stage = layout.stage_of(rank)
+        self.tp_index = layout.tp_of(rank)
         self.replica = layout.replica_of(rank)
         self.cfg = spec.pipeline
         self.per_rank = self.cfg.chunks_per_rank
@@ -139,15 +140,15 @@ class Pipeline(DataParallel):
 
     @property
     def layout_key(self):
-        return ("pipeline", self.layout.pp, self.stage)
+        return ("pipeline", self.layout.pp, self.stage, self.tp_index)
 
     @property
     def loss_ranks(self) -> int:
-        return self.layout.dp
+        return self.layout.dp * self.layout.tp  # the last stage's ranks: each replica's tp ranks alike
 
     @property
     def grad_copies(self) -> int:
-        return self.layout.dp  # a stage's replicas hold copies; stages hold different parameters
+        return self.layout.dp  # a slot's replicas hold copies; stages (and tp slices) hold different parameters
 
     @property
     def first(self) -> bool:

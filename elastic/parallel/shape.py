@@ -5,10 +5,13 @@ says which shape it has (`Strategy.shape(spec)`); the controller sizes, grows, s
 re-plans through it and never tests a strategy's name:
   * flat (ddp, fsdp): every rank is a data-parallel replica (pp = 1); any world size between
     scaling.min_workers and max_workers; a shrink renumbers the survivors 0..k-1;
-  * staged (pipeline): ranks come and go in whole layouts of the topology's chain (replicas
-    first, then stages); a shrink keeps each survivor on its stage where it can.
+  * staged (pipeline, or any strategy with tensor parallelism): ranks come and go in whole
+    replicas of `stages x tp` ranks, along the topology's chain (replicas first, then stages); a
+    shrink keeps each survivor on its slot (stage, tp index) where it can.
 `sharded` says whether one rank holds only its part of the state (fsdp): then no single
-survivor holds it all, and a planned change moves every rank's part.
+survivor holds it all, and a planned change moves every rank's part. `via_storage`: a planned
+change moves the state through the checkpoint taken at the stop (fsdp x tp: 2-D shards, which
+DCP re-shards on load; the in-memory re-shard knows 1-D shards only).
 """
 from __future__ import annotations
 
@@ -22,9 +25,23 @@ class Shape:
     stages: int = 1  # pipeline stages at full size
     sharded: bool = False
     staged: bool = False  # resizes walk the topology's chain of whole layouts
+    tp: int = 1  # tensor-parallel ranks per stage (fixed for the run)
+
+    def __post_init__(self):
+        if self.tp > 1:
+            object.__setattr__(self, "staged", True)  # whole replicas of stages x tp ranks
+
+    @property
+    def via_storage(self) -> bool:
+        return self.sharded and self.tp > 1
+
+    @property
+    def unit(self) -> int:
+        """Ranks come and go in multiples of this (a replica's ranks)."""
+        return self.stages * self.tp
 
     def layout(self, world_size: int) -> Layout:
-        return Layout(self.stages, world_size // self.stages)
+        return Layout(self.stages, world_size // self.unit, self.tp)
 
     def grow(self, top: Layout, current: Layout, extra: int) -> Layout | None:
         """The layout `extra` more ranks make; None when they make none (staged: not a whole one)."""
@@ -42,7 +59,10 @@ class Shape:
     def offer_keepers(self, members: list[int], leaving: int | None) -> frozenset[int] | None:
         """At a planned change, the ranks that keep their part of the state in memory (moved rank to
         rank later); the others publish theirs. None: nothing is offered (a replica holds it all).
-        A pipeline's parts are published by every rank: a re-partition moves them by name."""
+        A pipeline's parts are published by every rank: a re-partition moves them by name (with
+        tensor parallelism a pipeline keeps its stages: config/job.py)."""
+        if self.tp > 1:  # replicas of each slot hold it (ddp, pipeline), or it moves through storage (fsdp)
+            return None
         if self.staged:
             return frozenset()
         if self.sharded:

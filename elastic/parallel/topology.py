@@ -1,10 +1,19 @@
-"""Where each rank sits: a named mesh (dp, pp) of pipeline replicas x stages.
+"""Where each rank sits: a named mesh (dp, pp, tp) of replicas x pipeline stages x tensor slices.
 
-One layout for every strategy. DDP and FSDP are (dp=world, pp=1). A pipeline
-has `pp` stages and `dp` replicas of the whole pipeline; rank = replica x pp +
-stage (replica-major), so adding a replica appends ranks and numbers nobody
-else. Resizes walk one chain of layouts, largest first: drop whole replicas
-while there is more than one, then re-partition the model over fewer stages:
+One layout for every strategy. DDP and FSDP are (dp=world, pp=1, tp=1). A
+pipeline has `pp` stages and `dp` replicas of the whole pipeline; tensor
+parallelism splits every stage's layers over `tp` ranks. A replica is `pp x tp`
+ranks, each holding one *slot* of the model (slot = stage x tp + tp index):
+
+    rank = replica x (pp x tp) + stage x tp + tp index
+
+replica-major, so adding a replica appends ranks and numbers nobody else, and
+the ranks of a tp group are consecutive (placed on one node where it can hold
+them: the fastest links). Every rank of a slot's `dp` group holds the same
+state (a replica of it), so a lost rank is restored from another replica of
+its slot. Resizes walk one chain of layouts, largest first: drop whole
+replicas while there is more than one, then re-partition the model over fewer
+stages (tp never changes in a run):
 
     (pp=3, dp=2) -> (3, 1) -> (2, 1) -> (1, 1)
 
@@ -20,31 +29,43 @@ from dataclasses import dataclass
 class Layout:
     pp: int  # pipeline stages
     dp: int  # data-parallel replicas (of the whole pipeline)
+    tp: int = 1  # tensor-parallel ranks per stage
+
+    @property
+    def slots(self) -> int:
+        """Ranks per replica: each holds a different part of the model."""
+        return self.pp * self.tp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.slots * self.dp
+
+    def slot_of(self, rank: int) -> int:
+        """Which part of the model `rank` holds (its stage and tp index): replicas of a slot hold
+        the same state."""
+        return rank % self.slots
 
     def stage_of(self, rank: int) -> int:
-        return rank % self.pp
+        return self.slot_of(rank) // self.tp
+
+    def tp_of(self, rank: int) -> int:
+        return rank % self.tp
 
     def replica_of(self, rank: int) -> int:
-        return rank // self.pp
+        return rank // self.slots
 
-    def rank_of(self, replica: int, stage: int) -> int:
-        return replica * self.pp + stage
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        return [self.rank_of(d, stage) for d in range(self.dp)]
+    def rank_of(self, replica: int, slot: int) -> int:
+        return replica * self.slots + slot
 
     def __str__(self) -> str:
-        return f"{self.pp} stage(s) x {self.dp} replica(s)"
+        tp = f" x {self.tp} tensor slice(s)" if self.tp > 1 else ""
+        return f"{self.pp} stage(s){tp} x {self.dp} replica(s)"
 
 
 def chain(top: Layout, min_world: int = 1) -> list[Layout]:
     """Every layout a run may take, largest first: replicas dropped one by one, then stages."""
-    out = [Layout(top.pp, d) for d in range(top.dp, 0, -1)]
-    out += [Layout(p, 1) for p in range(top.pp - 1, 0, -1)]
+    out = [Layout(top.pp, d, top.tp) for d in range(top.dp, 0, -1)]
+    out += [Layout(p, 1, top.tp) for p in range(top.pp - 1, 0, -1)]
     return [lay for lay in out if lay.world_size >= min_world]
 
 
@@ -65,14 +86,14 @@ def grow_to(top: Layout, current: Layout, extra: int) -> Layout | None:
 
 
 def reassign(old: Layout, survivors: list[int], new: Layout) -> dict[int, int]:
-    """old rank -> new rank for the survivors that fit `new`. A survivor keeps its stage where it
-    can (it keeps its state in memory); the rest fill the places left, in rank order. Survivors
-    beyond new.world_size get no place (the caller releases them)."""
+    """old rank -> new rank for the survivors that fit `new`. A survivor keeps its slot (stage and
+    tp index) where it can (it keeps its state in memory); the rest fill the places left, in rank
+    order. Survivors beyond new.world_size get no place (the caller releases them)."""
     mapping: dict[int, int] = {}
-    free = [new.rank_of(d, s) for d in range(new.dp) for s in range(new.pp)]
-    if new.pp == old.pp:
-        for s in range(new.pp):
-            mine = [r for r in sorted(survivors) if old.stage_of(r) == s]
+    free = [new.rank_of(d, s) for d in range(new.dp) for s in range(new.slots)]
+    if new.slots == old.slots:
+        for s in range(new.slots):
+            mine = [r for r in sorted(survivors) if old.slot_of(r) == s]
             for d, r in enumerate(mine[:new.dp]):
                 mapping[r] = new.rank_of(d, s)
                 free.remove(mapping[r])
@@ -82,17 +103,18 @@ def reassign(old: Layout, survivors: list[int], new: Layout) -> dict[int, int]:
     return mapping
 
 
-def stage_sources(old: Layout, mapping: dict[int, int], new: Layout, survivor_steps: dict[int, int]) -> tuple[int, ...] | None:
-    """For a memory restore after a change of replicas: per new stage, the new rank of a survivor
-    that held that stage at the newest step. None when some stage has no such survivor (the
-    stages changed, or a whole stage was lost): then the state comes from storage."""
-    if new.pp != old.pp or not survivor_steps:
+def slot_sources(old: Layout, mapping: dict[int, int], new: Layout, survivor_steps: dict[int, int]) -> tuple[int, ...] | None:
+    """For a memory restore after a change of replicas: per new slot (stage and tp index), the
+    new rank of a survivor that held that slot at the newest step. None when some slot has no
+    such survivor (the stages changed, or a whole slot was lost): then the state comes from
+    storage."""
+    if new.slots != old.slots or not survivor_steps:
         return None
     step = max(survivor_steps.values())
     out = []
-    for s in range(new.pp):
+    for s in range(new.slots):
         holders = sorted(mapping[r] for r, st in survivor_steps.items()
-                         if st == step and r in mapping and old.stage_of(r) == s and new.stage_of(mapping[r]) == s)
+                         if st == step and r in mapping and old.slot_of(r) == s and new.slot_of(mapping[r]) == s)
         if not holders:
             return None
         out.append(holders[0])

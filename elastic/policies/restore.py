@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 from elastic.config import FailureConfig
 from elastic.parallel.shape import Shape
-from elastic.parallel.topology import Layout, stage_sources
+from elastic.parallel.topology import Layout, slot_sources
 
 
 @dataclass(frozen=True)
 class FromPeer:
     src_rank: int
     step: int
-    stage_sources: tuple[int, ...] = ()  # a pipeline: per stage, the replica every rank of it copies
+    slot_sources: tuple[int, ...] = ()  # several slots (stages, tp): per slot, the replica its ranks copy
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
     """Memory first: a surviving replica that finished the newest step holds exact state (its
     gradient all-reduce completed, so it includes every rank's contribution). Storage when no
     replica survived, when the state is sharded (a lost rank's shards existed only in its
-    memory), or when the user asked for storage. A pipeline (`layout.pp` > 1) needs a surviving
-    replica of every stage at that step."""
+    memory), or when the user asked for storage. A layout of several slots (pipeline stages,
+    tensor slices) needs a surviving replica of every slot at that step."""
     if not cfg.peer_restore:
         return FromStorage(), "failure.peer_restore is off: restore from the latest committed checkpoint"
     if sharded:
@@ -54,13 +54,14 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
     if not survivor_steps:
         return FromStorage(), "no surviving replica holds state in memory: restore from the latest committed checkpoint"
     step = max(survivor_steps.values())
-    if layout is not None and layout.pp > 1:
-        sources = stage_sources(layout, {r: r for r in survivor_steps}, layout, survivor_steps)
+    if layout is not None and layout.slots > 1:
+        sources = slot_sources(layout, {r: r for r in survivor_steps}, layout, survivor_steps)
+        what = "stage" if layout.tp == 1 else "slot (stage x tensor slice)"
         if sources is None:
-            held = sorted({layout.stage_of(r) for r, s in survivor_steps.items() if s == step})
-            return FromStorage(), (f"pipeline: no surviving replica holds every stage at step {step} (stages held: "
-                                   f"{held} of {layout.pp}); every stage restores the latest committed checkpoint")
-        return FromPeer(sources[0], step, sources), (f"every stage from a surviving replica's memory (ranks "
+            held = sorted({layout.slot_of(r) for r, s in survivor_steps.items() if s == step})
+            return FromStorage(), (f"no surviving replica holds every {what} at step {step} (held: {held} of "
+                                   f"{layout.slots}); every rank restores the latest committed checkpoint")
+        return FromPeer(sources[0], step, sources), (f"every {what} from a surviving replica's memory (ranks "
                                                      f"{list(sources)}, step {step}), no storage read")
     src = min(r for r, s in survivor_steps.items() if s == step)
     return FromPeer(src, step), f"state from the memory of rank {src} (step {step}), no storage read"
@@ -68,17 +69,21 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
 
 def planned_restore(shape: Shape, peer_restore: bool, step: int, offers: dict, old_world: int,
                     src_rank: int = 0, old_layout: Layout | None = None,
-                    new_layout: Layout | None = None) -> RestoreSource:
+                    new_layout: Layout | None = None, swapped: int | None = None) -> RestoreSource:
     """How state reaches the new group after a planned stop (every old rank alive, all at the
     same step): rank `src_rank`'s broadcast (a replica holds it all), a re-shard of every rank's
     offered part (sharded), or, with failure.peer_restore off, the checkpoint taken at the stop.
-    A staged layout that keeps its stages copies each stage from replica 0 (ranks 0..pp-1, which
-    keep their numbers); one re-partitioned moves every unit's state by name."""
-    if not peer_restore:
+    A staged layout that keeps its slots copies each slot from replica 0 (ranks 0..slots-1, which
+    keep their numbers); one re-partitioned moves every unit's state by name (without tensor
+    parallelism: with it, from the checkpoint taken at the stop). A swap (`swapped`: the rank
+    replaced, every other rank alive) copies each slot from a replica other than that rank."""
+    if not peer_restore or shape.via_storage:
         return FromStorage()
     if shape.staged and old_layout is not None:
-        if old_layout.pp == new_layout.pp:
-            return FromPeer(0, step, tuple(range(new_layout.pp)))
+        if old_layout.slots == new_layout.slots:
+            sources = tuple(next(new_layout.rank_of(d, s) for d in range(new_layout.dp)
+                                 if new_layout.rank_of(d, s) != swapped) for s in range(new_layout.slots))
+            return FromPeer(sources[0], step, sources)
         return FromShards(offers, old_world, step, old_layout.pp)
     if shape.sharded:
         return FromShards(offers, old_world, step)
@@ -92,8 +97,8 @@ def restore_after_shrink(shape: Shape, plan: RestoreSource, old: Layout, mapping
     from a survivor that kept it at the newest step; with one replica left and the model
     re-partitioned over fewer stages, the lost stage's layers come from the latest committed
     checkpoint (DCP reads them by name into the new stages)."""
-    if shape.staged:
-        sources = stage_sources(old, mapping, new, survivor_steps) if peer_restore else None
+    if shape.staged and not shape.sharded:
+        sources = slot_sources(old, mapping, new, survivor_steps) if peer_restore else None
         if sources:
             return FromPeer(sources[0], max(survivor_steps.values()), sources)
         return FromStorage()

@@ -80,11 +80,12 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
                          uri=loaded, skipped=tuple(skipped))
 
 
-def from_peer(w: Worker, src_rank: int, stage_sources: list[int] | None = None) -> RestoreResult:
+def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None) -> RestoreResult:
     """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
-    holds the newest state, through the new group. No storage read. A pipeline names one
-    source per stage (`stage_sources[stage]`, a replica of that stage); a rank whose model
-    was built for another stage (a spare, a re-numbered survivor) builds its stage first."""
+    holds the newest state, through the new group. No storage read. A layout of several slots
+    (pipeline stages, tensor slices) names one source per slot (`slot_sources[slot]`, a replica
+    of that slot); a rank whose model was built for another stage (a spare, a re-numbered
+    survivor) builds its stage first."""
     t0 = time.monotonic()
     w.kept_offer = None
     if w.model is None or w.built_for != w.strategy.layout_key:
@@ -92,13 +93,13 @@ def from_peer(w: Worker, src_rank: int, stage_sources: list[int] | None = None) 
     step = torch.tensor([w.step], dtype=torch.int64, device=w.device)
     dist.broadcast(step, src=src_rank)
     w.step = int(step.item())
-    src = stage_sources[w.layout.stage_of(w.rank)] if stage_sources else src_rank
+    src = slot_sources[w.layout.slot_of(w.rank)] if slot_sources else src_rank
     w.strategy.broadcast_state(w.model, w.optimizer, src)
     if w.amp:
         broadcast_tensors([w.amp[k] for k in sorted(w.amp)], src, w.mesh.get_group("dp"))
     start_checkpointer(w)
     return RestoreResult(step=w.step, restore_s=time.monotonic() - t0,
-                         source=f"peer rank {src}" if not stage_sources else f"stage replicas {list(stage_sources)}")
+                         source=f"peer rank {src}" if not slot_sources else f"slot replicas {list(slot_sources)}")
 
 
 def offer(w: Worker, publish: bool = True) -> dict:

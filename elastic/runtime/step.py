@@ -166,7 +166,8 @@ class StepRunner:
         t_start = time.perf_counter()
         clock = ComputeClock(w.device)  # the rank's own work, on a GPU too (see compute_clock)
         clock.start()
-        seed = step_seed(w.job.run.seed, w.step, w.rank)
+        # One seed per slot group: the tp ranks of a slot draw alike (dropout on replicated activations).
+        seed = step_seed(w.job.run.seed, w.step, w.rank // w.layout.tp)
         # The CPU generator, and every CUDA device's once CUDA has started in this process (a GPU
         # rank's own; any a CPU rank's code started): all a step draws from. torch.manual_seed
         # would also queue lazy XPU/MTIA seeding (and CUDA's before it starts), formatting the
@@ -225,7 +226,8 @@ class StepRunner:
             grads = w.strategy.local_grads(w.model)
             if scale is not None:
                 torch._foreach_mul_(grads, 1.0 / scale)
-            sumsq = _sum_of_squares(grads, w.device) if check_grads else torch.zeros((), device=w.device)
+            sumsq = (_sum_of_squares(grads, w.device, w.strategy.grad_weights(w.model)) if check_grads
+                     else torch.zeros((), device=w.device))
             stats = StepStats.tensor(flags, sumsq)
             if not carried:
                 dist.all_reduce(stats)
@@ -245,7 +247,7 @@ class StepRunner:
         loss = agreed.loss_sum / w.strategy.loss_ranks
         with self._lock:
             self.compute_log.append(StepRecord(w.step, compute_s, loss))
-            if w.job.run.sample_ledger and lay.stage_of(w.rank) == 0:
+            if w.job.run.sample_ledger and lay.slot_of(w.rank) == 0:  # one rank per replica
                 self.ledger.append(LedgerEntry(w.step, lay.dp, replica, tuple(idx), w.order.num_samples))
         now = time.time()
         w.set_progress(step=w.step, loss=loss, step_end=now,
@@ -306,8 +308,9 @@ class StepRunner:
         tr = w.job.train
         if tr.strategy == "pipeline":
             return None
-        per_rank = tr.global_batch_size // w.job.scaling.num_workers
-        micro, _ = batch_plan(tr.global_batch_size, w.job.scaling.num_workers, tr.micro_batch_size)
+        replicas = w.job.scaling.num_workers // tr.tp.size
+        per_rank = tr.global_batch_size // replicas
+        micro, _ = batch_plan(tr.global_batch_size, replicas, tr.micro_batch_size)
         idx = list(range(min(per_rank, len(w.dataset))))
         times = []
         for _ in range(reps + 1):
@@ -328,7 +331,7 @@ class StepRunner:
         tr = self.w.job.train
         if tr.strategy == "pipeline":
             return 0
-        return batch_plan(tr.global_batch_size, self.w.world_size, tr.micro_batch_size)[0]
+        return batch_plan(tr.global_batch_size, self.w.layout.dp, tr.micro_batch_size)[0]
 
     def forget_bad_run(self) -> None:
         """After a restore every rank of the new group counts consecutive bad steps from zero:
@@ -403,10 +406,14 @@ def _scaled(loss_fn, scale: torch.Tensor):
     return lambda *args: loss_fn(*args) * scale
 
 
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device, weights: list[float] | None = None) -> torch.Tensor:
+    """Sum of squares of `grads`, each weighted (tensor parallelism: 1 / its copies in the tp group)."""
     if not grads:
         return torch.zeros((), device=device)
-    return torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum().to(device)
+    sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2)
+    if weights is not None:
+        sq = sq * torch.tensor(weights, dtype=sq.dtype, device=sq.device)
+    return sq.sum().to(device)
 
 
 def to_device(batch, device: torch.device):

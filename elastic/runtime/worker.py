@@ -127,7 +127,7 @@ class Worker:
         failure.rendezvous_timeout_s; the group's collectives at most
         failure.collective_timeout_s, a backstop: the controller aborts a collective blocked on
         a silent peer long before (see `abort`). `pp`: pipeline stages (elastic.parallel.topology: rank =
-        replica x pp + stage); 1 for ddp and fsdp."""
+        replica x pp x tp + stage x tp + tp index); 1 for ddp and fsdp. train.tp.size is the run's."""
         if self._running.is_set():
             # A run() still blocked in a collective of the old group would, when it finally fails,
             # tear down whatever group is current. Refuse; the controller aborts or replaces us.
@@ -155,14 +155,15 @@ class Worker:
                 rank=rank, world_size=world_size, timeout=timedelta(seconds=fc.collective_timeout_s))
             self._join_phase = ("building the device mesh and the checkpoint group", time.monotonic())
             self.rank, self.world_size = rank, world_size
-            self.layout = Layout(pp, world_size // pp)
+            tp = self.job.train.tp.size
+            self.layout = Layout(pp, world_size // (pp * tp), tp)
             device = "cuda" if self.job.scaling.use_gpu else "cpu"
-            if pp == 1:
-                self.mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp",))
-            else:
-                self.mesh = init_device_mesh(device, (self.layout.dp, pp), mesh_dim_names=("dp", "pp"))
+            # Axes of size 1 are left out (a 1-D "dp" mesh for ddp and fsdp without tp).
+            axes = [(n, k) for n, k in (("dp", self.layout.dp), ("pp", pp), ("tp", tp)) if n == "dp" or k > 1]
+            self.mesh = init_device_mesh(device, tuple(k for _, k in axes), mesh_dim_names=tuple(n for n, _ in axes))
+            for name, _ in axes[1:]:
                 # Created now, inside the window whose sockets `capture` records for an abort.
-                self.mesh.get_group("dp"), self.mesh.get_group("pp")
+                self.mesh.get_group("dp"), self.mesh.get_group(name)
             # Checkpoint collectives run on their own group, from the persist thread, concurrently
             # with training collectives on the default group.
             self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
@@ -260,11 +261,11 @@ class Worker:
         self.set_progress(holds_state=False)  # until the whole state is loaded (start_checkpointer)
         return restore.from_storage(self, candidates)
 
-    def restore_from_peer(self, src_rank: int, stage_sources: list[int] | None = None) -> RestoreResult:
-        """From the memory of survivor `src_rank` (a pipeline: of `stage_sources[stage]`)."""
-        if self.rank not in (stage_sources or [src_rank]):  # a receiver: overwritten from here on
+    def restore_from_peer(self, src_rank: int, slot_sources: list[int] | None = None) -> RestoreResult:
+        """From the memory of survivor `src_rank` (several slots: of `slot_sources[slot]`)."""
+        if self.rank not in (slot_sources or [src_rank]):  # a receiver: overwritten from here on
             self.set_progress(holds_state=False)
-        return restore.from_peer(self, src_rank, stage_sources)
+        return restore.from_peer(self, src_rank, slot_sources)
 
     def offer_shards(self, publish: bool = True) -> dict:
         """This rank's part of the state, for a re-shard in memory (kept here unless `publish`)."""

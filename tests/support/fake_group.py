@@ -269,9 +269,9 @@ class FakeGroup:
                     for r in self.members}
         return self._restored(int(candidates[0].rsplit("_", 1)[1]), "storage", candidates[0])
 
-    def restore_from_peer(self, src_rank: int, timeout_s: float, stage_sources: tuple = ()) -> dict[int, RestoreResult]:
-        self.calls.append(("restore_from_peer", src_rank) if not stage_sources else
-                          ("restore_from_peer", (src_rank, tuple(stage_sources))))
+    def restore_from_peer(self, src_rank: int, timeout_s: float, slot_sources: tuple = ()) -> dict[int, RestoreResult]:
+        self.calls.append(("restore_from_peer", src_rank) if not slot_sources else
+                          ("restore_from_peer", (src_rank, tuple(slot_sources))))
         return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
 
     def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1) -> dict[int, RestoreResult]:

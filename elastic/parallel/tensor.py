@@ -1,0 +1,147 @@
+"""Tensor parallelism: each layer's weights split over the `tp` ranks of a replica's slot group,
+with `torch.distributed.tensor.parallel` (DTensor's `parallelize_module`).
+
+A job sets `train.tp.size` and, optionally, `train.tp.plan`: a function `(model, tp_mesh)` that
+parallelizes the model in place (a pipeline passes it the rank's stage, an `nn.Sequential` of the
+whole model's children under their own names). Without one, the built-in plan below applies the
+Megatron-style split to every transformer block it recognises:
+
+  * attention: a fused `qkv` Linear (or separate `q`, `k`, `v`) split column-wise, its output
+    projection `proj` (or `o_proj`, `out_proj`) row-wise, so each tp rank computes whole heads;
+  * MLP: an `mlp` (or `ffn`, `feed_forward`) `nn.Sequential` whose first Linear is split
+    column-wise and last Linear row-wise.
+
+A fused `qkv` must be laid out head-major (the output features of head h are its q, k and v, one
+after another) and the block must take its local head count from the width it receives
+(`view(b, t, -1, 3, head_dim)`), as `examples/gpt.py` does: a column split then gives each rank
+whole heads. Everything the plan does not name (embeddings, norms, the head) stays a plain
+tensor, replicated over tp. Every rank builds the whole model from the seed and keeps its slice,
+so the values do not depend on the layout: the same seed gives the same weights at any tp.
+
+Helpers here let the data-parallel code treat a DTensor parameter by its local tensor.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ATTENTION_IN = (("qkv",), ("q", "k", "v"), ("q_proj", "k_proj", "v_proj"))
+ATTENTION_OUT = ("proj", "o_proj", "out_proj")
+MLP = ("mlp", "ffn", "feed_forward")
+
+
+class TensorPlanError(ValueError):
+    """The model cannot be split as asked; the message names the setting."""
+
+
+# ---------------------------------------------------------------- local views of DTensors
+def is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a DTensor's local shard; a plain tensor itself)."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`value` (this rank's local part) as a gradient for `param`: a DTensor with the parameter's
+    layout where the parameter is one, else `value` viewed in the parameter's shape."""
+    if not is_dtensor(param):
+        return value.view_as(param)
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(value.view(param._local_tensor.shape), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
+def copies_in_slot_group(t: torch.Tensor, tp: int) -> int:
+    """How many ranks of one replica's tp group hold each element of `t`: all `tp` unless `t` is
+    a DTensor split over the mesh's "tp" axis. (A plain tensor, or a parameter FSDP sharded over
+    "dp" only, is the same on every rank of the tp group.)"""
+    names = getattr(t.device_mesh, "mesh_dim_names", None) or () if is_dtensor(t) else ()
+    if "tp" not in names:
+        return tp
+    return tp if t.placements[names.index("tp")].is_replicate() else 1
+
+
+# ---------------------------------------------------------------- the built-in plan
+def _linear(module: nn.Module, name: str) -> nn.Linear | None:
+    m = getattr(module, name, None)
+    return m if isinstance(m, nn.Linear) else None
+
+
+def block_plan(module: nn.Module) -> dict[str, str]:
+    """For one module: child name -> "colwise" | "rowwise", if it is a block the built-in plan
+    recognises (attention, MLP, or both), else {}."""
+    plan: dict[str, str] = {}
+    for names in ATTENTION_IN:
+        if all(_linear(module, n) for n in names):
+            out = next((n for n in ATTENTION_OUT if _linear(module, n)), None)
+            if out is not None:
+                plan.update({n: "colwise" for n in names})
+                plan[out] = "rowwise"
+            break
+    for name in MLP:
+        mlp = getattr(module, name, None)
+        if isinstance(mlp, nn.Sequential):
+            lin = [n for n, c in mlp.named_children() if isinstance(c, nn.Linear)]
+            if len(lin) >= 2:
+                plan[f"{name}.{lin[0]}"] = "colwise"
+                plan[f"{name}.{lin[-1]}"] = "rowwise"
+            break
+    return plan
+
+
+def builtin_plans(model: nn.Module) -> dict[str, dict[str, str]]:
+    """Every recognised block of `model`: its name -> its plan (block_plan)."""
+    out = {}
+    for name, m in model.named_modules():
+        plan = block_plan(m)
+        if plan:
+            out[name] = plan
+    return out
+
+
+def check_builtin(model: nn.Module, tp: int) -> None:
+    """Before any worker starts (on the meta device): the built-in plan finds blocks, and tp
+    divides every split width and each block's head count (`heads` / `n_heads` / `num_heads`)."""
+    plans = builtin_plans(model)
+    if not plans:
+        raise TensorPlanError(
+            f"train.tp.size={tp}: the built-in plan found no block to split (it looks for a `qkv` Linear, or "
+            f"`q`/`k`/`v`, with a `proj` Linear, and an `mlp` nn.Sequential of Linears). Set train.tp.plan: "
+            f"module:function(model, tp_mesh) that parallelizes the model (torch.distributed.tensor.parallel)")
+    for name, plan in plans.items():
+        block = model.get_submodule(name)
+        heads = next((getattr(block, a) for a in ("heads", "n_heads", "num_heads") if isinstance(getattr(block, a, None), int)), None)
+        if heads is not None and heads % tp:
+            raise TensorPlanError(f"train.tp.size={tp} does not divide the {heads} attention heads of {name or '(root)'}: "
+                                  f"each tp rank must hold whole heads. Choose a tp size that divides {heads}")
+        for child, style in plan.items():
+            lin = block.get_submodule(child)
+            width, field = (lin.out_features, "output") if style == "colwise" else (lin.in_features, "input")
+            if width % tp:
+                raise TensorPlanError(f"train.tp.size={tp} does not divide the {width} {field} features of "
+                                      f"{name}.{child}, which the built-in plan splits {style}. Choose a tp size "
+                                      f"that divides {width}")
+
+
+def apply_builtin(model: nn.Module, tp_mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for name, plan in builtin_plans(model).items():
+        parallelize_module(model.get_submodule(name), tp_mesh, {c: style[s]() for c, s in plan.items()})
+    return model
+
+
+def apply(model: nn.Module, tp_mesh, plan_fn=None) -> nn.Module:
+    """Parallelize `model` over `tp_mesh` with the user's plan, else the built-in one."""
+    if plan_fn is None:
+        return apply_builtin(model, tp_mesh)
+    out = plan_fn(model, tp_mesh)
+    return model if out is None else out
+
+
+def import_plan(ref: str):
+    from elastic.config.train import _import_ref
+    return _import_ref(ref, "train.tp.plan")
