@@ -89,7 +89,7 @@ def test_stage_lost_with_a_surviving_replica_is_copied_from_memory(cluster, base
     assert plan["source"] == "FromPeer" and "no storage read" in plan["reason"]
     restored = result.events_of("restored")[-1]
     # Stage 1's replacement copies rank 3 (stage 1 of the other replica); stage 0 keeps its own.
-    assert restored["uri"] is None and restored["source"] == "stage replicas [0, 3]"
+    assert restored["uri"] is None and restored["source"] == "slot replicas [0, 3]"
     (rec,) = result.events_of("recovered")
     assert rec["resumed_step"] == FAULT_STEP and rec["lost_steps"] == 0
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH, num_samples(), seed=5)
@@ -139,6 +139,6 @@ def test_frozen_stage_is_found_by_silence_and_its_neighbours_keep_their_state(cl
     (silence,) = result.events_of("silence_detected")
     assert silence["ranks"] == [1]
     restored = result.events_of("restored")[-1]
-    assert restored["uri"] is None and restored["source"] == "stage replicas [0, 3]"
+    assert restored["uri"] is None and restored["source"] == "slot replicas [0, 3]"
     (rec,) = result.events_of("recovered")
     assert rec["lost_steps"] == 0 and rec["detect_s"] < 10

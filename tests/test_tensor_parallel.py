@@ -159,3 +159,17 @@ def test_a_checkpoint_written_with_tp_loads_bit_identical_at_other_layouts(tmp_p
                         candidates=[f"file://{step6}"], steps=6)
         assert {(o[4][:7], o[5]) for o in out} == {("storage", 6)}
         assert {o[2] for o in out} == {src[0][2]}, (strategy, workers, tp)  # the whole state, bit for bit
+
+
+# ---------------------------------------------------------------- placement (pure)
+def test_tp_groups_start_on_one_node_each_spread_over_nodes():
+    from elastic.policies.placement import place_tp_groups
+    p = place_tp_groups(list(range(8)), 2, {"a": 2.0, "b": 2.0, "c": 2.0, "d": 2.0}, 0.5)
+    assert [p.nodes[r] for r in range(8)] == ["a", "a", "b", "b", "c", "c", "d", "d"] and p.split == ()
+    # One-CPU nodes cannot hold a group of 2 whole-CPU ranks: left to Ray, and said so.
+    p = place_tp_groups([0, 1, 2, 3], 2, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, 1.0)
+    assert set(p.nodes.values()) == {None} and p.split == (0, 2)
+    assert "do not fit on one node" in p.reason(2)
+    # Two groups on one node when only it has room; a third fits nowhere.
+    p = place_tp_groups(list(range(6)), 2, {"a": 2.0, "b": 0.5}, 0.5)
+    assert [p.nodes[r] for r in range(6)] == ["a", "a", "a", "a", None, None] and p.split == (4,)

@@ -30,6 +30,14 @@ def on_starting(ctl: Controller, _: Starting) -> State:
         return Errored(str(e))
     ctl.events.emit("workers_started", ranks=list(range(n)),
                     nodes={r: m.node_id[:12] for r, m in ctl.group.members.items()})
+    tp = ctl.job.train.tp.size
+    if tp > 1:  # where each tp group landed (placement asks for one node; Ray has the last word)
+        split = [g for g in range(0, n, tp) if len({ctl.group.members[r].node_id for r in range(g, g + tp)}) > 1]
+        planned = ctl.group.placement.reason(tp) if ctl.group.placement else ""
+        ctl.events.emit("placement", tp=tp, split_groups=split, planned=planned,
+                        reason=(f"every tp group of {tp} ranks on one node" if not split else
+                                f"tp groups starting at ranks {split} span nodes: their tensor-parallel "
+                                f"collectives cross nodes (no node had room for a whole group)"))
     ctl.group.add_spares(ctl.job.scaling.num_spares)
     if ctl.job.scaling.wait_for_spares and ctl.job.scaling.num_spares:
         t0 = ctl.now()

@@ -26,6 +26,24 @@ def _probe() -> bool:
     return True
 
 
+def free_cpus_by_node() -> dict[str, float]:
+    """Each alive node's CPUs that no task or actor holds now (the head included)."""
+    out: dict[str, float] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            out[node["NodeID"]] = 0.0
+    for node_id, res in _available_by_node().items():
+        if node_id in out:
+            out[node_id] = res.get("CPU", 0.0)
+    return out
+
+
+def _available_by_node() -> dict[str, dict]:
+    # Ray has no public per-node view of available resources (ray.available_resources() sums
+    # the cluster); this is what `ray status` reads.
+    return ray._private.state.available_resources_per_node()
+
+
 class SparePool:
     members: dict[int, Member]  # the group's ranks (set by WorkerGroup); a spare given a rank moves there
 
@@ -55,10 +73,13 @@ class SparePool:
         self._probes: dict[str, "ray.ObjectRef"] = {}  # suspect node -> probe task in flight
         self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
 
-    def _new_actor(self, background: bool = False):
+    def _new_actor(self, background: bool = False, node: str | None = None):
         """A new worker actor, never on a suspect node. `background`: it starts beside a training
-        group, at the lowest CPU priority until it is built (see elastic/priority.py)."""
+        group, at the lowest CPU priority until it is built (see elastic/priority.py). `node`:
+        there if it has room (a soft affinity), else where Ray's SPREAD puts it."""
         opts = dict(self._actor_opts)
+        if node is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
         if background:
             env = dict(opts["runtime_env"] or {})
             env["env_vars"] = {**env.get("env_vars", {}), priority.BACKGROUND_ENV: "1"}

@@ -16,8 +16,9 @@ from ray.exceptions import RayActorError
 
 from elastic.group.rendezvous import Rendezvous
 from elastic.group.member import GroupError, Member, cause_of, death_cause, gather, kill_member, short_reason
-from elastic.group.spares import SparePool
+from elastic.group.spares import SparePool, free_cpus_by_node
 from elastic.policies.failure import formation_silent
+from elastic.policies.placement import Placement, place_tp_groups
 from elastic.protocol import AbortResult, LostCause, PollReport, RestoreResult, RunResult
 from elastic.runtime.heartbeat import Heartbeats
 
@@ -33,12 +34,20 @@ class WorkerGroup(SparePool):
         self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
         self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
         self.rendezvous = Rendezvous(ray.util.get_node_ip_address(), job.failure.rendezvous_timeout_s)
+        self.placement: Placement | None = None  # of the first start, with tensor parallelism
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
         """Start one worker per rank and wait until each has built its dataset and answered.
-        On failure, the ones that did start are kept only if all did (a half-done start is undone)."""
-        handles = {r: self._new_actor() for r in ranks}
+        On failure, the ones that did start are kept only if all did (a half-done start is undone).
+        With tensor parallelism each tp group starts on one node where one holds it
+        (elastic/policies/placement.py; `self.placement` says where, for the event log)."""
+        tp = self.job.train.tp.size
+        self.placement = None
+        if tp > 1:
+            self.placement = place_tp_groups(ranks, tp, free_cpus_by_node(), self.job.scaling.cpus_per_worker)
+        handles = {r: self._new_actor(node=self.placement.nodes.get(r)) for r in ranks} if self.placement else \
+            {r: self._new_actor() for r in ranks}
         refs = {r: h.info.remote() for r, h in handles.items()}
         infos, bad = gather(refs, timeout_s)
         if bad:

@@ -1,0 +1,47 @@
+"""Where the ranks of a tensor-parallel group start: on one node where the cluster allows.
+
+A tp group exchanges activations in every layer (two all-reduces per transformer block), the
+chattiest traffic of a step, so its ranks belong on one node's fast links; replicas, which meet
+once per step, are spread across nodes, so that losing a node loses whole tp groups whose
+replicas survive elsewhere. Pure decisions: the group asks Ray for each node's free CPUs, this
+says which node each tp group goes to, and the group starts them there (a soft affinity: Ray may
+still move one when the node fills meanwhile).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    nodes: dict[int, str | None]  # rank -> node id (None: wherever Ray's SPREAD puts it)
+    split: tuple[int, ...] = ()  # first ranks of the tp groups no single node could hold
+
+    def reason(self, tp: int) -> str:
+        if not self.split:
+            return f"every tp group of {tp} ranks on one node"
+        return (f"tp groups starting at ranks {list(self.split)} do not fit on one node (each needs {tp} "
+                f"workers' CPUs on one node): their ranks are spread, and their tensor-parallel "
+                f"collectives cross nodes")
+
+
+def place_tp_groups(ranks: list[int], tp: int, free_cpus: dict[str, float], cpus_per_worker: float) -> Placement:
+    """Each tp group among `ranks` (ranks r with the same r // tp) on the node with the most free
+    CPUs that holds all of it, so groups spread over nodes; a group that fits nowhere is left to
+    Ray and named in `split`. Nodes are taken in a fixed order (most free first, then by id)."""
+    free = dict(free_cpus)
+    groups: dict[int, list[int]] = {}
+    for r in sorted(ranks):
+        groups.setdefault(r // tp, []).append(r)
+    nodes: dict[int, str | None] = {}
+    split = []
+    for _, members in sorted(groups.items()):
+        need = len(members) * cpus_per_worker
+        fits = sorted((n for n, c in free.items() if c + 1e-9 >= need), key=lambda n: (-free[n], n))
+        if not fits:
+            nodes.update({r: None for r in members})
+            split.append(members[0])
+            continue
+        free[fits[0]] -= need
+        nodes.update({r: fits[0] for r in members})
+    return Placement(nodes, tuple(split))
