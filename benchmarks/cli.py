@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def add_bench_args(p) -> None:
     p.add_argument("name", choices=["recovery", "straggler", "resize", "controller", "churn", "pipeline", "overhead", "checkpoint",
-                                     "data"],
+                                     "data", "parallel"],
                    help="which benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system")
     p.add_argument("--reps-large", type=int, default=1,
@@ -30,8 +30,17 @@ def add_bench_args(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="churn: seed of the fault schedule (rep r uses seed + r)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
                    help="pipeline: the schedule every system runs")
-    p.add_argument("--gpt", default="4,64,64",
-                   help="pipeline: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (the model every system trains)")
+    p.add_argument("--gpt", default=None,
+                   help="pipeline, parallel: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (the model every system "
+                        "trains; default 4,64,64 for pipeline, 4,256,64 for parallel)")
+    p.add_argument("--memory", action="store_true",
+                   help="parallel: peak memory per rank (eager vs meta init, activation checkpointing off/on) "
+                        "instead of throughput")
+    p.add_argument("--gpt-sizes", default=None,
+                   help="parallel --memory: model sizes as LAYERS,DIM,CONTEXT separated by ';' (default: --gpt)")
+    p.add_argument("--layouts", default=None,
+                   help="parallel: STRATEGY:dpDxtpT layouts, comma-separated (default "
+                        "ddp:dp2xtp2,fsdp:dp2xtp2,ddp:dp4,fsdp:dp4)")
     p.add_argument("--latency-ms", default=None,
                    help="data: milliseconds a relay adds to every S3 request, one setting each, comma-separated "
                         "(0: loopback, no relay; default 0,15)")
@@ -59,7 +68,12 @@ def run_bench(args) -> int:
         return overhead_main(args)
     if args.name == "pipeline":
         from benchmarks.pipeline import main as pipeline_main
+        args.gpt = args.gpt or "4,64,64"
         return pipeline_main(args)
+    if args.name == "parallel":
+        from benchmarks.parallel import main as parallel_main
+        args.gpt = args.gpt or "4,256,64"
+        return parallel_main(args)
     if args.name == "churn":
         from benchmarks.churn import main as churn_main
         return churn_main(args)

@@ -38,6 +38,22 @@ def append_markdown(out_dir: str, text: str) -> None:
         f.write(text)
 
 
+def write_report(out_dir: str | None, records: list[dict], table: str, notes: str,
+                 json_name: str | None = None, json_data: dict | None = None) -> None:
+    """Print the table and its notes; with `out_dir`, append the records and the table there, and
+    write `json_name` (the summary) beside them."""
+    print(table)
+    print(f"- {notes}")
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    append_results(out_dir, records)
+    append_markdown(out_dir, table + f"\n- {notes}\n\n")
+    if json_name:
+        with open(os.path.join(out_dir, json_name), "w") as f:
+            json.dump(json_data, f, indent=2, default=str)
+
+
 def medians(records: list[dict], metrics: list[str], key: str = "system") -> dict[str, dict[str, float | None]]:
     by: dict[str, list[dict]] = defaultdict(list)
     for r in records:

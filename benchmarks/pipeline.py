@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 
-from benchmarks.output import append_markdown, append_results, emit, markdown_table, medians, parse_systems
+from benchmarks.output import emit, markdown_table, medians, parse_systems, write_report
 from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
 
 SEED, GLOBAL_BATCH, MICROBATCHES = 0, 48, 6  # 6 micro-batches suit 2 and 3 stages under every schedule
@@ -441,15 +441,9 @@ def main(args) -> int:
              f"rank 0; stage loss: checkpoint every {CKPT_EVERY} steps, fault after step {faults} (by repetition) "
              f"of {RECOVERY_STEPS}")
     emit({"bench": "pipeline", "summary": True, **summary})
-    print(table)
-    print(f"- {notes}")
+    write_report(args.out, records, table, notes, "pipeline.json",
+                 {"command": " ".join(["elastic", *sys.argv[1:]]) if sys.argv else None, "notes": notes, **summary})
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        append_results(args.out, records)
-        append_markdown(args.out, table + f"\n- {notes}\n\n")
-        with open(os.path.join(args.out, "pipeline.json"), "w") as f:
-            json.dump({"command": " ".join(["elastic", *sys.argv[1:]]) if sys.argv else None, "notes": notes,
-                       **summary}, f, indent=2)
         plot(os.path.join(args.out, "pipeline.png"), records)
         print(f"wrote {args.out}/results.jsonl, results.md, pipeline.json, pipeline.png")
     return 0

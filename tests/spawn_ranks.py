@@ -24,22 +24,49 @@ def rendezvous_port() -> int:
     return _STORES[-1].address()[1]
 
 
-def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q):
+def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None):
     os.environ.update(env)
     from elastic.runtime.worker import Worker
+    if data_limit_mb is not None:
+        # A hard cap on the private memory this rank may commit (heap and anonymous mappings, what
+        # tensors live in): past it an allocation fails, and the rank reports the error.
+        import resource
+        resource.setrlimit(resource.RLIMIT_DATA, (data_limit_mb * 2 ** 20, data_limit_mb * 2 ** 20))
     w = Worker(job_json, root)
     w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
-    out = w.restore(candidates)
-    res = w.run(steps, [])
+    try:
+        out = w.restore(candidates)
+        import resource
+        restored_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the build's peak
+        res = w.run(steps, [])
+    except Exception as e:  # noqa: BLE001 - reported (a memory cap that is too low fails here)
+        import resource
+        q.put((rank, "error", f"{type(e).__name__}: {e}", None, None, None,
+               {"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        return
+    import resource
     q.put((rank, res.status, res.digest or res.error, w._progress["loss"], out.source, out.step,
            {"grad_norm": w._progress.get("grad_norm"), "skipped": list(w.runner.skipped), "step": w.step,
-            "lr": w.optimizer.param_groups[0]["lr"]}))
+            "lr": w.optimizer.param_groups[0]["lr"],
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "restored_rss_mb": restored_rss,
+            "vmdata_mb": _vm_data_mb()}))
     w.leave()
 
 
-def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expect="done") -> list[tuple]:
+def _vm_data_mb() -> float:
+    """This process's private writable memory now (what RLIMIT_DATA caps), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expect="done",
+              data_limit_mb: int | None = None) -> list[tuple]:
     """Every rank of `job` as its own process, trained to `steps` (default run.num_steps).
-    Returns per rank (rank, status, digest or error, loss, restore source, restored step, extra)."""
+    Returns per rank (rank, status, digest or error, loss, restore source, restored step, extra).
+    `data_limit_mb`: each rank's RLIMIT_DATA, set before it builds anything."""
     jc = JobConfig.model_validate(job)
     world = jc.scaling.num_workers
     ctx = torch.multiprocessing.get_context("spawn")
@@ -49,10 +76,11 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
     port = rendezvous_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
-                                                  steps or jc.run.num_steps, env or {}, q)) for r in range(world)]
+                                                  jc.run.num_steps if steps is None else steps, env or {}, q,
+                                                  data_limit_mb)) for r in range(world)]
     for p in procs:
         p.start()
-    out = sorted(q.get(timeout=240) for _ in procs)
+    out = sorted((q.get(timeout=600) for _ in procs), key=lambda o: o[0])
     for p in procs:
         p.join(timeout=60)
     if expect is not None:

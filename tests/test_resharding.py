@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from elastic.parallel import resharding
 from elastic.config import FsdpSpec
+from elastic.config.train import TensorParallelSpec
 from elastic.parallel.resharding import Piece, ReshardError, part_rows, pieces
 
 
@@ -70,7 +71,8 @@ def _setup(rank, world, port, tag, strategy="fsdp"):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    strat = STRATEGIES[strategy](mesh, SimpleNamespace(fsdp=FsdpSpec(), precision="fp32"))
+    strat = STRATEGIES[strategy](mesh, SimpleNamespace(fsdp=FsdpSpec(), precision="fp32", tp=TensorParallelSpec(),
+                                                       activation_checkpointing=None))
     model = strat.prepare(_model(), sync_init=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return strat, model, opt

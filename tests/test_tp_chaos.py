@@ -5,6 +5,11 @@
   the whole tp group of stage 0 of replica 0 with it; the replacements copy that slot from
   replica 1's memory (no storage read, no step redone), and the run ends bit-identical, rank by
   rank, to an uninterrupted one.
+* the same node kill with replacements too slow to wait for (scaling.shrink_after_s 1 s): the
+  group shrinks to the one replica left, every slot from a survivor that holds it (a replacement
+  that joined without state never takes a holder's slot), then grows back to 2 replicas when the
+  replacements are warm; the survivors' DTensors are re-bound to each new mesh, the replicas end
+  equal and every sample is seen once.
 * fsdp x tp (2-D shards), a rank's process killed: no single survivor holds its shards, so the
   group restores the newest committed checkpoint, re-sharded by DCP, and ends bit-identical.
 """
@@ -68,6 +73,7 @@ def baseline_3d(ray_cluster, tmp_path_factory):
 
 def test_node_kill_in_3d_copies_the_lost_tp_group_from_the_other_replica(cluster, baseline_3d, tmp_path):
     j = gpt_3d(tmp_path, [{"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}])
+    j["scaling"]["shrink_after_s"] = 120  # wait for the replacements (their start takes seconds here)
     result = Trainer(j).fit(progress=False)
     assert result.digests == baseline_3d
     (plan,) = result.events_of("restore_plan")
@@ -79,6 +85,20 @@ def test_node_kill_in_3d_copies_the_lost_tp_group_from_the_other_replica(cluster
     assert rec["resumed_step"] == FAULT_STEP and rec["lost_steps"] == 0
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH,
                       _num_samples(), seed=0, lost_rank_upto=(0, FAULT_STEP))  # replica 0's unpolled steps
+
+
+def test_3d_shrinks_to_one_replica_from_memory_and_grows_back(cluster, tmp_path):
+    j = gpt_3d(tmp_path, [{"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}])
+    j["scaling"].update(shrink_after_s=1, grow_check_s=1)
+    result = Trainer(j).fit(progress=False)
+    assert result.metrics["step"] == NUM_STEPS
+    resized = result.events_of("resized")
+    assert [(r["old_world_size"], r["new_world_size"], r["path"]) for r in resized] == [(8, 4, "memory"),
+                                                                                        (4, 8, "memory")], resized
+    d = result.digests
+    assert all(d[r] == d[r % 4] for r in range(8))  # the replicas of every slot end equal
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH, _num_samples(),
+                      seed=0, lost_rank_upto=(0, FAULT_STEP))
 
 
 def test_fsdp_tp_process_kill_restores_2d_shards_from_storage(cluster, tmp_path_factory, tmp_path):

@@ -135,6 +135,16 @@ class TrainSpec(_Strict):
     pipeline: PipelineSpec | None = Field(None, description="Required when strategy is pipeline.")
     tp: TensorParallelSpec = Field(default_factory=TensorParallelSpec,
                                    description="Tensor parallelism, with any strategy (docs/large-models.md).")
+    meta_init: bool = Field(
+        False, description="Build the model on the meta device (no memory); each rank then allocates and initialises "
+                           "only its own part (stage, tensor slice, FSDP shard), one module at a time from the run's "
+                           "seed and the module's name, so the weights do not depend on the layout. Each module with "
+                           "tensors of its own is initialised by its reset_parameters(), or by train.init. "
+                           "docs/large-models.md.")
+    init: str | None = Field(
+        None, description="With train.meta_init: module:function(name, module) that initialises one module's own "
+                          "parameters and buffers in place (a full-size copy on the CPU, its children not included), "
+                          "instead of module.reset_parameters(). Seeded per module: draw from torch's global RNG.")
     activation_checkpointing: list[str] | None = Field(
         None, description="Class names of the blocks whose activations are recomputed in backward instead of kept "
                           "(torch.utils.checkpoint, non-reentrant, one block at a time; e.g. [Block]). Checked on "
@@ -193,6 +203,9 @@ class TrainSpec(_Strict):
             raise ValueError(f"train.loss is required with train.strategy={self.strategy}")
         if self.strategy == "pipeline" and self.micro_batch_size is not None:
             raise ValueError("train.micro_batch_size is not used by a pipeline: set train.pipeline.microbatches")
+        if self.init is not None and not self.meta_init:
+            raise ValueError("train.init is set but train.meta_init is false: set train.meta_init: true (an eager "
+                             "build initialises the model in its own constructor)")
         if self.prefetch and self.data_workers:
             raise ValueError(f"train.prefetch (a thread) and train.data_workers={self.data_workers} (processes) both "
                              "read ahead: set one of them")
@@ -211,6 +224,7 @@ class TrainSpec(_Strict):
             "loss": _import_ref(self.loss, "train.loss") if self.loss else None,
             "stage_loss": _import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
             "tp_plan": _import_ref(self.tp.plan, "train.tp.plan") if self.tp.plan else None,
+            "init": _import_ref(self.init, "train.init") if self.init else None,
             "scheduler": _import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
             "optimizer": _import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
         }

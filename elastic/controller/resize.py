@@ -49,7 +49,9 @@ def shrink(ctl: Controller, why: str, t0: float) -> State:
     reason = (f"no replacement within scaling.shrink_after_s={sc.shrink_after_s}s "
               f"({why.splitlines()[0][:200]}); scaling.min_workers={sc.min_size}")
     old = ctl.layout
-    new, mapping = ctl.shape.shrink(ctl.top, old, sorted(ctl.group.members), sc.min_size)
+    newest = max(ctl.survivor_steps.values(), default=None)
+    holders = frozenset(r for r, st in ctl.survivor_steps.items() if st == newest)
+    new, mapping = ctl.shape.shrink(ctl.top, old, sorted(ctl.group.members), sc.min_size, holders)
     ctl.group.renumber(mapping)
     plan = restore_after_shrink(ctl.shape, ctl.restore_plan, old, mapping, new, ctl.survivor_steps,
                                 ctl.job.failure.peer_restore)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from elastic.parallel import memory, tensor
+from elastic.parallel import memory, meta_init, tensor
 from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
 from elastic.parallel.shape import Shape
 
@@ -61,7 +61,7 @@ class Strategy(ABC):
         exist, and the built-in tensor-parallel plan fits; seen on the model built on the meta
         device."""
         tr = job.train
-        needs_meta = tr.tp.size > 1 or tr.activation_checkpointing is not None
+        needs_meta = tr.tp.size > 1 or tr.activation_checkpointing is not None or tr.meta_init
         try:
             with torch.device("meta"):
                 model = model_fn()
@@ -79,6 +79,8 @@ class Strategy(ABC):
         memory.select(model, tr.activation_checkpointing, "train.activation_checkpointing")
         if tr.tp.size > 1 and tr.tp.plan is None:
             tensor.check_builtin(model, tr.tp.size)
+        if tr.meta_init and tr.init is None:
+            meta_init.check(model, None)
 
     @classmethod
     def shape(cls, spec) -> Shape:

@@ -49,11 +49,13 @@ class Shape:
             return grow_to(top, current, extra)
         return Layout(1, current.world_size + extra)
 
-    def shrink(self, top: Layout, old: Layout, survivors: list[int], min_size: int) -> tuple[Layout, dict[int, int]]:
-        """The layout the survivors fill, and old rank -> new rank for those that keep a place."""
+    def shrink(self, top: Layout, old: Layout, survivors: list[int], min_size: int,
+               holders=frozenset()) -> tuple[Layout, dict[int, int]]:
+        """The layout the survivors fill, and old rank -> new rank for those that keep a place
+        (`holders`, the ranks that hold the newest state, keep theirs first)."""
         if self.staged:
             new = shrink_to(top, len(survivors), min_size)
-            return new, reassign(old, sorted(survivors), new)
+            return new, reassign(old, sorted(survivors), new, holders)
         return Layout(1, len(survivors)), {old_rank: new for new, old_rank in enumerate(sorted(survivors))}
 
     def offer_keepers(self, members: list[int], leaving: int | None) -> frozenset[int] | None:

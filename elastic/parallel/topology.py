@@ -85,15 +85,17 @@ def grow_to(top: Layout, current: Layout, extra: int) -> Layout | None:
     return None
 
 
-def reassign(old: Layout, survivors: list[int], new: Layout) -> dict[int, int]:
+def reassign(old: Layout, survivors: list[int], new: Layout, holders=frozenset()) -> dict[int, int]:
     """old rank -> new rank for the survivors that fit `new`. A survivor keeps its slot (stage and
-    tp index) where it can (it keeps its state in memory); the rest fill the places left, in rank
-    order. Survivors beyond new.world_size get no place (the caller releases them)."""
+    tp index) where it can (it keeps its state in memory), those in `holders` (that hold the
+    newest state) first: a replacement that joined without state never takes a slot from one
+    that has it. The rest fill the places left, in rank order. Survivors beyond new.world_size
+    get no place (the caller releases them)."""
     mapping: dict[int, int] = {}
     free = [new.rank_of(d, s) for d in range(new.dp) for s in range(new.slots)]
     if new.slots == old.slots:
         for s in range(new.slots):
-            mine = [r for r in sorted(survivors) if old.slot_of(r) == s]
+            mine = sorted((r for r in survivors if old.slot_of(r) == s), key=lambda r: (r not in holders, r))
             for d, r in enumerate(mine[:new.dp]):
                 mapping[r] = new.rank_of(d, s)
                 free.remove(mapping[r])

@@ -7,16 +7,20 @@ the state; every restore path (elastic/runtime/restore.py) goes through here.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import TYPE_CHECKING
 
 import torch
 
+from elastic.parallel import meta_init
 from elastic.parallel.ddp import unhook
 from elastic.runtime.step import LOSS_SCALE_INIT
 
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
+
+META = ("meta",)  # `built_for` of a spare's model kept on the meta device: built again on joining
 
 
 def build(w: Worker, sync_init: bool = False) -> None:
@@ -28,18 +32,52 @@ def build(w: Worker, sync_init: bool = False) -> None:
         unhook(w.model)
         w.model = w.optimizer = w.scheduler = None
     torch.manual_seed(w.job.run.seed)
-    model = w.fns["model"]().to(w.device)
+    tr = w.job.train
+    if tr.meta_init:  # elastic/parallel/meta_init.py: split on meta, then each rank allocates its part
+        with torch.device("meta"):
+            model = w.fns["model"]()
+        template = copy.deepcopy(model)
+        if w.strategy is None:  # a spare: stays on meta (no memory) until it joins and knows its part
+            w.model, w.optimizer, w.built_for = model, None, META
+            return
+    else:
+        model, template = w.fns["model"]().to(w.device), None
     make_opt = w.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))
     if w.strategy:
         w.strategy.note_optimizer(model, make_opt)
-        model = w.strategy.prepare(model, sync_init)
+        # A meta model needs no broadcast: every rank computes the same values from the seed.
+        model = w.strategy.prepare(model, sync_init and template is None)
+    if template is not None:
+        meta_init.materialize(model, template, w.device, w.job.run.seed, w.fns["init"])
     w.model = model
     w.built_for = w.strategy.layout_key if w.strategy else None
+    w.built_generation = w.generation  # the group whose mesh the model's DTensors are bound to
     w.optimizer = make_opt(w.model.parameters())
     w.factory_lrs = [g["lr"] for g in w.optimizer.param_groups]  # where a schedule starts
     if w.job.train.precision == "fp16":
         w.amp = {"good_steps": torch.zeros((), dtype=torch.int64, device=w.device),
                  "scale": torch.full((), LOSS_SCALE_INIT, device=w.device)}
+
+
+def rebind(w: Worker) -> None:
+    """A survivor with tensor parallelism, in a new group: its DTensors (and the plan's hooks) are
+    bound to the old group's mesh, whose process groups are gone. Build the model again on the new
+    mesh (the same slot, so the same local shapes) and move this rank's tensors into it, model and
+    optimizer alike: nothing is communicated, and the state is exactly what it held."""
+    from elastic.parallel.resharding import flatten
+    from elastic.parallel.tensor import local
+    w.forget_old_meshes()
+    held = {path: local(t) for path, t in flatten(state_dict(w)) if isinstance(t, torch.Tensor)}
+    amp = w.amp
+    build(w)
+    fresh = state_dict(w)
+    with torch.no_grad():
+        for path, t in flatten(fresh):
+            if isinstance(t, torch.Tensor):
+                local(t).copy_(held.pop(path))
+    load_state(w, fresh)
+    if amp:
+        w.amp = amp
 
 
 def state_dict(w: Worker) -> dict:
@@ -77,16 +115,20 @@ def replay_schedule(w: Worker) -> None:
 
 def digest(w: Worker) -> str:
     """sha256 over the whole (unsharded) model and optimizer state in a fixed order: equal
-    digests, equal state. Collective for sharded strategies."""
+    digests, equal state, whatever the layout. Collective for sharded strategies: each sharded
+    tensor is gathered whole on its own, hashed and dropped, so the peak is one tensor, never the
+    whole state (a model larger than one worker still has a digest)."""
     h = hashlib.sha256()
     w.forget_old_meshes()
-    state = w.strategy.full_state_dict(w.model, w.optimizer)
+    state = w.strategy.state_dict(w.model, w.optimizer)
     for section in ("model", "optim"):
         _hash_into(h, state[section])
     return h.hexdigest()
 
 
 def _hash_into(h, obj) -> None:
+    if hasattr(obj, "full_tensor"):  # a DTensor: its whole value, gathered from every part
+        obj = obj.full_tensor()
     if isinstance(obj, torch.Tensor):
         h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
     elif isinstance(obj, dict):

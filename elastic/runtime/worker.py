@@ -63,6 +63,7 @@ class Worker:
         self.rank = self.world_size = -1
         self.layout = Layout(1, 1)
         self.built_for = None  # the strategy layout the model was built for (a pipeline: its stage)
+        self.built_generation = None  # the group the model was built in (tensor parallelism binds it there)
         self.generation = 0  # the controller's group generation this rank last joined
         self._abort: collectives.GroupAbort | None = None
         self._joining = None
@@ -197,8 +198,9 @@ class Worker:
         return AbortResult(aborted=True, transports=n, running=self._running.is_set(), step=self.step)
 
     def forget_old_meshes(self) -> None:
-        """Sharded tensors only: see strategies.base.forget_old_meshes (called in each thread)."""
-        if self.strategy is not None and self.strategy.sharded:
+        """Sharded and tensor-parallel tensors only: see parallel.base.forget_old_meshes (called
+        in each thread)."""
+        if self.strategy is not None and (self.strategy.sharded or self.strategy.tp > 1):
             forget_old_meshes(self.generation)
 
     def leave(self) -> None:
@@ -243,7 +245,10 @@ class Worker:
         return priority.restore()
 
     def calibrate(self, reps: int = 5) -> float | None:
-        """Best compute time of one rank's share of a step on this process (see StepRunner.calibrate)."""
+        """Best compute time of one rank's share of a step on this process (see StepRunner.calibrate).
+        None for a model kept on the meta device (train.meta_init: it has no values to run yet)."""
+        if self.built_for == state.META:
+            return None
         return self.runner.calibrate(reps)
 
     def request_stop(self, generation: int) -> int:

@@ -1,0 +1,206 @@
+"""`python -m benchmarks parallel`: elastic's tensor-parallel layouts against the same model, plan
+and data under a plain torch script (`benchmarks.plain_tp`, torchrun, torchtitan-style), in one run
+on one local cluster, systems interleaved within each repetition.
+
+Throughput (figure `parallel_ratio`): steady-state steps/s of elastic divided by the plain
+script's, per layout (`--layouts`, default ddp:dp2xtp2,fsdp:dp2xtp2,ddp:dp4,fsdp:dp4). Both train
+`examples/gpt.py` at `--gpt` LAYERS,DIM,CONTEXT, with the global batch BATCH, AdamW, one compute
+thread per rank; elastic checkpoints once, after the last step, the plain script never. Steps/s
+is timed the same way for both: an optimizer post-step hook on global rank 0 logs every step's
+end (`plain_pipeline.timed_optimizer`); the first WARMUP_STEPS steps are left out.
+
+The cluster: NODES worker nodes of 2 CPUs; elastic's ranks take one CPU each, so a tp group of 2
+starts on one node. The plain processes run beside it on the same machine.
+
+Memory (`--memory`): peak resident memory per rank of elastic's FSDP over MEMORY_WORLD ranks
+(real gloo ranks in spawned processes, no Ray), per model size (`--gpt` sizes separated by `;`),
+eager build against `train.meta_init`, and activation checkpointing off and on: the peak after
+the build and the peak over MEMORY_STEPS steps (one asynchronous checkpoint's staging included).
+
+Not measured here yet: pipeline x tp against a plain script, CPU offload, and recovery of a lost
+tp rank against Ray Train.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+from benchmarks.output import emit, medians, parse_systems, write_report
+from benchmarks.pipeline import _connect_with_env, gpt_env, read_step_log
+from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
+
+SEED, BATCH, STEPS, WARMUP_STEPS = 0, 16, 60, 10
+MEMORY_WORLD, MEMORY_STEPS = 4, 2
+NODES = 2
+SYSTEMS = ["elastic", "torch"]
+DEFAULT_LAYOUTS = "ddp:dp2xtp2,fsdp:dp2xtp2,ddp:dp4,fsdp:dp4"
+
+
+def parse_layout(spec: str) -> tuple[str, int, int]:
+    """'fsdp:dp2xtp2' -> ("fsdp", 2, 2); 'ddp:dp4' -> ("ddp", 4, 1). ValueError naming the flag."""
+    try:
+        strategy, shape = spec.split(":")
+        parts = dict((p[:2], int(p[2:])) for p in shape.split("x"))
+        dp, tp = parts.pop("dp"), parts.pop("tp", 1)
+        if parts or strategy not in ("ddp", "fsdp") or min(dp, tp) < 1:
+            raise ValueError
+    except (ValueError, KeyError):
+        raise ValueError(f"--layouts: expected STRATEGY:dpDxtpT (ddp or fsdp, e.g. fsdp:dp2xtp2 or ddp:dp4), "
+                         f"got {spec!r}") from None
+    return strategy, dp, tp
+
+
+def elastic_job(strategy: str, dp: int, tp: int, storage_uri: str) -> dict:
+    return {
+        "run": {"name": f"bench-parallel-{uuid.uuid4().hex[:8]}", "num_steps": STEPS, "seed": SEED},
+        "scaling": {"num_workers": dp * tp, "cpus_per_worker": 1},
+        "checkpoint": {"storage_uri": storage_uri, "every_steps": STEPS},
+        "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
+                  "loss": "examples.gpt:loss_fn", "optimizer": "benchmarks.plain_pipeline:timed_optimizer",
+                  "global_batch_size": BATCH, "strategy": strategy, "tp": {"size": tp}},
+    }
+
+
+def figures(step_log: str) -> dict:
+    lines = read_step_log(step_log)
+    if len(lines) != STEPS:
+        raise RuntimeError(f"the step log has {len(lines)} lines for {STEPS} steps")
+    return {**step_rate([x["t"] for x in lines], WARMUP_STEPS), "threads": lines[-1]["threads"]}
+
+
+def run_elastic(strategy: str, dp: int, tp: int, step_log: str, storage_uri: str) -> dict:
+    from elastic import Trainer
+    open(step_log, "w").close()
+    result = Trainer(elastic_job(strategy, dp, tp, storage_uri)).fit(progress=False)
+    if result.events_of("recovered") or result.metrics["step"] != STEPS:
+        raise RuntimeError(f"elastic's run was not fault-free: {result.summary()}")
+    placed = result.events_of("placement")
+    return {**figures(step_log), "tp_split_groups": placed[0]["split_groups"] if placed else []}
+
+
+def run_plain(strategy: str, dp: int, tp: int, step_log: str, env: dict[str, str]) -> dict:
+    open(step_log, "w").close()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp * tp}",
+           "-m", "benchmarks.plain_tp", "--strategy", strategy, "--tp", str(tp), "--steps", str(STEPS),
+           "--global-batch", str(BATCH), "--seed", str(SEED)]
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"the plain script failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return figures(step_log)
+
+
+def summarise(records: list[dict]) -> tuple[dict, str]:
+    med = medians([{**r, "row": f"{r['layout']} {r['system']}"} for r in records],
+                  ["steps_per_s", "median_step_s", "parallel_ratio"], key="row")
+    lines = ["| layout | system | reps | median steps/s | median step s | elastic ÷ torch (median of reps) |",
+             "|---|---|---|---|---|---|"]
+    for row, m in med.items():
+        layout, system = row.rsplit(" ", 1)
+        ratio = f"{m['parallel_ratio']:.3f}" if m.get("parallel_ratio") is not None else ""
+        lines.append(f"| {layout} | {system} | {m['n']} | {m['steps_per_s']:.2f} | {m['median_step_s']:.4f} | {ratio} |")
+    return med, "\n".join(lines) + "\n"
+
+
+def run_memory(sizes: list[str], out: str | None) -> int:
+    """Peak RSS per rank (MiB) for each size x {eager, meta init} x {activation checkpointing off, on}."""
+    from tests.spawn_ranks import run_ranks
+    records = []
+    for size in sizes:
+        env = gpt_env(size)
+        for meta in (False, True):
+            for ac in (None, ["Block"]):
+                work = tempfile.mkdtemp(prefix="elastic-bench-parallel-mem-")
+                job = {"run": {"name": "mem", "num_steps": MEMORY_STEPS, "seed": SEED},
+                       "scaling": {"num_workers": MEMORY_WORLD},
+                       "checkpoint": {"storage_uri": f"file://{work}", "every_steps": 100},
+                       "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
+                                 "loss": "examples.gpt:loss_fn", "global_batch_size": BATCH, "strategy": "fsdp",
+                                 "meta_init": meta, "activation_checkpointing": ac}}
+                out_ranks = run_ranks(job, steps=MEMORY_STEPS, env=env)
+                r = {"bench": "parallel", "part": "memory", "gpt": size, "strategy": "fsdp", "world": MEMORY_WORLD,
+                     "meta_init": meta, "activation_checkpointing": bool(ac),
+                     "build_peak_mib": max(o[6]["restored_rss_mb"] for o in out_ranks),
+                     "run_peak_mib": max(o[6]["maxrss_mb"] for o in out_ranks)}
+                records.append(r)
+                emit(r)
+    lines = ["| GPT layers,dim,context | build | activation checkpointing | peak RSS after the build (MiB) | "
+             "peak RSS over the run (MiB) |", "|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['gpt']} | {'meta init' if r['meta_init'] else 'eager'} | "
+                     f"{'on' if r['activation_checkpointing'] else 'off'} | {r['build_peak_mib']:.0f} | "
+                     f"{r['run_peak_mib']:.0f} |")
+    table = "\n".join(lines) + "\n"
+    notes = (f"FSDP over {MEMORY_WORLD} gloo ranks (spawned processes), global batch {BATCH}, AdamW, "
+             f"{MEMORY_STEPS} steps; the largest rank's ru_maxrss")
+    write_report(out, records, table, notes)
+    return 0
+
+
+def main(args) -> int:
+    from elastic.local_cluster import local_cluster
+
+    if getattr(args, "memory", False):
+        try:
+            return run_memory((args.gpt_sizes or args.gpt).split(";"), args.out)
+        except ValueError as e:
+            print(f"python -m benchmarks parallel: {e}", file=sys.stderr)
+            return 2
+
+    systems = parse_systems("parallel", args.systems, list(SYSTEMS))
+    if systems is None:
+        return 2
+    try:
+        layouts = [parse_layout(s) for s in (args.layouts or DEFAULT_LAYOUTS).split(",")]
+        env = gpt_env(args.gpt)
+    except ValueError as e:
+        print(f"python -m benchmarks parallel: {e}", file=sys.stderr)
+        return 2
+    work = tempfile.mkdtemp(prefix="elastic-bench-parallel-")
+    step_log = os.path.join(work, "steps.jsonl")
+    import examples
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))
+    paths = [repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**env, STEP_LOG_ENV: step_log, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    os.environ.update(env)
+    from examples.gpt import build_model
+    params = sum(p.numel() for p in build_model().parameters())
+    common = {"bench": "parallel", "params": params, "gpt": args.gpt, "global_batch": BATCH, "num_steps": STEPS,
+              "warmup_steps": WARMUP_STEPS}
+    records: list[dict] = []
+    storage_uri = "file://" + os.path.join(work, "runs")
+    with local_cluster(num_worker_nodes=NODES, cpus_per_node=2) as cluster:
+        _connect_with_env(cluster, env)
+        for rep in range(args.reps):
+            order = [s for s in SYSTEMS if s in systems]
+            if rep % 2:
+                order.reverse()
+            for strategy, dp, tp in layouts:
+                layout = f"{strategy} dp{dp}xtp{tp}"
+                got = {}
+                for system in order:
+                    cluster.ensure_worker_nodes(NODES)
+                    t0 = time.time()
+                    figs = (run_elastic(strategy, dp, tp, step_log, storage_uri) if system == "elastic"
+                            else run_plain(strategy, dp, tp, step_log, env))
+                    got[system] = {**common, "system": system, "layout": layout, "strategy": strategy, "dp": dp,
+                                   "tp": tp, "rep": rep, **figs, "total_s": time.time() - t0}
+                if len(got) == 2:
+                    got["elastic"]["parallel_ratio"] = got["elastic"]["steps_per_s"] / got["torch"]["steps_per_s"]
+                for r in got.values():
+                    records.append(r)
+                    emit(r)
+    summary, table = summarise(records)
+    notes = (f"examples/gpt.py at GPT_LAYERS,GPT_DIM,GPT_CONTEXT={args.gpt} ({params:,} parameters), global batch "
+             f"{BATCH}, AdamW, one compute thread per rank, gloo; elastic on a local cluster of {NODES} nodes of 2 "
+             f"CPUs (a rank per CPU), the plain script under torchrun beside it; steps/s from the end of step "
+             f"{WARMUP_STEPS + 1} to the end of step {STEPS}, timed by an optimizer post-step hook on global rank 0; "
+             f"systems alternate order by repetition")
+    write_report(args.out, records, table, notes, "parallel.json",
+                 {"command": " ".join(["python -m benchmarks", *sys.argv[1:]]), "notes": notes, "medians": summary})
+    if args.out:
+        print(f"wrote {args.out}/results.jsonl, results.md, parallel.json")
+    return 0
