@@ -10,7 +10,8 @@ is timed the same way for both: an optimizer post-step hook on global rank 0 log
 end (`plain_pipeline.timed_optimizer`); the first WARMUP_STEPS steps are left out.
 
 The cluster: NODES worker nodes of 2 CPUs; elastic's ranks take one CPU each, so a tp group of 2
-starts on one node. The plain processes run beside it on the same machine.
+starts on one node. The plain processes run beside it on the same machine, at the niceness Ray
+gives its workers (as `benchmarks overhead` runs its torch DDP peer).
 
 Memory (`--memory`): peak resident memory per rank of elastic's FSDP over MEMORY_WORLD ranks
 (real gloo ranks in spawned processes, no Ray), per model size (`--gpt` sizes separated by `;`),
@@ -30,6 +31,7 @@ import time
 import uuid
 
 from benchmarks.output import emit, medians, parse_systems, write_report
+from benchmarks.overhead import ray_worker_niceness
 from benchmarks.pipeline import _connect_with_env, gpt_env, read_step_log
 from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
 
@@ -82,9 +84,12 @@ def run_elastic(strategy: str, dp: int, tp: int, step_log: str, storage_uri: str
     return {**figures(step_log), "tp_split_groups": placed[0]["split_groups"] if placed else []}
 
 
-def run_plain(strategy: str, dp: int, tp: int, step_log: str, env: dict[str, str]) -> dict:
+def run_plain(strategy: str, dp: int, tp: int, step_log: str, env: dict[str, str], niceness: int) -> dict:
+    """The plain script under torchrun, at the priority Ray gives its workers (as the overhead
+    benchmark runs its torch DDP peer): background processes then preempt both alike."""
     open(step_log, "w").close()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp * tp}",
+    increment = max(0, niceness - os.getpriority(os.PRIO_PROCESS, 0))
+    cmd = ["nice", "-n", str(increment), sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp * tp}",
            "-m", "benchmarks.plain_tp", "--strategy", strategy, "--tp", str(tp), "--steps", str(STEPS),
            "--global-batch", str(BATCH), "--seed", str(SEED)]
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
@@ -174,6 +179,8 @@ def main(args) -> int:
     storage_uri = "file://" + os.path.join(work, "runs")
     with local_cluster(num_worker_nodes=NODES, cpus_per_node=2) as cluster:
         _connect_with_env(cluster, env)
+        niceness = ray_worker_niceness()
+        common["niceness"] = niceness
         for rep in range(args.reps):
             order = [s for s in SYSTEMS if s in systems]
             if rep % 2:
@@ -185,7 +192,7 @@ def main(args) -> int:
                     cluster.ensure_worker_nodes(NODES)
                     t0 = time.time()
                     figs = (run_elastic(strategy, dp, tp, step_log, storage_uri) if system == "elastic"
-                            else run_plain(strategy, dp, tp, step_log, env))
+                            else run_plain(strategy, dp, tp, step_log, env, niceness))
                     got[system] = {**common, "system": system, "layout": layout, "strategy": strategy, "dp": dp,
                                    "tp": tp, "rep": rep, **figs, "total_s": time.time() - t0}
                 if len(got) == 2:
@@ -196,7 +203,7 @@ def main(args) -> int:
     summary, table = summarise(records)
     notes = (f"examples/gpt.py at GPT_LAYERS,GPT_DIM,GPT_CONTEXT={args.gpt} ({params:,} parameters), global batch "
              f"{BATCH}, AdamW, one compute thread per rank, gloo; elastic on a local cluster of {NODES} nodes of 2 "
-             f"CPUs (a rank per CPU), the plain script under torchrun beside it; steps/s from the end of step "
+             f"CPUs (a rank per CPU), the plain script under torchrun beside it at Ray's worker niceness; steps/s from the end of step "
              f"{WARMUP_STEPS + 1} to the end of step {STEPS}, timed by an optimizer post-step hook on global rank 0; "
              f"systems alternate order by repetition")
     write_report(args.out, records, table, notes, "parallel.json",
