@@ -176,6 +176,7 @@ class WorkerGroupProtocol(Protocol):
     lost_spares: list[str]
     newly_ready: list[tuple[str, int, bool]]
     slowest_poll_answer_s: float
+    placement: Any  # elastic.policies.placement.Placement of the first start (tensor parallelism), or None
 
     def start(self, ranks: list[int], timeout_s: float) -> None: ...
     def add_spares(self, n: int, on_demand: bool = False, background: bool = False,

@@ -182,8 +182,10 @@ class Pipeline(DataParallel):
         mine = chunks_of_stage(self.stage, self.layout.pp, self.per_rank)
         self.chunks = [all_chunks[c] for c in mine]
         stage_module = nn.Sequential(OrderedDict((u, getattr(model, u)) for chunk in self.chunks for u in chunk))
-        # A survivor keeps its module across groups (and strategy objects): the cut travels with it.
+        # A survivor keeps its module across groups (and strategy objects): the cut travels with it,
+        # and so do the unsplit model's param groups (a new strategy object never saw the build).
         stage_module.elastic_chunks = self.chunks
+        stage_module.elastic_full_groups = self.full_groups
         return super().prepare(stage_module, sync_init)  # replica 0's init, over the dp axis
 
     # ---------------------------------------------------------------- the step
@@ -231,6 +233,8 @@ class Pipeline(DataParallel):
 
     # ---------------------------------------------------------------- state by name
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        if not self.full_groups:  # a survivor in a new group: its strategy object is new, its module is not
+            self.full_groups = getattr(model, "elastic_full_groups", [])
         state = super().state_dict(model, optimizer)
         state["optim"]["param_groups"] = self._canonical_groups(state["optim"]["param_groups"])
         return state

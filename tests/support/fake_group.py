@@ -67,6 +67,7 @@ class FakeGroup:
     spare_starts: list = field(default_factory=list)  # (n, on_demand, background) per add_spares that started any
     calibrated_starts: list = field(default_factory=list)  # whether those spares calibrate before they are ready
     lost_spares: list = field(default_factory=list)
+    placement: object = None  # where tp groups start (WorkerGroup.start); none here
     suspect_nodes: set = field(default_factory=set)
     calls: list = field(default_factory=list)  # (method, args) in order
     # test hooks
