@@ -3,6 +3,7 @@ joins, restores (fresh init or the given checkpoints), trains, and reports what 
 from __future__ import annotations
 
 import os
+import resource
 
 import torch
 
@@ -30,21 +31,17 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
     if data_limit_mb is not None:
         # A hard cap on the private memory this rank may commit (heap and anonymous mappings, what
         # tensors live in): past it an allocation fails, and the rank reports the error.
-        import resource
         resource.setrlimit(resource.RLIMIT_DATA, (data_limit_mb * 2 ** 20, data_limit_mb * 2 ** 20))
     w = Worker(job_json, root)
     w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
     try:
         out = w.restore(candidates)
-        import resource
         restored_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the build's peak
         res = w.run(steps, [])
     except Exception as e:  # noqa: BLE001 - reported (a memory cap that is too low fails here)
-        import resource
         q.put((rank, "error", f"{type(e).__name__}: {e}", None, None, None,
                {"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         return
-    import resource
     q.put((rank, res.status, res.digest or res.error, w._progress["loss"], out.source, out.step,
            {"grad_norm": w._progress.get("grad_norm"), "skipped": list(w.runner.skipped), "step": w.step,
             "lr": w.optimizer.param_groups[0]["lr"],

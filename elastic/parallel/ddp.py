@@ -93,7 +93,8 @@ class DataParallel(Strategy):
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = plan_buckets(self._params, BUCKET_BYTES)
         self._bucket_of = {i: k for k, b in enumerate(self._buckets) for i in b}
-        self._bufs = [torch.empty(sum(local(self._params[i]).numel() for i in b), dtype=self._params[b[0]].dtype,
+        self._numels = [local(p).numel() for p in self._params]  # this rank's part (a tp slice of a DTensor)
+        self._bufs = [torch.empty(sum(self._numels[i] for i in b), dtype=self._params[b[0]].dtype,
                                   device=self._params[b[0]].device) for b in self._buckets]
         index = {id(p): i for i, p in enumerate(self._params)}
         model.elastic_grad_hooks = [p.register_post_accumulate_grad_hook(
@@ -125,7 +126,7 @@ class DataParallel(Strategy):
         buf, scale, offset = self._bufs[k], self._scale, 0
         for i in self._buckets[k]:
             p = self._params[i]
-            n = local(p).numel()
+            n = self._numels[i]
             if p.grad is None:  # no gradient this step (an unused parameter): zeros
                 buf[offset:offset + n].zero_()
             else:
@@ -168,7 +169,7 @@ class DataParallel(Strategy):
             offset = 0
             for i in self._buckets[k]:
                 p = self._params[i]
-                n = local(p).numel()
+                n = self._numels[i]
                 p.grad = like(buf[offset:offset + n], p)
                 offset += n
         self._works = []
