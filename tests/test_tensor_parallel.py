@@ -150,6 +150,25 @@ def test_every_combination_trains_like_the_same_model_without_tp(tmp_path):
             assert out[r][2] == out[lay.slot_of(r)][2], (strategy, r)
 
 
+def foreach_adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01, foreach=True)
+
+
+@pytest.mark.timeout(600)
+def test_ddp_x_tp_gives_the_optimizer_plain_tensors_so_foreach_works(tmp_path):
+    """torch's multi-tensor optimizers refuse a mix of DTensors and tensors; DDP x TP keeps its
+    parameters plain outside forward (tensor.localize), as torch's DDP does, through activation
+    checkpointing's recompute too."""
+    opt = "tests.test_tensor_parallel:foreach_adamw"
+    base_loss, base_norm = _summary(run_ranks(gpt_job(tmp_path, workers=2, tp=1, name="fe", optimizer=opt)))
+    for strategy, stages in [("ddp", None), ("pipeline", 2)]:
+        job = gpt_job(tmp_path, strategy, workers=4, stages=stages, name=f"fe{strategy}", optimizer=opt,
+                      activation_checkpointing=["Block"])
+        loss, norm = _summary(run_ranks(job, pp=stages or 1))
+        assert math.isclose(loss, base_loss, rel_tol=REL), (strategy, loss, base_loss)
+        assert math.isclose(norm, base_norm, rel_tol=REL), (strategy, norm, base_norm)
+
+
 @pytest.mark.timeout(600)
 def test_a_checkpoint_written_with_tp_loads_bit_identical_at_other_layouts(tmp_path):
     src = run_ranks(gpt_job(tmp_path, workers=4, tp=2, name="src"))

@@ -111,8 +111,7 @@ class Strategy(ABC):
         the global one). None without tensor parallelism: every weight is 1."""
         if self.tp == 1:
             return None
-        return [1.0 / tensor.copies_in_slot_group(g, self.tp)
-                for g in (p.grad for p in model.parameters()) if g is not None]
+        return [1.0 / tensor.copies_in_slot_group(p, self.tp) for p in model.parameters() if p.grad is not None]
 
     @property
     def loss_ranks(self) -> int:
@@ -154,6 +153,11 @@ class Strategy(ABC):
             plan = self.spec.tp.plan
             model = tensor.apply(model, self.mesh["tp"], tensor.import_plan(plan) if plan else None)
         memory.checkpoint_blocks(model, self.spec.activation_checkpointing if self.spec else None)
+        return model
+
+    def finish(self, model: nn.Module) -> nn.Module:
+        """The last step of a build, once the model holds its values (after `prepare` and, with
+        train.meta_init, after each rank filled its part); the optimizer is built on what it returns."""
         return model
 
     def set_gradient_sync(self, model: nn.Module, on: bool) -> None:

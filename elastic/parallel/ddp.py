@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic.parallel import tensor
 from elastic.parallel.base import Strategy, broadcast_tensors
 from elastic.parallel.tensor import like, local
 
@@ -73,6 +74,18 @@ class DataParallel(Strategy):
         """The dp axis is the whole world (no tensor parallelism): all-reduced buckets are equal
         on every rank."""
         return self.tp == 1
+
+    # ---------------------------------------------------------------- tensor parallelism
+    def finish(self, model: nn.Module) -> nn.Module:
+        """With tensor parallelism, plain parameters outside forward (tensor.localize), as torch's
+        DDP keeps them; the state dict still carries DTensors (`state_dict`)."""
+        return tensor.localize(model) if self.tp > 1 else model
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return tensor.as_dtensors(model, super().state_dict(model, optimizer))
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        super().load_state_dict(model, optimizer, tensor.as_locals(state) if self.tp > 1 else state)
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         """Every replica holds the whole state, so one broadcast per dtype of every model and

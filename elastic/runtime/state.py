@@ -49,6 +49,8 @@ def build(w: Worker, sync_init: bool = False) -> None:
         model = w.strategy.prepare(model, sync_init and template is None)
     if template is not None:
         meta_init.materialize(model, template, w.device, w.job.run.seed, w.fns["init"])
+    if w.strategy:
+        model = w.strategy.finish(model)
     w.model = model
     w.built_for = w.strategy.layout_key if w.strategy else None
     w.built_generation = w.generation  # the group whose mesh the model's DTensors are bound to
