@@ -54,7 +54,8 @@ from elastic.workload import HIDDEN_ENV, build_mlp, build_model  # noqa: F401 - 
 
 NUM_WORKERS, GLOBAL_BATCH, SEED, CKPT_EVERY = 2, 96, 0, 50
 DEFAULT_HIDDEN = "1024,3072,10000"
-SYSTEMS = ["elastic", "torch-ddp", "ray-train"]
+SYSTEMS = ["elastic", "torch-ddp", "ray-train", "elastic-fsdp", "elastic-fsdp-nocopies"]
+DEFAULT_SYSTEMS = "elastic,torch-ddp,ray-train"  # the FSDP pair measures the in-memory copies (--systems)
 PEER = "torch-ddp"
 TARGET = 0.97  # issue 9: at least this fraction of torch DDP's steps/s at every size
 LARGE_PARAMS = 50_000_000  # from here on: a shorter warm-up and `--reps-large` repetitions
@@ -182,14 +183,18 @@ def rotated(systems: list[str], rep: int) -> list[str]:
 
 
 def elastic_job(hidden: int, num_steps: int, storage_uri: str, num_workers: int = NUM_WORKERS,
-                gpu: bool = False) -> dict:
+                gpu: bool = False, system: str = "elastic") -> dict:
+    """elastic's job; `system` elastic-fsdp trains FSDP with its in-memory copies on (every step, the
+    default), elastic-fsdp-nocopies the same with them off (checkpoint.memory_every_steps 0)."""
+    fsdp = system.startswith("elastic-fsdp")
     return {
         "run": {"name": f"bench-overhead-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
         "scaling": {"num_workers": num_workers, "use_gpu": gpu},
-        "checkpoint": {"storage_uri": storage_uri, "every_steps": CKPT_EVERY},
+        "checkpoint": {"storage_uri": storage_uri, "every_steps": CKPT_EVERY,
+                       "memory_every_steps": 0 if system == "elastic-fsdp-nocopies" else 1},
         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
                   "loss": "elastic.workload:loss_fn", "optimizer": "benchmarks.overhead:timed_optimizer",
-                  "global_batch_size": GLOBAL_BATCH},
+                  "global_batch_size": GLOBAL_BATCH, "strategy": "fsdp" if fsdp else "ddp"},
     }
 
 
@@ -203,10 +208,11 @@ def plain_command(hidden: int, num_steps: int, ckpt_dir: str, num_workers: int =
 
 
 # ---------------------------------------------------------------- the systems
-def run_elastic(hidden: int, num_steps: int, work: str, num_workers: int = NUM_WORKERS, gpu: bool = False) -> None:
+def run_elastic(hidden: int, num_steps: int, work: str, num_workers: int = NUM_WORKERS, gpu: bool = False,
+                system: str = "elastic") -> None:
     from elastic import Trainer
     runs = os.path.join(work, "elastic")
-    result = Trainer(elastic_job(hidden, num_steps, "file://" + runs, num_workers, gpu)).fit(progress=False)
+    result = Trainer(elastic_job(hidden, num_steps, "file://" + runs, num_workers, gpu, system)).fit(progress=False)
     shutil.rmtree(runs, ignore_errors=True)
     if result.events_of("recovered") or result.metrics["step"] != num_steps:
         raise RuntimeError(f"elastic's run was not fault-free: {result.summary()}")
@@ -350,7 +356,27 @@ def summarise(records: list[dict]) -> tuple[list[dict], str]:
                 cell = "1" if system == PEER else ("-" if ratio is None else f"{ratio:.3f}")
                 lines.append(f"| {params / 1e6:.1f} M | {mode} | {system} | {m['n']} | {m['step_s']:.4g} | "
                              f"{m['steps_per_s']:.4g} | {cell} |")
-    return rows, "\n".join(lines) + "\n"
+    copies = copies_table(records)
+    return rows, "\n".join(lines) + "\n" + (copies or "")
+
+
+def copies_table(records: list[dict]) -> str | None:
+    """FSDP with its in-memory copies against the same run without them: steps/s on ÷ off, of the
+    medians, per size and mode (None unless both ran)."""
+    if not {"elastic-fsdp", "elastic-fsdp-nocopies"} <= {r["system"] for r in records}:
+        return None
+    lines = ["", "| parameters | checkpoints | FSDP steps/s, copies every step ÷ off (median of reps) | per rep |",
+             "|---|---|---|---|"]
+    for params in dict.fromkeys(r["params"] for r in records):
+        for mode in MODES:
+            sel = [r for r in records if r["params"] == params and r["checkpoints"] == mode]
+            on = {r["rep"]: r["steps_per_s"] for r in sel if r["system"] == "elastic-fsdp"}
+            off = {r["rep"]: r["steps_per_s"] for r in sel if r["system"] == "elastic-fsdp-nocopies"}
+            reps = [on[k] / off[k] for k in sorted(on) if k in off]
+            if reps:
+                ratio = statistics.median(on.values()) / statistics.median(off.values())
+                lines.append(f"| {params / 1e6:.1f} M | {mode} | {ratio:.3f} | {', '.join(f'{x:.3f}' for x in reps)} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(path: str, records: list[dict]) -> None:
@@ -394,7 +420,7 @@ def plot(path: str, records: list[dict]) -> None:
 def main(args) -> int:
     from elastic.local_cluster import local_cluster
 
-    systems = parse_systems("overhead", args.systems, list(SYSTEMS))
+    systems = parse_systems("overhead", args.systems or DEFAULT_SYSTEMS, list(SYSTEMS))
     if systems is None:
         return 2
     try:
@@ -433,8 +459,8 @@ def main(args) -> int:
                     cluster.ensure_worker_nodes(num_nodes)
                     open(step_log, "w").close()
                     t0 = time.time()
-                    if system == "elastic":
-                        run_elastic(hidden, p["num_steps"], work, world, gpu)
+                    if system.startswith("elastic"):
+                        run_elastic(hidden, p["num_steps"], work, world, gpu, system)
                     elif system == "torch-ddp":
                         run_plain(hidden, p["num_steps"], work, step_log, niceness, world, gpu)
                     else:

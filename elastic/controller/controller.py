@@ -100,6 +100,7 @@ class Controller:
         self.state: State = Starting()
         self.generation = 0  # bumped by every group formation
         self.failures = 0
+        self.copies_fallbacks = 0  # faults of sharded state that found no complete in-memory copies
         self.pending_faults = [f.model_dump() for f in self.job.chaos]
         self.fault_lock = threading.Lock()
         self.last_fault: dict | None = None  # set by report_fault, consumed by recovery bookkeeping

@@ -13,7 +13,8 @@ from elastic.controller.records import RecoveryRecord
 from elastic.controller.states import Errored, Forming, Recovering, State
 from elastic.group.worker_group import GroupError, cause_of
 from elastic.policies.failure import FailureObservation, LostRank, Raise, decide_failure
-from elastic.policies.restore import choose_restore
+from elastic.policies.buddies import choose_copies
+from elastic.policies.restore import FromShards, FromStorage, choose_restore
 from elastic.protocol import LostCause
 from elastic.storage import call_within
 
@@ -88,6 +89,8 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     # failed to form) reports step 0, and taking it would start the run over.
     ctl.survivor_steps = {r: a.step for r, a in answers.items() if a.holds_state}
     ctl.restore_plan, why = choose_restore(ctl.survivor_steps, cfg, ctl.shape.sharded, ctl.layout)
+    if isinstance(ctl.restore_plan, FromStorage) and ctl.shape.sharded and not ctl.shape.staged and cfg.peer_restore:
+        ctl.restore_plan, why = from_copies(ctl, answers, why)
     ctl.events.emit("restore_plan", source=type(ctl.restore_plan).__name__, reason=why)
     sc = ctl.job.scaling
     missing = [r for r in range(ctl.world_size) if r not in group.members]
@@ -103,6 +106,22 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     ctl.events.emit("workers_replaced", ranks=missing, start_s=ctl.now() - t0, how=how,
                     nodes={r: group.members[r].node_id[:12] for r in missing})
     return merge_overlapping(ctl)
+
+
+def from_copies(ctl: Controller, answers: dict, storage_why: str):
+    """Sharded state: the newest step every old rank's part has an in-memory copy of, in a
+    survivor's memory (its own, or its buddy's copy), re-sharded into the new group from there.
+    Storage when no such step exists (a rank lost with its buddy), said in the reason and counted."""
+    if not ctl.job.checkpoint.memory_every_steps:
+        return FromStorage(), storage_why
+    holders = {r: a for r, a in answers.items() if a.holds_state}
+    found, why = choose_copies(ctl.world_size, {r: a.memory_steps for r, a in holders.items()},
+                               {r: a.copies_held for r, a in holders.items()})
+    if found is None:
+        ctl.copies_fallbacks += 1
+        return FromStorage(), f"{why}: restore from the latest committed checkpoint (fallback {ctl.copies_fallbacks})"
+    step, sources = found
+    return FromShards(ctl.group.memory_parts(sources, step), ctl.world_size, step), why
 
 
 def merge_overlapping(ctl: Controller) -> State:

@@ -11,6 +11,7 @@ from elastic.checkpoint.layout import abandon_after, committed_checkpoints
 from elastic.controller import finish, lifecycle, reports, resize, stragglers
 from elastic.controller.states import Errored, Recovering, Restoring, Running, RunWatch, State
 from elastic.group.worker_group import cause_of
+from elastic.policies.buddies import choose_buddies
 from elastic.policies.failure import LostRank, decide_silence, detect_hang, excused_by_heartbeat
 from elastic.policies.restore import FromStorage, rollback_target
 from elastic.protocol import LostCause, RankStatus, RunStatus
@@ -26,11 +27,24 @@ def on_running(ctl: Controller, st: Running) -> State:
     if st.watch is None:
         with ctl.fault_lock:
             faults = list(ctl.pending_faults)
-        ctl.run_refs = ctl.group.run(ctl.job.run.num_steps, faults, sorted(ctl.run_log.skip_steps))
+        ctl.run_refs = ctl.group.run(ctl.job.run.num_steps, faults, sorted(ctl.run_log.skip_steps), buddies(ctl))
         ctl.training.rank_status = {}
         ctl.training.last_progress_at = ctl.now()
         return Running(RunWatch(dict(ctl.run_refs)))
     return tick(ctl, st.watch) or st
+
+
+def buddies(ctl: Controller) -> dict[int, int]:
+    """Who keeps whose in-memory copy in this group (sharded state, checkpoint.memory_every_steps),
+    said in a `buddies` event; {} where the state is replicated (a replica is the copy)."""
+    if not (ctl.job.checkpoint.memory_every_steps and ctl.shape.sharded and not ctl.shape.staged):
+        return {}
+    pairs, alone = choose_buddies({r: m.node_id for r, m in ctl.group.members.items()})
+    ctl.events.emit("buddies", generation=ctl.generation, buddies=pairs, alone=alone,
+                    every_steps=ctl.job.checkpoint.memory_every_steps,
+                    reason="each rank's copy on another node" if not alone else
+                    f"ranks {alone} share their node with every other rank: no copy of theirs survives its loss")
+    return pairs
 
 
 def tick(ctl: Controller, w: RunWatch) -> State | None:

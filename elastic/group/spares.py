@@ -54,7 +54,7 @@ class SparePool:
         self._remote_worker = ray.remote(Worker)
         self._actor_opts = dict(
             num_cpus=sc.cpus_per_worker, num_gpus=1 if sc.use_gpu else 0,
-            max_concurrency=4,  # run() on one thread; poll, ping and abort answer on others
+            max_concurrency=6,  # run() on one thread; poll, ping, abort and a buddy's copy on others
             max_restarts=0,  # the controller replaces workers; Ray must not resurrect a rank behind its back
             scheduling_strategy="SPREAD",
             runtime_env=runtime_env or None,

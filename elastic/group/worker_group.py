@@ -225,9 +225,20 @@ class WorkerGroup(SparePool):
                 died[rank] = (death_cause(e), short_reason(e))
         return results, died
 
-    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = ()) -> dict[int, "ray.ObjectRef"]:
+    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = (),
+            buddies: dict[int, int] | None = None) -> dict[int, "ray.ObjectRef"]:
+        """Every member's run(); `buddies` (rank -> the rank that keeps its in-memory copies)."""
         self._polls.clear()  # an answer to a poll sent before a recovery describes the old group
-        return {r: m.handle.run.remote(num_steps, faults, list(skip_steps)) for r, m in self.members.items()}
+        buddies = buddies or {}
+        return {r: m.handle.run.remote(num_steps, faults, list(skip_steps),
+                                       (buddies[r], self.members[buddies[r]].handle) if r in buddies else None)
+                for r, m in self.members.items()}
+
+    def memory_parts(self, sources: dict[int, int], step: int) -> dict[int, "ray.ObjectRef"]:
+        """Each old rank's in-memory part at `step`, from the member named in `sources` (the rank
+        itself, or its buddy): object refs owned by this process, the bytes in the holder's node
+        store, read by the ranks that need them (restore_from_shards)."""
+        return {r: self.members[h].handle.memory_part.remote(r, step, h == r) for r, h in sources.items()}
 
     def drain_polls(self, timeout_s: float) -> dict[int, PollReport]:
         """Answers of the polls still in flight (they may carry the last persist reports)."""

@@ -184,4 +184,5 @@ def start_checkpointer(w: Worker) -> None:
         upload_bound=UploadBound(w.job.checkpoint.upload_timeout_s, w.job.checkpoint.upload_min_mb_per_s),
         persist_timeout_s=w.job.checkpoint.persist_timeout_s)
     w.staging = None
+    w.copies.clear()  # the restored state is the new starting point; copies begin again from it
     w.set_progress(step=w.step, status=RankStatus.RESTORED, step_end=None, first_step_end=None, holds_state=True)

@@ -93,6 +93,7 @@ class StepStats:
     BAD_GRADS = 4  # 1 where the squared gradient norm is not finite
     GRAD_SUMSQ = 5  # this rank's part of the squared gradient norm
     OWE = 6  # 1 on a rank that owes a checkpoint (a persist failed on storage; its wait is over)
+    COPYING = 7  # 1 on a rank whose last in-memory copy is still on its way to its buddy
 
     loss_sum: float
     stop: bool  # some rank was asked to stop: every rank stops after this step
@@ -100,13 +101,15 @@ class StepStats:
     bad_loss: bool
     bad_grads: bool
     owe: bool  # some rank owes a checkpoint: every rank saves again after this step
+    copying: bool = False  # some rank's in-memory copy is on its way: every rank skips a copy due now
 
     @staticmethod
-    def flags(loss: torch.Tensor, stop: torch.Tensor, busy: torch.Tensor, owe: torch.Tensor) -> torch.Tensor:
-        """What is known before the gradients are: slots LOSS, STOP, BUSY, BAD_LOSS and OWE, in
-        that order. A strategy whose gradient reduction spans the whole world sums this in place
-        on the same group (`Strategy.reduce_gradients(extra=...)`)."""
-        return torch.stack([loss, stop, busy, (~torch.isfinite(loss)).float(), owe])
+    def flags(loss: torch.Tensor, stop: torch.Tensor, busy: torch.Tensor, owe: torch.Tensor,
+              copying: torch.Tensor) -> torch.Tensor:
+        """What is known before the gradients are: slots LOSS, STOP, BUSY, BAD_LOSS, OWE and
+        COPYING, in that order. A strategy whose gradient reduction spans the whole world sums this
+        in place on the same group (`Strategy.reduce_gradients(extra=...)`)."""
+        return torch.stack([loss, stop, busy, (~torch.isfinite(loss)).float(), owe, copying])
 
     @staticmethod
     def tensor(flags: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
@@ -118,7 +121,8 @@ class StepStats:
         """The summed tensor's host copy, by name."""
         return cls(loss_sum=host[cls.LOSS].item(), stop=host[cls.STOP].item() > 0,
                    persist_busy=host[cls.BUSY].item() > 0, bad_loss=host[cls.BAD_LOSS].item() > 0,
-                   bad_grads=host[cls.BAD_GRADS].item() > 0, owe=host[cls.OWE].item() > 0)
+                   bad_grads=host[cls.BAD_GRADS].item() > 0, owe=host[cls.OWE].item() > 0,
+                   copying=host[cls.COPYING].item() > 0)
 
 
 class StepRunner:
@@ -215,12 +219,14 @@ class StepRunner:
             # from a Python list to a GPU synchronises the stream (PyTorch waits for a pageable
             # copy), so it would hold the host here until backward had finished.
             owe_flag = 1.0 if w.book.owes_now() else 0.0
-            stop, busy, owe = (torch.full((), f, device=w.device) for f in (stop_flag, busy_flag, owe_flag))
+            copy_flag = 1.0 if w.copies.sending() else 0.0
+            stop, busy, owe, copying = (torch.full((), f, device=w.device)
+                                        for f in (stop_flag, busy_flag, owe_flag, copy_flag))
             check_grads = tr.clip_grad_norm is not None or scale is not None
             # Where every rank ends with the whole gradient (ddp), its norm needs no collective, and
             # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
             # rank's part joins the statistics in one all-reduce after the reduction.
-            flags = StepStats.flags(local_loss, stop, busy, owe)
+            flags = StepStats.flags(local_loss, stop, busy, owe, copying)
             ride = w.strategy.whole_grads_everywhere or not check_grads
             carried = w.strategy.reduce_gradients(w.model, flags if ride else None) is not None
             grads = w.strategy.local_grads(w.model)

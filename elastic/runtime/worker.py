@@ -31,6 +31,7 @@ from elastic.runtime import collectives, determinism, heartbeat, priority, resto
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.runtime.checkpoint_book import CheckpointBook
 from elastic.runtime.faults import fire_fault
+from elastic.runtime.memory_copies import MemoryCopies
 from elastic.runtime.step import BadStep, CollectiveError, RollBack, StepRunner
 from elastic.config import JobConfig
 from elastic.data.fingerprint import fingerprint_or_none
@@ -95,6 +96,7 @@ class Worker:
         self.factory_lrs: list[float] = []  # each param group's learning rate as built: where a schedule starts
         self.amp: dict[str, torch.Tensor] = {}  # fp16: {"scale", "good_steps"}, saved and restored with the state
         self.kept_offer: dict | None = None  # this rank's part, kept for a rank-to-rank re-shard
+        self.copies = MemoryCopies(self.job.checkpoint.memory_every_steps)  # sharded state's in-memory copies
         self._sidecar: heartbeat.Sidecar | None | bool = None  # started by info(); False: could not run
         # What is alive now (imported modules, the job's functions, the dataset) lives as long as the
         # worker: moved out of the cyclic collector's reach, so that a full collection scans only
@@ -282,17 +284,27 @@ class Worker:
         self.set_progress(holds_state=False)  # the offers hold the state until this one is whole
         return restore.from_shards(self, offers, old_world, old_pp, holders)
 
+    def hold_copy(self, rank: int, generation: int, part: dict) -> bool:
+        """As `rank`'s buddy: keep its part (memory_copies.py). False: from an older group."""
+        return self.copies.hold(rank, generation, part)
+
+    def memory_part(self, rank: int, step: int, own: bool) -> dict:
+        """Old rank `rank`'s part at `step`, for a restore: this rank's own (`own`), or the copy it
+        holds as that rank's buddy."""
+        return self.copies.part(rank, step, own)
+
     def state_digest(self) -> str:
         """sha256 over the whole model and optimizer state: equal digests, equal state."""
         return state.digest(self)
 
     # ---------------------------------------------------------------- training
-    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = ()) -> RunResult:
+    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = (), buddy=None) -> RunResult:
         """Train until `num_steps` steps are done. Returns how it ended (`RunStatus`: done,
         stopped, aborted, user_error, rollback); a collective failure aborts (the controller
         decides what next). `skip_steps`: steps trained without an update (the batches a
-        rollback skips)."""
+        rollback skips). `buddy`: (rank, handle) that keeps this rank's in-memory copies."""
         tr = self.job.train
+        self.copies.start(self.generation, buddy)
         self.runner.skip_steps = set(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
         micro = self.runner.micro = self.runner.micro_batch()
@@ -318,6 +330,8 @@ class Worker:
                         fire_fault(self, f)
                 self.ckpt.expire()  # a persist past checkpoint.persist_timeout_s is given up: never waited on forever
                 agreed = self.runner.train_step(micro)
+                if self.copies.due(self.step, agreed.copying):
+                    self.copies.take(self)
                 self._stop_agreed = agreed.stop
                 self._persist_busy = agreed.persist_busy  # on any rank: agreed, like the stop
                 self._retry_agreed = agreed.owe  # likewise: every rank saves again at this step
@@ -437,7 +451,8 @@ class Worker:
         with self._lock:
             persists, deferred, retried, abandoned = self.book.take()
             compute_log, ledger, skipped = self.runner.take()
-            return PollReport(rank=self.rank, generation=self.generation, **self._progress,
+            memory_steps, copies_held = self.copies.report()
+            return PollReport(memory_steps=memory_steps, copies_held=copies_held,rank=self.rank, generation=self.generation, **self._progress,
                               persisting=self.ckpt is not None and self.ckpt.in_flight(), persists=persists,
                               compute_log=compute_log, ledger=ledger, skipped=skipped, abandoned=abandoned,
                               retried=retried, deferred=deferred)

@@ -281,6 +281,10 @@ class FakeGroup:
         step = max(m.step for m in self.members.values())
         return self._restored(step, f"re-sharded in memory from {old_world} ranks")
 
+    def memory_parts(self, sources: dict[int, int], step: int) -> dict:
+        self.calls.append(("memory_parts", step, tuple(sorted(sources.items()))))
+        return {r: ("part", h, step) for r, h in sources.items()}
+
     def offer_shards(self, timeout_s: float, keep: frozenset = frozenset()):
         self.calls.append(("offer_shards", tuple(sorted(keep))))  # the ranks that keep their part
         return {r: object() for r in self.members}, []
@@ -297,8 +301,9 @@ class FakeGroup:
         return {r: m.step for r, m in self.members.items()}
 
     # ---------------------------------------------------------------- run and poll
-    def run(self, num_steps: int, faults, skip_steps=()) -> dict[int, object]:
+    def run(self, num_steps: int, faults, skip_steps=(), buddies=None) -> dict[int, object]:
         self.calls.append(("run", num_steps))
+        self.buddies = dict(buddies or {})
         self._num_steps = num_steps
         self._last_advance = self.clock()
         for m in self.members.values():

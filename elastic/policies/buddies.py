@@ -1,0 +1,63 @@
+"""Who keeps whose in-memory copy of sharded state, and which copies a restore can use: pure.
+
+A rank's copy must survive what kills the rank: it goes to a rank on another node (its buddy),
+never its own. With several ranks per node the copies of one node's ranks go to ranks of
+different nodes where there are enough, so that losing one whole node loses no part together
+with its copy, and no rank holds many more copies than another.
+"""
+from __future__ import annotations
+
+
+def choose_buddies(nodes: dict[int, str]) -> tuple[dict[int, int], list[int]]:
+    """({rank: buddy rank}, ranks left without one: every other rank shares their node).
+
+    Each rank, in rank order, takes the rank on another node that holds the fewest copies so far,
+    preferring a node that holds none of this rank's node's copies yet, then the next rank after
+    it (cyclically): a ring across nodes when there is one rank per node."""
+    ranks = sorted(nodes)
+    held = {r: 0 for r in ranks}
+    to_node: dict[str, set[str]] = {}  # node -> nodes that hold copies of its ranks
+    buddies, alone = {}, []
+    for i, r in enumerate(ranks):
+        others = [q for q in ranks[i + 1:] + ranks[:i] if nodes[q] != nodes[r]]
+        if not others:
+            alone.append(r)
+            continue
+        used = to_node.setdefault(nodes[r], set())
+        b = min(others, key=lambda q: (nodes[q] in used, held[q], others.index(q)))
+        buddies[r] = b
+        held[b] += 1
+        used.add(nodes[b])
+    return buddies, alone
+
+
+def choose_copies(world: int, own: dict[int, tuple[int, ...]], held: dict[int, dict[int, tuple[int, ...]]]
+                  ) -> tuple[tuple[int, dict[int, int]] | None, str]:
+    """The newest step at which every part of an old group of `world` ranks has an in-memory copy
+    that survived: a survivor's own part (`own`: survivor -> steps of its own parts) or a copy at a
+    surviving buddy (`held`: survivor -> {rank: steps held for it}). Returns ((step, {old rank:
+    the survivor to read it from}), why), or (None, why not)."""
+    steps = sorted({s for ss in own.values() for s in ss} | {s for h in held.values() for ss in h.values() for s in ss},
+                   reverse=True)
+    missing: list[int] = list(range(world))
+    for step in steps:
+        sources: dict[int, int] = {}
+        missing = []
+        for r in range(world):
+            if step in own.get(r, ()):
+                sources[r] = r
+                continue
+            holder = next((h for h in sorted(held) if step in held[h].get(r, ())), None)
+            if holder is None:
+                missing.append(r)
+            else:
+                sources[r] = holder
+        if not missing:
+            copied = {r: h for r, h in sources.items() if h != r}
+            return (step, sources), (f"in-memory copies at step {step}: each survivor's own part, "
+                                     f"{', '.join(f'rank {r} from rank {h}' for r, h in sorted(copied.items())) or 'no copy needed'}; "
+                                     f"no storage read")
+    if not steps:
+        return None, "no in-memory copies yet (none taken since the last restore, or checkpoint.memory_every_steps is 0)"
+    return None, (f"no step at which every part has a surviving in-memory copy (at step {steps[0]}: none of ranks "
+                  f"{missing}, each lost with its buddy or not yet copied)")

@@ -1,0 +1,113 @@
+"""In-memory copies of sharded state on another node (checkpoint.memory_every_steps).
+
+Every k steps each rank of a sharded strategy takes its part of the state (the same offer a
+planned re-shard uses: its local rows of every sharded tensor, everything else whole, CPU copies)
+and keeps it; a background thread sends the same part to its buddy, a rank on another node
+(elastic/policies/buddies.py), which keeps it in its own process memory. A fault then finds, for
+the newest step every part was copied at, the survivors' own parts in their memory and each lost
+rank's part at its buddy: the controller re-shards the new group from them (restore.from_shards)
+with no storage read.
+
+Which steps are copied is agreed: a copy due while some rank's last one is still on its way is
+skipped by every rank (the step statistics' COPYING slot), so every rank holds parts of the same
+steps. Each keeps its last two parts and its buddies' last two: the newer may not have reached
+every buddy when a fault comes, the older has (its sends had ended before the newer began).
+A copy being received never replaces the last complete one: it is kept beside it until whole.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import ray
+
+from elastic.runtime import state
+
+if TYPE_CHECKING:
+    from elastic.runtime.worker import Worker
+
+KEEP = 2  # parts kept per rank: the newest, and the one before it (complete at every buddy)
+
+
+class MemoryCopies:
+    """One rank's own parts by step, and the parts it holds for other ranks (its buddies')."""
+
+    def __init__(self, every_steps: int):
+        self.every = every_steps
+        self._lock = threading.Lock()
+        self.own: dict[int, dict] = {}  # step -> this rank's part
+        self.held: dict[int, dict[int, dict]] = {}  # rank -> step -> that rank's part
+        self._held_gen: dict[int, int] = {}  # rank -> the group its held parts belong to
+        self.generation: int | None = None  # the group the parts belong to
+        self.buddy = None  # (rank, actor handle) that holds this rank's parts, or None
+        self._sender: threading.Thread | None = None
+        self.sent: dict[int, float] = {}  # step -> seconds its send took (for the poll)
+        self.failed: str | None = None  # why the last send failed (its buddy died), for the poll
+
+    # ---------------------------------------------------------------- in a group
+    def start(self, generation: int, buddy) -> None:
+        """A new group's run: parts of an older group are dropped (their layout is gone)."""
+        with self._lock:
+            if generation != self.generation:
+                self.own, self.sent = {}, {}
+                self.held = {r: s for r, s in self.held.items() if self._held_gen.get(r) == generation}
+            self.generation, self.buddy = generation, buddy
+
+    def clear(self) -> None:
+        """After a restore: the state is the restored one; copies start again from it."""
+        with self._lock:
+            self.own, self.held, self._held_gen, self.sent = {}, {}, {}, {}
+            self.generation, self.failed = None, None
+
+    def sending(self) -> bool:
+        return self._sender is not None and self._sender.is_alive()
+
+    def due(self, step: int, copying: bool) -> bool:
+        return bool(self.every) and self.buddy is not None and step % self.every == 0 and not copying
+
+    def take(self, w: Worker) -> None:
+        """This rank's part at its current step, kept, and sent to its buddy in the background."""
+        part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step)
+        with self._lock:
+            self.own[w.step] = part
+            for old in sorted(self.own)[:-KEEP]:
+                del self.own[old]
+        rank, handle = self.buddy
+        gen = self.generation
+
+        def send() -> None:
+            import time
+            t0 = time.monotonic()
+            try:
+                if ray.get(handle.hold_copy.remote(w.rank, gen, part)):
+                    self.sent[part["step"]] = time.monotonic() - t0
+            except Exception as e:  # noqa: BLE001 - the buddy is gone: the controller sees it in the polls
+                self.failed = f"rank {rank}: {type(e).__name__}: {str(e)[:200]}"
+
+        self._sender = threading.Thread(target=send, name="memory-copy", daemon=True)
+        self._sender.start()
+
+    # ---------------------------------------------------------------- as a buddy
+    def hold(self, rank: int, generation: int, part: dict) -> bool:
+        """Keep `rank`'s part (already whole: Ray hands it over complete); its last KEEP only."""
+        with self._lock:
+            if self.generation is not None and generation < self.generation:
+                return False  # a send from an older group, arriving late
+            if self._held_gen.get(rank) != generation:  # (this rank's run() may not have started yet)
+                self.held[rank], self._held_gen[rank] = {}, generation
+            mine = self.held[rank]
+            mine[part["step"]] = part
+            for old in sorted(mine)[:-KEEP]:
+                del mine[old]
+        return True
+
+    def part(self, rank: int, step: int, own: bool) -> dict:
+        """The part of `rank` at `step`: this rank's own (`own`), or the one held for it. KeyError
+        if absent (the restore then fails and falls back to storage)."""
+        with self._lock:
+            return self.own[step] if own else self.held[rank][step]
+
+    def report(self) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
+        """(steps of this rank's own parts, {rank: steps of the parts held for it})."""
+        with self._lock:
+            return tuple(sorted(self.own)), {r: tuple(sorted(s)) for r, s in self.held.items() if s}

@@ -1,0 +1,66 @@
+"""In-memory copies of sharded state (checkpoint.memory_every_steps): who keeps whose copy, which
+copies a restore can use (pure), and what a rank keeps (elastic/runtime/memory_copies.py)."""
+from __future__ import annotations
+
+from elastic.policies.buddies import choose_buddies, choose_copies
+from elastic.runtime.memory_copies import MemoryCopies
+
+
+def test_one_rank_per_node_makes_a_ring_across_nodes():
+    pairs, alone = choose_buddies({0: "a", 1: "b", 2: "c"})
+    assert pairs == {0: 1, 1: 2, 2: 0} and alone == []
+
+
+def test_losing_any_one_node_never_loses_a_part_with_its_copy():
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    pairs, alone = choose_buddies(nodes)
+    assert not alone and all(nodes[r] != nodes[b] for r, b in pairs.items())
+    # A node's two ranks copy to two different nodes, and nobody holds more than one copy more than another.
+    assert all(nodes[pairs[r]] != nodes[pairs[r + 1]] for r in (0, 2, 4))
+    held = [list(pairs.values()).count(r) for r in nodes]
+    assert max(held) - min(held) <= 1
+    for lost in "abc":
+        gone = {r for r, n in nodes.items() if n == lost}
+        assert all(pairs[r] not in gone for r in gone)
+
+
+def test_ranks_that_share_their_node_with_everyone_have_no_buddy():
+    assert choose_buddies({0: "a", 1: "a"}) == ({}, [0, 1])
+    pairs, alone = choose_buddies({0: "a", 1: "a", 2: "b"})
+    assert pairs == {0: 2, 1: 2, 2: 0} and alone == []
+
+
+def test_the_newest_step_every_part_survived_at_is_chosen():
+    # Rank 1 lost; its buddy 2 got its copy of step 7 but not yet of step 8.
+    own = {0: (7, 8), 2: (7, 8)}
+    held = {0: {2: (7, 8)}, 2: {1: (7,)}}
+    (step, sources), why = choose_copies(3, own, held)
+    assert step == 7 and sources == {0: 0, 1: 2, 2: 2}
+    assert "rank 1 from rank 2" in why and "no storage read" in why
+    # Step 8 reached the buddy too: nothing redone.
+    (step, _), _ = choose_copies(3, own, {0: {2: (7, 8)}, 2: {1: (7, 8)}})
+    assert step == 8
+
+
+def test_a_rank_lost_with_its_buddy_falls_back_to_storage():
+    # Ranks 1 and 2 lost together; rank 2 held rank 1's copy.
+    found, why = choose_copies(3, {0: (7, 8)}, {0: {2: (7, 8)}})
+    assert found is None and "none of ranks [1]" in why
+    found, why = choose_copies(3, {}, {})
+    assert found is None and "no in-memory copies yet" in why
+
+
+def test_a_buddy_keeps_two_parts_per_rank_and_drops_older_groups():
+    c = MemoryCopies(1)
+    c.start(3, None)
+    for step in (4, 5, 6):
+        assert c.hold(1, 3, {"step": step, "part": 1})
+    assert c.report() == ((), {1: (5, 6)})
+    assert c.part(1, 6, own=False)["step"] == 6
+    assert not c.hold(1, 2, {"step": 7})  # a late send from an older group
+    # A send of the next group may arrive before this rank's own run() starts it: kept.
+    assert c.hold(2, 4, {"step": 9})
+    c.start(4, None)
+    assert c.report() == ((), {2: (9,)})
+    c.clear()
+    assert c.report() == ((), {})
