@@ -64,3 +64,42 @@ def test_a_buddy_keeps_two_parts_per_rank_and_drops_older_groups():
     assert c.report() == ((), {2: (9,)})
     c.clear()
     assert c.report() == ((), {})
+
+
+def test_copies_are_taken_where_state_is_held_once():
+    from elastic.policies.buddies import has_copies
+    assert has_copies(1, sharded=True, pp=1, dp=3, tp=1)  # FSDP
+    assert has_copies(1, sharded=False, pp=3, dp=1, tp=1)  # a pipeline with one replica
+    assert not has_copies(1, sharded=False, pp=1, dp=3, tp=1)  # DDP: the replicas are the copies
+    assert not has_copies(1, sharded=False, pp=2, dp=2, tp=1)  # a replicated pipeline
+    assert not has_copies(1, sharded=True, pp=1, dp=2, tp=2)  # FSDP x TP: 2-D shards, not yet
+    assert not has_copies(0, sharded=True, pp=1, dp=3, tp=1)  # turned off
+
+
+def test_a_shrink_keeps_a_restore_from_copies():
+    from elastic.parallel.shape import Shape
+    from elastic.parallel.topology import Layout
+    from elastic.policies.restore import FromShards, restore_after_shrink
+    plan = FromShards({0: "a", 1: "b", 2: "c"}, 3, 14, old_pp=3)
+    shape = Shape(stages=3, staged=True)
+    got = restore_after_shrink(shape, plan, Layout(3, 1), {0: 0, 2: 1}, Layout(2, 1), {0: 15, 2: 15}, True)
+    assert got == plan
+
+
+def test_copies_are_spaced_to_stay_within_their_budget():
+    c = MemoryCopies(1, max_overhead=0.05)
+    assert not c.holding_back(10, 0.1)  # nothing measured yet: the first copy is taken
+    c.last_step, c.cost_s = 10, 0.02  # a copy at step 10 cost 20 ms; a step takes 100 ms
+    # 20 ms is 5 % of 4 steps: steps 11..13 hold back, the copy after step 14 goes.
+    assert [c.holding_back(s, 0.1) for s in (10, 11, 12, 13)] == [True, True, True, False]
+    c = MemoryCopies(1, max_overhead=1.0)
+    c.last_step, c.cost_s = 10, 0.02
+    assert not c.holding_back(10, 0.1)  # a budget of 100 %: every step memory_every_steps allows
+
+
+def test_a_committed_checkpoint_newer_than_the_copies_wins():
+    own, held = {0: (7,), 2: (7,)}, {0: {2: (7,)}, 2: {1: (7,)}}
+    found, why = choose_copies(3, own, held, committed_step=10)
+    assert found is None and "older than the latest committed checkpoint (step 10)" in why
+    (step, _), _ = choose_copies(3, own, held, committed_step=5)
+    assert step == 7

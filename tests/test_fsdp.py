@@ -3,7 +3,7 @@
 A node is killed while no spare capacity exists: the lost rank's shards are gone
 with it, so the world shrinks to 2, re-sharded in memory from the survivors'
 own parts and the lost rank's copy at its buddy (checkpoint.memory_every_steps,
-on by default: no storage read, at most one step redone). Then a node joins the
+on by default; here every step: no storage read, at most one step redone). Then a node joins the
 cluster: the group grows back to 3 at a step boundary, re-sharding every rank's
 shards in memory.
 
@@ -64,7 +64,8 @@ def fsdp_job(root, name, chaos=()):
         "run": {"name": name, "num_steps": NUM_STEPS, "seed": 11, "sample_ledger": True},
         "scaling": {"num_workers": 3, "min_workers": 2, "max_workers": 3, "shrink_after_s": 2, "grow_check_s": 1},
         "failure": {"max_failures": 2},
-        "checkpoint": {"storage_uri": str(root), "every_steps": EVERY, "num_to_keep": 2},
+        # In-memory copies every step (no spacing for their cost): the shrink re-shards from them.
+        "checkpoint": {"storage_uri": str(root), "every_steps": EVERY, "num_to_keep": 2, "memory_max_overhead": 1.0},
         "train": {"model": "tests.support.workloads:build_smooth_model",
                   "dataset": "elastic.workload:build_dataset",
                   "loss": "tests.support.workloads:loss_slower_while_shrunk",

@@ -1,5 +1,5 @@
 """Sharded state (FSDP) recovered from memory: each rank's part copied to a rank on another node
-every step (checkpoint.memory_every_steps=1), on a real local cluster (head + 4 one-CPU nodes).
+every step (checkpoint.memory_every_steps=1, memory_max_overhead=1: no spacing for their cost), on a real local cluster (head + 4 one-CPU nodes).
 
 A node killed between checkpoints takes a rank and its shards; the group takes the survivors' own
 parts and the lost rank's copy from its buddy, re-shards them into the new group (a new worker,
@@ -26,7 +26,8 @@ def fsdp_job(tmp_path, chaos=(), **scaling) -> dict:
         "run": {"name": f"s-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": SEED, "sample_ledger": True},
         "scaling": {"num_workers": 3, **scaling},
         "failure": {"max_failures": 2, "hang_floor_s": 5},
-        "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": EVERY, "memory_every_steps": 1},
+        "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": EVERY, "memory_every_steps": 1,
+                       "memory_max_overhead": 1.0},  # a copy every step, whatever it costs here
         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
                   "loss": "elastic.workload:loss_fn", "global_batch_size": BATCH, "strategy": "fsdp"},
         "chaos": [dict(c) for c in chaos],

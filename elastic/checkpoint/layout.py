@@ -56,6 +56,11 @@ def step_dir(root: str, step: int) -> str:
     return join(root, f"{_PREFIX}{step:09d}")
 
 
+def step_of_uri(uri: str | None) -> int | None:
+    """The step of a checkpoint folder's URI (None: not one)."""
+    return _step_of(uri.rstrip("/").rsplit("/", 1)[-1]) if uri else None
+
+
 def _step_of(name: str) -> int | None:
     if not name.startswith(_PREFIX):
         return None

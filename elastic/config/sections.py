@@ -104,13 +104,19 @@ class CheckpointConfig(_Strict):
     every_steps: int = Field(10, ge=1, description="Checkpoint after every this many steps.")
     num_to_keep: int = Field(3, ge=1, description="Committed checkpoints kept; the newest is never removed.")
     memory_every_steps: int = Field(
-        1, ge=0, description="Sharded state (fsdp): every this many steps each rank copies its part into the host "
-                             "memory of a rank on another node (its buddy), in the background; a fault restores "
-                             "from those copies and the survivors' own, with no storage read and at most this many "
-                             "steps redone (more while a copy is still on its way: a copy due then is skipped by "
-                             "every rank). Each rank holds its own last two parts and its buddies' last two. 0: off "
-                             "(a fault restores the latest committed checkpoint). Replicated state restores from a "
-                             "surviving replica without copies.")
+        1, ge=0, description="State held once (fsdp; a pipeline with one replica): at most every this many steps "
+                             "each rank copies its part into the host memory of a rank on another node (its buddy), "
+                             "in the background; a fault restores from those copies and the survivors' own, with no "
+                             "storage read. Copies are spaced further while one is on its way or to keep their "
+                             "measured cost within memory_max_overhead (every rank skips the same ones), so the "
+                             "steps redone are the steps since the last copy that reached its buddy. Each rank "
+                             "holds its own last two parts and its buddies' last two. 0: off (a fault restores "
+                             "the latest committed checkpoint). Replicated state restores from a surviving "
+                             "replica without copies.")
+    memory_max_overhead: float = Field(
+        0.03, gt=0, le=1, description="The share of training time in-memory copies may cost: a copy (taking "
+                                      "it, and its send end to end) is taken once the steps since the last one "
+                                      "have run for its cost / this. 1: as often as memory_every_steps allows.")
     persist_retries: int = Field(5, ge=0, description="Retries of a background persist on storage errors.")
     persist_retry_backoff_s: float = Field(1.0, ge=0, description="First backoff between persist retries (doubles).")
     final_wait_s: float = Field(

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elastic.checkpoint.layout import latest_committed
+from elastic.checkpoint.layout import latest_committed, step_of_uri
 from elastic.controller import reports
 from elastic.controller.records import RecoveryRecord
 from elastic.controller.states import Errored, Forming, Recovering, State
 from elastic.group.worker_group import GroupError, cause_of
 from elastic.policies.failure import FailureObservation, LostRank, Raise, decide_failure
-from elastic.policies.buddies import choose_copies
+from elastic.policies.buddies import choose_copies, has_copies
 from elastic.policies.restore import FromShards, FromStorage, choose_restore
 from elastic.protocol import LostCause
 from elastic.storage import call_within
@@ -89,7 +89,9 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     # failed to form) reports step 0, and taking it would start the run over.
     ctl.survivor_steps = {r: a.step for r, a in answers.items() if a.holds_state}
     ctl.restore_plan, why = choose_restore(ctl.survivor_steps, cfg, ctl.shape.sharded, ctl.layout)
-    if isinstance(ctl.restore_plan, FromStorage) and ctl.shape.sharded and not ctl.shape.staged and cfg.peer_restore:
+    lay = ctl.layout
+    if (isinstance(ctl.restore_plan, FromStorage) and cfg.peer_restore
+            and has_copies(ctl.job.checkpoint.memory_every_steps, ctl.shape.sharded, lay.pp, lay.dp, lay.tp)):
         ctl.restore_plan, why = from_copies(ctl, answers, why)
     ctl.events.emit("restore_plan", source=type(ctl.restore_plan).__name__, reason=why)
     sc = ctl.job.scaling
@@ -109,19 +111,18 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
 
 
 def from_copies(ctl: Controller, answers: dict, storage_why: str):
-    """Sharded state: the newest step every old rank's part has an in-memory copy of, in a
-    survivor's memory (its own, or its buddy's copy), re-sharded into the new group from there.
-    Storage when no such step exists (a rank lost with its buddy), said in the reason and counted."""
-    if not ctl.job.checkpoint.memory_every_steps:
-        return FromStorage(), storage_why
+    """State held once (FSDP's shards, a one-replica pipeline's stages): the newest step every old
+    rank's part has an in-memory copy of, in a survivor's memory (its own, or its buddy's copy),
+    re-sharded (or re-partitioned, by name) into the new group from there. Storage when no such
+    step exists (a rank lost with its buddy), said in the reason and counted."""
     holders = {r: a for r, a in answers.items() if a.holds_state}
     found, why = choose_copies(ctl.world_size, {r: a.memory_steps for r, a in holders.items()},
-                               {r: a.copies_held for r, a in holders.items()})
+                               {r: a.copies_held for r, a in holders.items()}, step_of_uri(ctl.last_committed))
     if found is None:
         ctl.copies_fallbacks += 1
         return FromStorage(), f"{why}: restore from the latest committed checkpoint (fallback {ctl.copies_fallbacks})"
     step, sources = found
-    return FromShards(ctl.group.memory_parts(sources, step), ctl.world_size, step), why
+    return FromShards(ctl.group.memory_parts(sources, step), ctl.world_size, step, ctl.layout.pp), why
 
 
 def merge_overlapping(ctl: Controller) -> State:

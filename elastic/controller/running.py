@@ -11,7 +11,7 @@ from elastic.checkpoint.layout import abandon_after, committed_checkpoints
 from elastic.controller import finish, lifecycle, reports, resize, stragglers
 from elastic.controller.states import Errored, Recovering, Restoring, Running, RunWatch, State
 from elastic.group.worker_group import cause_of
-from elastic.policies.buddies import choose_buddies
+from elastic.policies.buddies import choose_buddies, has_copies
 from elastic.policies.failure import LostRank, decide_silence, detect_hang, excused_by_heartbeat
 from elastic.policies.restore import FromStorage, rollback_target
 from elastic.protocol import LostCause, RankStatus, RunStatus
@@ -35,9 +35,11 @@ def on_running(ctl: Controller, st: Running) -> State:
 
 
 def buddies(ctl: Controller) -> dict[int, int]:
-    """Who keeps whose in-memory copy in this group (sharded state, checkpoint.memory_every_steps),
-    said in a `buddies` event; {} where the state is replicated (a replica is the copy)."""
-    if not (ctl.job.checkpoint.memory_every_steps and ctl.shape.sharded and not ctl.shape.staged):
+    """Who keeps whose in-memory copy in this group (state held once: FSDP, a pipeline with one
+    replica; checkpoint.memory_every_steps), said in a `buddies` event; {} where the state is
+    replicated (a replica is the copy)."""
+    lay = ctl.layout
+    if not has_copies(ctl.job.checkpoint.memory_every_steps, ctl.shape.sharded, lay.pp, lay.dp, lay.tp):
         return {}
     pairs, alone = choose_buddies({r: m.node_id for r, m in ctl.group.members.items()})
     ctl.events.emit("buddies", generation=ctl.generation, buddies=pairs, alone=alone,

@@ -252,13 +252,14 @@ class Pipeline(DataParallel):
         return out
 
     def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:
-        """At a planned re-partition: this stage's state by name (replica 0 only; the other
-        replicas hold the same)."""
+        """This stage's state by name, as CPU copies (replica 0 only; the other replicas hold the
+        same): for a planned re-partition, and as the in-memory copy of a pipeline with one
+        replica (elastic/runtime/memory_copies.py), which training goes on past."""
         if self.replica != 0:
             return None
         from elastic.parallel.resharding import flatten
-        return {"step": step, "stage": self.stage, "tensors": {k: v for k, v in flatten(state) if
-                                                                isinstance(v, torch.Tensor)}}
+        return {"step": step, "stage": self.stage, "tensors": {k: v.detach().to("cpu", copy=True) for k, v in
+                                                                flatten(state) if isinstance(v, torch.Tensor)}}
 
     def needed_stages(self, old_pp: int) -> list[int]:
         """Old stages (= old ranks of replica 0) holding the units this rank's new state needs."""

@@ -8,6 +8,13 @@ with its copy, and no rank holds many more copies than another.
 from __future__ import annotations
 
 
+def has_copies(every_steps: int, sharded: bool, pp: int, dp: int, tp: int) -> bool:
+    """Whether a layout's state needs in-memory copies: it is held once (FSDP's shards, the stages
+    of a pipeline with one replica) and copies can be taken of it (1-D shards, no tensor slices:
+    not yet). Replicated state has its copy already, in the replica."""
+    return bool(every_steps) and tp == 1 and ((sharded and pp == 1) or (pp > 1 and dp == 1 and not sharded))
+
+
 def choose_buddies(nodes: dict[int, str]) -> tuple[dict[int, int], list[int]]:
     """({rank: buddy rank}, ranks left without one: every other rank shares their node).
 
@@ -31,12 +38,13 @@ def choose_buddies(nodes: dict[int, str]) -> tuple[dict[int, int], list[int]]:
     return buddies, alone
 
 
-def choose_copies(world: int, own: dict[int, tuple[int, ...]], held: dict[int, dict[int, tuple[int, ...]]]
-                  ) -> tuple[tuple[int, dict[int, int]] | None, str]:
+def choose_copies(world: int, own: dict[int, tuple[int, ...]], held: dict[int, dict[int, tuple[int, ...]]],
+                  committed_step: int | None = None) -> tuple[tuple[int, dict[int, int]] | None, str]:
     """The newest step at which every part of an old group of `world` ranks has an in-memory copy
     that survived: a survivor's own part (`own`: survivor -> steps of its own parts) or a copy at a
     surviving buddy (`held`: survivor -> {rank: steps held for it}). Returns ((step, {old rank:
-    the survivor to read it from}), why), or (None, why not)."""
+    the survivor to read it from}), why), or (None, why not): also when the newest committed
+    checkpoint (`committed_step`) is newer than those copies (fewer steps redone from storage)."""
     steps = sorted({s for ss in own.values() for s in ss} | {s for h in held.values() for ss in h.values() for s in ss},
                    reverse=True)
     missing: list[int] = list(range(world))
@@ -53,6 +61,9 @@ def choose_copies(world: int, own: dict[int, tuple[int, ...]], held: dict[int, d
             else:
                 sources[r] = holder
         if not missing:
+            if committed_step is not None and committed_step > step:
+                return None, (f"the newest complete in-memory copies (step {step}) are older than the latest "
+                              f"committed checkpoint (step {committed_step})")
             copied = {r: h for r, h in sources.items() if h != r}
             return (step, sources), (f"in-memory copies at step {step}: each survivor's own part, "
                                      f"{', '.join(f'rank {r} from rank {h}' for r, h in sorted(copied.items())) or 'no copy needed'}; "

@@ -97,6 +97,8 @@ def restore_after_shrink(shape: Shape, plan: RestoreSource, old: Layout, mapping
     from a survivor that kept it at the newest step; with one replica left and the model
     re-partitioned over fewer stages, the lost stage's layers come from the latest committed
     checkpoint (DCP reads them by name into the new stages)."""
+    if isinstance(plan, FromShards):  # in-memory copies by old rank: re-sharded or re-partitioned by name
+        return plan
     if shape.staged and not shape.sharded:
         sources = slot_sources(old, mapping, new, survivor_steps) if peer_restore else None
         if sources:

@@ -219,7 +219,7 @@ class StepRunner:
             # from a Python list to a GPU synchronises the stream (PyTorch waits for a pageable
             # copy), so it would hold the host here until backward had finished.
             owe_flag = 1.0 if w.book.owes_now() else 0.0
-            copy_flag = 1.0 if w.copies.sending() else 0.0
+            copy_flag = 1.0 if w.copies.holding_back(w.step, w._progress.get("step_s")) else 0.0
             stop, busy, owe, copying = (torch.full((), f, device=w.device)
                                         for f in (stop_flag, busy_flag, owe_flag, copy_flag))
             check_grads = tr.clip_grad_norm is not None or scale is not None

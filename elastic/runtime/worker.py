@@ -96,7 +96,7 @@ class Worker:
         self.factory_lrs: list[float] = []  # each param group's learning rate as built: where a schedule starts
         self.amp: dict[str, torch.Tensor] = {}  # fp16: {"scale", "good_steps"}, saved and restored with the state
         self.kept_offer: dict | None = None  # this rank's part, kept for a rank-to-rank re-shard
-        self.copies = MemoryCopies(self.job.checkpoint.memory_every_steps)  # sharded state's in-memory copies
+        self.copies = MemoryCopies(self.job.checkpoint.memory_every_steps, self.job.checkpoint.memory_max_overhead)  # sharded state's in-memory copies
         self._sidecar: heartbeat.Sidecar | None | bool = None  # started by info(); False: could not run
         # What is alive now (imported modules, the job's functions, the dataset) lives as long as the
         # worker: moved out of the cyclic collector's reach, so that a full collection scans only
