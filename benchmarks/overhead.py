@@ -365,7 +365,7 @@ def copies_table(records: list[dict]) -> str | None:
     medians, per size and mode (None unless both ran)."""
     if not {"elastic-fsdp", "elastic-fsdp-nocopies"} <= {r["system"] for r in records}:
         return None
-    lines = ["", "| parameters | checkpoints | FSDP steps/s, copies every step ÷ off (median of reps) | per rep |",
+    lines = ["", "| parameters | checkpoints | FSDP steps/s, in-memory copies on (default budget) ÷ off, of the medians | per rep |",
              "|---|---|---|---|"]
     for params in dict.fromkeys(r["params"] for r in records):
         for mode in MODES:

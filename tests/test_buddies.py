@@ -34,20 +34,20 @@ def test_the_newest_step_every_part_survived_at_is_chosen():
     # Rank 1 lost; its buddy 2 got its copy of step 7 but not yet of step 8.
     own = {0: (7, 8), 2: (7, 8)}
     held = {0: {2: (7, 8)}, 2: {1: (7,)}}
-    (step, sources), why = choose_copies(3, own, held)
+    (step, sources), why, _ = choose_copies(3, own, held)
     assert step == 7 and sources == {0: 0, 1: 2, 2: 2}
     assert "rank 1 from rank 2" in why and "no storage read" in why
     # Step 8 reached the buddy too: nothing redone.
-    (step, _), _ = choose_copies(3, own, {0: {2: (7, 8)}, 2: {1: (7, 8)}})
+    (step, _), _, _ = choose_copies(3, own, {0: {2: (7, 8)}, 2: {1: (7, 8)}})
     assert step == 8
 
 
 def test_a_rank_lost_with_its_buddy_falls_back_to_storage():
     # Ranks 1 and 2 lost together; rank 2 held rank 1's copy.
-    found, why = choose_copies(3, {0: (7, 8)}, {0: {2: (7, 8)}})
-    assert found is None and "none of ranks [1]" in why
-    found, why = choose_copies(3, {}, {})
-    assert found is None and "no in-memory copies yet" in why
+    found, why, lost = choose_copies(3, {0: (7, 8)}, {0: {2: (7, 8)}})
+    assert found is None and lost and "none of ranks [1]" in why
+    found, why, lost = choose_copies(3, {}, {})
+    assert found is None and lost and "no in-memory copies yet" in why
 
 
 def test_a_buddy_keeps_two_parts_per_rank_and_drops_older_groups():
@@ -99,7 +99,7 @@ def test_copies_are_spaced_to_stay_within_their_budget():
 
 def test_a_committed_checkpoint_newer_than_the_copies_wins():
     own, held = {0: (7,), 2: (7,)}, {0: {2: (7,)}, 2: {1: (7,)}}
-    found, why = choose_copies(3, own, held, committed_step=10)
-    assert found is None and "older than the latest committed checkpoint (step 10)" in why
-    (step, _), _ = choose_copies(3, own, held, committed_step=5)
+    found, why, lost = choose_copies(3, own, held, committed_step=10)
+    assert found is None and not lost and "older than the latest committed checkpoint (step 10)" in why
+    (step, _), _, _ = choose_copies(3, own, held, committed_step=5)
     assert step == 7

@@ -116,11 +116,12 @@ def from_copies(ctl: Controller, answers: dict, storage_why: str):
     re-sharded (or re-partitioned, by name) into the new group from there. Storage when no such
     step exists (a rank lost with its buddy), said in the reason and counted."""
     holders = {r: a for r, a in answers.items() if a.holds_state}
-    found, why = choose_copies(ctl.world_size, {r: a.memory_steps for r, a in holders.items()},
+    found, why, lost = choose_copies(ctl.world_size, {r: a.memory_steps for r, a in holders.items()},
                                {r: a.copies_held for r, a in holders.items()}, step_of_uri(ctl.last_committed))
     if found is None:
-        ctl.copies_fallbacks += 1
-        return FromStorage(), f"{why}: restore from the latest committed checkpoint (fallback {ctl.copies_fallbacks})"
+        ctl.copies_fallbacks += lost
+        count = f" (fallback {ctl.copies_fallbacks} of the run)" if lost else ""
+        return FromStorage(), f"{why}: restore from the latest committed checkpoint{count}"
     step, sources = found
     return FromShards(ctl.group.memory_parts(sources, step), ctl.world_size, step, ctl.layout.pp), why
 

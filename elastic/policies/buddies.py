@@ -39,12 +39,13 @@ def choose_buddies(nodes: dict[int, str]) -> tuple[dict[int, int], list[int]]:
 
 
 def choose_copies(world: int, own: dict[int, tuple[int, ...]], held: dict[int, dict[int, tuple[int, ...]]],
-                  committed_step: int | None = None) -> tuple[tuple[int, dict[int, int]] | None, str]:
+                  committed_step: int | None = None) -> tuple[tuple[int, dict[int, int]] | None, str, bool]:
     """The newest step at which every part of an old group of `world` ranks has an in-memory copy
     that survived: a survivor's own part (`own`: survivor -> steps of its own parts) or a copy at a
     surviving buddy (`held`: survivor -> {rank: steps held for it}). Returns ((step, {old rank:
-    the survivor to read it from}), why), or (None, why not): also when the newest committed
-    checkpoint (`committed_step`) is newer than those copies (fewer steps redone from storage)."""
+    the survivor to read it from}), why, False), or (None, why not, lost): lost is True when some
+    part has no surviving copy at all, False when the newest committed checkpoint
+    (`committed_step`) is newer than the copies (fewer steps redone from storage)."""
     steps = sorted({s for ss in own.values() for s in ss} | {s for h in held.values() for ss in h.values() for s in ss},
                    reverse=True)
     missing: list[int] = list(range(world))
@@ -63,12 +64,12 @@ def choose_copies(world: int, own: dict[int, tuple[int, ...]], held: dict[int, d
         if not missing:
             if committed_step is not None and committed_step > step:
                 return None, (f"the newest complete in-memory copies (step {step}) are older than the latest "
-                              f"committed checkpoint (step {committed_step})")
+                              f"committed checkpoint (step {committed_step})"), False
             copied = {r: h for r, h in sources.items() if h != r}
             return (step, sources), (f"in-memory copies at step {step}: each survivor's own part, "
                                      f"{', '.join(f'rank {r} from rank {h}' for r, h in sorted(copied.items())) or 'no copy needed'}; "
-                                     f"no storage read")
+                                     f"no storage read"), False
     if not steps:
-        return None, "no in-memory copies yet (none taken since the last restore, or checkpoint.memory_every_steps is 0)"
+        return None, "no in-memory copies yet (none taken since the last restore, or checkpoint.memory_every_steps is 0)", True
     return None, (f"no step at which every part has a surviving in-memory copy (at step {steps[0]}: none of ranks "
-                  f"{missing}, each lost with its buddy or not yet copied)")
+                  f"{missing}, each lost with its buddy or not yet copied)"), True
