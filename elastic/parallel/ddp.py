@@ -82,7 +82,8 @@ class DataParallel(Strategy):
         return tensor.localize(model) if self.tp > 1 else model
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return tensor.as_dtensors(model, super().state_dict(model, optimizer))
+        state = super().state_dict(model, optimizer)
+        return tensor.as_dtensors(model, state) if self.tp > 1 else state
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         super().load_state_dict(model, optimizer, tensor.as_locals(state) if self.tp > 1 else state)

@@ -66,6 +66,15 @@ def flatten(tree, prefix: tuple = ()) -> list[tuple[tuple, object]]:
     return [(prefix, tree)]
 
 
+def map_leaves(tree, fn):
+    """A nested dict/list state with `fn` applied to every leaf (the same shape, new containers)."""
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [map_leaves(v, fn) for v in tree]
+    return fn(tree)
+
+
 def _set(tree, path: tuple, value) -> None:
     for k in path[:-1]:
         tree = tree[k]

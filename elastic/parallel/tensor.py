@@ -104,15 +104,15 @@ def localize(model: nn.Module) -> nn.Module:
     return model
 
 
-def _view(leaf: torch.Tensor):
+def _from_local(t: torch.Tensor, s: TpSpec):
+    """`t` (this rank's part) viewed as the DTensor `s` describes: the same storage."""
     from torch.distributed.tensor import DTensor
-    s = leaf.elastic_tp
-    return DTensor.from_local(leaf, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+    return DTensor.from_local(t, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
 
 
 def _dtensor_views(module: nn.Module, args) -> None:
     for name, leaf in module.elastic_tp_leaves.items():
-        module._parameters[name] = _view(leaf)  # through autograd: the gradient reaches the leaf
+        module._parameters[name] = _from_local(leaf, leaf.elastic_tp)  # through autograd: the gradient reaches the leaf
 
 
 def _plain_again(module: nn.Module, args, output) -> None:
@@ -129,27 +129,18 @@ def as_dtensors(model: nn.Module, state: dict) -> dict:
     out = {**state, "model": dict(state["model"]), "optim": {**state["optim"], "state": dict(state["optim"]["state"])}}
     for name, p in specs.items():
         if name in out["model"]:
-            out["model"][name] = _as_view_of(out["model"][name], p)
+            out["model"][name] = _from_local(out["model"][name].detach(), p.elastic_tp)
         per = out["optim"]["state"].get(name)
         if per is not None:
-            out["optim"]["state"][name] = {k: _as_view_of(v, p) if isinstance(v, torch.Tensor) and v.shape == p.shape
-                                           else v for k, v in per.items()}
+            out["optim"]["state"][name] = {k: _from_local(v.detach(), p.elastic_tp) if isinstance(v, torch.Tensor)
+                                           and v.shape == p.shape else v for k, v in per.items()}
     return out
-
-
-def _as_view_of(t: torch.Tensor, param: torch.Tensor):
-    from torch.distributed.tensor import DTensor
-    s = param.elastic_tp
-    return DTensor.from_local(t.detach(), s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
 
 
 def as_locals(state: dict) -> dict:
     """`as_dtensors` undone: each DTensor of `state` replaced by its local tensor (the same storage)."""
-    if isinstance(state, dict):
-        return {k: as_locals(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [as_locals(v) for v in state]
-    return local(state) if is_dtensor(state) else state
+    from elastic.parallel.resharding import map_leaves
+    return map_leaves(state, lambda v: local(v) if is_dtensor(v) else v)
 
 
 # ---------------------------------------------------------------- the built-in plan

@@ -11,8 +11,9 @@ with no storage read.
 Which steps are copied is agreed: a copy due while some rank's last one is still on its way, or
 before the steps since its last copy have earned that copy's measured cost within
 checkpoint.memory_max_overhead, is skipped by every rank (the step statistics' COPYING slot), so
-every rank holds parts of the same steps, and copies cost at most that share of the time. Each keeps its last two parts and its buddies' last two: the newer may not have reached
-every buddy when a fault comes, the older has (its sends had ended before the newer began).
+every rank holds parts of the same steps, and copies cost at most that share of the time. Each
+keeps its last two parts and its buddies' last two: the newer may not have reached every buddy
+when a fault comes, the older has (its sends had ended before the newer began).
 A copy being received never replaces the last complete one: it is kept beside it until whole.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 import ray
 import torch
 
+from elastic.parallel.resharding import map_leaves
 from elastic.runtime import state
 
 if TYPE_CHECKING:
@@ -51,20 +53,12 @@ class _Array:
         return t.view(self.dtype) if self.dtype == torch.bfloat16 else t
 
 
-def _map(tree, fn):
-    if isinstance(tree, dict):
-        return {k: _map(v, fn) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_map(v, fn) for v in tree]
-    return fn(tree)
-
-
 def to_wire(part: dict) -> dict:
-    return _map(part, lambda v: _Array(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v)
+    return map_leaves(part, lambda v: _Array(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v)
 
 
 def from_wire(part: dict) -> dict:
-    return _map(part, lambda v: v.tensor() if isinstance(v, _Array) else v)
+    return map_leaves(part, lambda v: v.tensor() if isinstance(v, _Array) else v)
 
 
 class MemoryCopies:
@@ -82,23 +76,21 @@ class MemoryCopies:
         self.generation: int | None = None  # the group the parts belong to
         self.buddy = None  # (rank, actor handle) that holds this rank's parts, or None
         self._sender: threading.Thread | None = None
-        self.sent: dict[int, float] = {}  # step -> seconds its send took (for the poll)
-        self.failed: str | None = None  # why the last send failed (its buddy died), for the poll
 
     # ---------------------------------------------------------------- in a group
     def start(self, generation: int, buddy) -> None:
         """A new group's run: parts of an older group are dropped (their layout is gone)."""
         with self._lock:
             if generation != self.generation:
-                self.own, self.sent = {}, {}
+                self.own = {}
                 self.held = {r: s for r, s in self.held.items() if self._held_gen.get(r) == generation}
             self.generation, self.buddy = generation, buddy
 
     def clear(self) -> None:
         """After a restore: the state is the restored one; copies start again from it."""
         with self._lock:
-            self.own, self.held, self._held_gen, self.sent = {}, {}, {}, {}
-            self.generation, self.failed, self.last_step = None, None, None
+            self.own, self.held, self._held_gen = {}, {}, {}
+            self.generation, self.last_step = None, None
 
     def sending(self) -> bool:
         return self._sender is not None and self._sender.is_alive()
@@ -127,19 +119,18 @@ class MemoryCopies:
             self.own[w.step] = part
             for old in sorted(self.own)[:-KEEP]:
                 del self.own[old]
-        rank, handle = self.buddy
+        _, handle = self.buddy
         gen = self.generation
 
         def send() -> None:
             t0 = time.perf_counter()
             try:
-                if ray.get(handle.hold_copy.remote(w.rank, gen, to_wire(part))):
-                    self.sent[part["step"]] = time.perf_counter() - t0
+                ray.get(handle.hold_copy.remote(w.rank, gen, to_wire(part)))
                 # The send's time end to end stands for its cost: on a busy node, the CPU its
                 # serialising, the transfer and the buddy's copy take from training.
                 self.cost_s = took + time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 - the buddy is gone: the controller sees it in the polls
-                self.failed = f"rank {rank}: {type(e).__name__}: {str(e)[:200]}"
+            except Exception:  # noqa: BLE001 - the buddy is gone: its copies are too, and the polls say so
+                pass
 
         self._sender = threading.Thread(target=send, name="memory-copy", daemon=True)
         self._sender.start()
