@@ -46,7 +46,8 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
            {"grad_norm": w._progress.get("grad_norm"), "skipped": list(w.runner.skipped), "step": w.step,
             "lr": w.optimizer.param_groups[0]["lr"],
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "restored_rss_mb": restored_rss,
-            "vmdata_mb": _vm_data_mb()}))
+            "vmdata_mb": _vm_data_mb(), "mesh": w.mesh.mesh_dim_names,
+            "placements": str(getattr(next(w.model.parameters()), "placements", None))}))
     w.leave()
 
 

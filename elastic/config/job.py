@@ -45,14 +45,15 @@ class JobConfig(_Strict):
         # The global batch is a constant of the run: it must split for every world size the run may take.
         sc, tr = self.scaling, self.train
         self._check_tp()
+        self._check_hsdp()
         if tr.strategy == "pipeline":
             self._check_pipeline()
             return self._check_chaos()
         bad = {}
         tp = tr.tp.size
         for w in range(sc.min_size, sc.max_size + 1):
-            if w % tp:
-                continue  # not a layout this run takes: whole replicas of tp ranks only
+            if w % tp or w % self.hsdp_shards:
+                continue  # not a layout this run takes: whole replicas of tp (or HSDP shard) ranks only
             try:
                 batch_plan(tr.global_batch_size, w // tp, tr.micro_batch_size)
             except ValueError as e:
@@ -73,6 +74,36 @@ class JobConfig(_Strict):
         if tr.strategy != "fsdp" and fs != FsdpSpec():
             raise ValueError(f"train.fsdp is set but train.strategy={tr.strategy}: set train.strategy: fsdp")
         return self._check_chaos()
+
+    @property
+    def hsdp_shards(self) -> int:
+        """Ranks one HSDP replica group shards the state over (1: not hybrid)."""
+        r = self.train.fsdp.replicate
+        return self.scaling.num_workers // r if r > 1 else 1
+
+    def _check_hsdp(self) -> None:
+        """HSDP: the world is whole replica groups of num_workers / replicate ranks at every size."""
+        sc, tr = self.scaling, self.train
+        r = tr.fsdp.replicate
+        if r == 1:
+            return
+        if sc.num_workers % r:
+            raise ValueError(f"train.fsdp.replicate={r} does not divide scaling.num_workers={sc.num_workers}: "
+                             f"each replica group shards the state over num_workers / replicate ranks")
+        shards = sc.num_workers // r
+        if shards == 1:
+            raise ValueError(f"train.fsdp.replicate={r} = scaling.num_workers leaves one rank per group, which "
+                             f"shards nothing: use train.strategy: ddp")
+        if tr.tp.size > 1:
+            raise ValueError("train.fsdp.replicate > 1 with train.tp.size > 1: HSDP x tensor parallelism is not "
+                             "built yet; use one of them")
+        for field, n in (("min_workers", sc.min_size), ("max_workers", sc.max_size)):
+            if n % shards:
+                raise ValueError(f"scaling.{field}={n} is not a multiple of the HSDP group size {shards} "
+                                 f"(num_workers / train.fsdp.replicate): the run grows and shrinks by whole groups")
+        if self.stragglers.enabled:
+            raise ValueError("stragglers.enabled: straggler swaps are not built for HSDP yet; leave it off with "
+                             "train.fsdp.replicate > 1")
 
     def _check_tp(self) -> None:
         """With tensor parallelism, every world size the run may take is whole replicas of

@@ -41,6 +41,12 @@ class FsdpSpec(_Strict):
         True, description="Free gathered parameters after forward (ZeRO-3); false keeps them until backward.")
     param_dtype: DTYPES = Field("float32", description="Dtype of gathered parameters in forward/backward (GPU only).")
     reduce_dtype: DTYPES = Field("float32", description="Dtype of the gradient reduce-scatter (GPU only).")
+    replicate: int = Field(
+        1, ge=1, description="HSDP: replica groups at scaling.num_workers. Each group shards the state over "
+                             "num_workers / replicate ranks (FSDP2 on a 2-D mesh); gradients are reduce-scattered "
+                             "within a group and all-reduced across groups. A lost rank is restored from its peer "
+                             "at the same shard in another group's memory; the run grows and shrinks by whole "
+                             "groups. 1: plain FSDP.")
 
 
 SCHEDULES = Literal["gpipe", "1f1b", "interleaved_1f1b"]

@@ -122,7 +122,7 @@ class Controller:
         self.grow_deferred = None  # a GrowDeferral while a grow waits for a persist
         # Where ranks sit (elastic.parallel.topology), and how that changes as capacity comes and
         # goes: the strategy's shape says (flat: (pp=1, dp=world); staged: the chain below `top`).
-        self.shape = shape_for(self.job.train)
+        self.shape = shape_for(self.job)
         self.world_size = self.job.scaling.num_workers  # changes on shrink and growth
         self.top = self.shape.layout(self.job.scaling.max_size)
         self.layout = self.shape.layout(self.world_size)

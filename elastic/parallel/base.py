@@ -83,10 +83,10 @@ class Strategy(ABC):
             meta_init.check(model, None)
 
     @classmethod
-    def shape(cls, spec) -> Shape:
+    def shape(cls, spec, shards: int = 1) -> Shape:
         """How this strategy's layout grows and shrinks (the controller asks this, never the name):
         flat by default, every rank a data-parallel replica; with tensor parallelism, whole
-        replicas of tp ranks."""
+        replicas of tp ranks. `shards`: HSDP's group size (JobConfig.hsdp_shards)."""
         return Shape(sharded=cls.sharded, tp=spec.tp.size)
 
     @property

@@ -8,19 +8,29 @@ or a default: the elements of every `nn.ModuleList`, else the children of an
 `nn.Sequential` root), then the root.
 
 Sharded state means no single survivor holds it all: a rank lost to a fault
-takes its shards with it, so a failure restores from the newest committed
+takes its shards with it, so a failure restores from the in-memory copy another
+node holds (elastic/runtime/memory_copies.py), else from the newest committed
 checkpoint (DCP re-shards on load to whatever the world size is). Planned
 changes (growth, a straggler swapped or dropped) re-shard in memory from every
 old rank's shards (`elastic.parallel.resharding`).
+
+HSDP (`train.fsdp.replicate` > 1): a 2-D mesh ("dp", "shard"). Each replica
+group shards the state over its "shard" ranks; the ranks at one shard
+coordinate ("dp") hold the same part, so a lost rank is copied from its peer
+at the same shard, like a DDP replica (`broadcast_state`).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from elastic.parallel.base import Strategy
+from elastic.parallel.base import Strategy, broadcast_tensors
+from elastic.parallel.buffers import BufferSync
 from elastic.parallel.memory import select
+from elastic.parallel.shape import Shape
+from elastic.parallel.tensor import local
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -49,7 +59,30 @@ class FullyShardedDataParallel(Strategy):
             model = model_fn()
         cls.check_model(job, model)
         select_blocks(model, job.train.fsdp.blocks)
-    grad_copies = 1  # every rank holds its own part of each gradient
+
+    @classmethod
+    def shape(cls, spec, shards: int = 1) -> Shape:
+        """Flat; HSDP: whole replica groups of `shards` ranks, each slot held by every group (not
+        `sharded`: a lost rank's part survives in its peers at the same shard)."""
+        if shards > 1:
+            return Shape(shards=shards)
+        return super().shape(spec)
+
+    @property
+    def hybrid(self) -> bool:
+        return "shard" in (self.mesh.mesh_dim_names or ())
+
+    @property
+    def layout_key(self):
+        """HSDP: the rank's shard (its parameters' local shapes); else as the base says."""
+        if self.hybrid:
+            return ("shard", self.mesh["shard"].size(), self.mesh.get_local_rank("shard"))
+        return super().layout_key
+
+    @property
+    def grad_copies(self) -> int:
+        """Each rank holds its own part of each gradient; HSDP: every replica group holds it."""
+        return self.mesh["dp"].size() if self.hybrid else 1
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
         model = super().prepare(model, sync_init)  # rank 0's init, broadcast; then tp and checkpointing
@@ -63,6 +96,7 @@ class FullyShardedDataParallel(Strategy):
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         # With tensor parallelism the parameters are DTensors on the mesh's tp axis already: sharding
         # them over its dp axis makes them 2-D (FSDP2 + TP, as torchtitan composes them).
+        # HSDP: the 2-D ("dp", "shard") mesh itself: fully_shard replicates over its first axis.
         kw = dict(mesh=self.mesh["dp"] if self.tp > 1 else self.mesh, mp_policy=mp)
         for block in select_blocks(model, fs.blocks):
             fully_shard(block, reshard_after_forward=fs.reshard_after_forward, **kw)
@@ -78,9 +112,26 @@ class FullyShardedDataParallel(Strategy):
         and updates it from its own samples), broadcast from the first rank (buffers.py)."""
         self.sync_buffers(model)
 
+    def buffer_sync(self, model: nn.Module) -> BufferSync | None:
+        """Buffers are not sharded: every rank of the world takes the first rank's (HSDP: the
+        "dp" axis alone would leave the shard groups apart)."""
+        if not self.hybrid:
+            return super().buffer_sync(model)
+        if self._buffers_of is not model:
+            self._buffer_sync = BufferSync.of(model, dist.group.WORLD)
+            self._buffers_of = model
+        return self._buffer_sync
+
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
-        raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "
-                           "shards (elastic.parallel.resharding) or load a checkpoint")
+        """HSDP: each rank's shards, model and optimizer, from the rank at the same shard in
+        another replica group (`src_rank`), over the "dp" axis, in a fixed key order."""
+        if not self.hybrid:
+            raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "
+                               "shards (elastic.parallel.resharding) or load a checkpoint")
+        from elastic.parallel.ddp import _tensors_in_order
+        state = self.state_dict(model, optimizer)
+        broadcast_tensors([local(t) for t in _tensors_in_order(state)], src_rank, self.mesh.get_group("dp"))
+        self.load_state_dict(model, optimizer, state)
 
 
 def _on_gpu(model: nn.Module) -> bool:

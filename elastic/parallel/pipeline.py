@@ -120,7 +120,7 @@ class Pipeline(DataParallel):
                 raise PlanError(f"train.pipeline: {pp} stage(s) x {pl.chunks_per_rank} chunk(s) per rank: {e}") from None
 
     @classmethod
-    def shape(cls, spec) -> Shape:
+    def shape(cls, spec, shards: int = 1) -> Shape:
         """Whole layouts of the topology's chain: replicas come and go first, then stages."""
         return Shape(stages=spec.pipeline.stages, sharded=cls.sharded, staged=True, tp=spec.tp.size)
 

@@ -8,8 +8,11 @@ re-plans through it and never tests a strategy's name:
   * staged (pipeline, or any strategy with tensor parallelism): ranks come and go in whole
     replicas of `stages x tp` ranks, along the topology's chain (replicas first, then stages); a
     shrink keeps each survivor on its slot (stage, tp index) where it can.
-`sharded` says whether one rank holds only its part of the state (fsdp): then no single
-survivor holds it all, and a planned change moves every rank's part. `via_storage`: a planned
+  * HSDP (fsdp with `shards` > 1) is staged too: whole replica groups of `shards` ranks, each
+    rank a slot (its shard), restored like a pipeline's stage from another group's rank at the
+    same slot.
+`sharded` says whether one rank holds the only copy of its part of the state (fsdp): then no
+single survivor holds it all, and a planned change moves every rank's part. `via_storage`: a planned
 change moves the state through the checkpoint taken at the stop (fsdp x tp: 2-D shards, which
 DCP re-shards on load; the in-memory re-shard knows 1-D shards only).
 """
@@ -26,10 +29,11 @@ class Shape:
     sharded: bool = False
     staged: bool = False  # resizes walk the topology's chain of whole layouts
     tp: int = 1  # tensor-parallel ranks per stage (fixed for the run)
+    shards: int = 1  # HSDP: ranks per replica group (fixed for the run)
 
     def __post_init__(self):
-        if self.tp > 1:
-            object.__setattr__(self, "staged", True)  # whole replicas of stages x tp ranks
+        if self.tp > 1 or self.shards > 1:
+            object.__setattr__(self, "staged", True)  # whole replicas of stages x shards x tp ranks
 
     @property
     def via_storage(self) -> bool:
@@ -38,10 +42,10 @@ class Shape:
     @property
     def unit(self) -> int:
         """Ranks come and go in multiples of this (a replica's ranks)."""
-        return self.stages * self.tp
+        return self.stages * self.shards * self.tp
 
     def layout(self, world_size: int) -> Layout:
-        return Layout(self.stages, world_size // self.unit, self.tp)
+        return Layout(self.stages, world_size // self.unit, self.tp, self.shards)
 
     def grow(self, top: Layout, current: Layout, extra: int) -> Layout | None:
         """The layout `extra` more ranks make; None when they make none (staged: not a whole one)."""
@@ -63,7 +67,7 @@ class Shape:
         rank later); the others publish theirs. None: nothing is offered (a replica holds it all).
         A pipeline's parts are published by every rank: a re-partition moves them by name (with
         tensor parallelism a pipeline keeps its stages: config/job.py)."""
-        if self.tp > 1:  # replicas of each slot hold it (ddp, pipeline), or it moves through storage (fsdp)
+        if self.tp > 1 or self.shards > 1:  # replicas of each slot hold it (ddp, pipeline, HSDP), or storage (fsdp x tp)
             return None
         if self.staged:
             return frozenset()

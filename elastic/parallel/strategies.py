@@ -19,6 +19,6 @@ def make_strategy(spec, mesh, layout, rank: int) -> Strategy:
     return STRATEGIES[spec.strategy](mesh, spec)
 
 
-def shape_for(spec) -> Shape:
+def shape_for(job) -> Shape:
     """The job's strategy's `Shape`: how its layout grows and shrinks (elastic/parallel/shape.py)."""
-    return STRATEGIES[spec.strategy].shape(spec)
+    return STRATEGIES[job.train.strategy].shape(job.train, job.hsdp_shards)

@@ -2,10 +2,15 @@
 
 One layout for every strategy. DDP and FSDP are (dp=world, pp=1, tp=1). A
 pipeline has `pp` stages and `dp` replicas of the whole pipeline; tensor
-parallelism splits every stage's layers over `tp` ranks. A replica is `pp x tp`
-ranks, each holding one *slot* of the model (slot = stage x tp + tp index):
+parallelism splits every stage's layers over `tp` ranks; HSDP shards a
+replica's state over `shards` ranks (FSDP within a replica, `dp` replicas of
+it). A replica is `pp x shards x tp` ranks, each holding one *slot* of the
+model (slot = (stage x shards + shard) x tp + tp index):
 
-    rank = replica x (pp x tp) + stage x tp + tp index
+    rank = replica x slots + slot
+
+Ranks of one replica that differ only in their shard read different samples
+(data rank = replica x shards + shard); stages and tp slices share theirs.
 
 replica-major, so adding a replica appends ranks and numbers nobody else, and
 the ranks of a tp group are consecutive (placed on one node where it can hold
@@ -13,7 +18,7 @@ them: the fastest links). Every rank of a slot's `dp` group holds the same
 state (a replica of it), so a lost rank is restored from another replica of
 its slot. Resizes walk one chain of layouts, largest first: drop whole
 replicas while there is more than one, then re-partition the model over fewer
-stages (tp never changes in a run):
+stages (tp and shards never change in a run):
 
     (pp=3, dp=2) -> (3, 1) -> (2, 1) -> (1, 1)
 
@@ -30,11 +35,24 @@ class Layout:
     pp: int  # pipeline stages
     dp: int  # data-parallel replicas (of the whole pipeline)
     tp: int = 1  # tensor-parallel ranks per stage
+    shards: int = 1  # HSDP: ranks a replica's state is sharded over (1: not hybrid)
 
     @property
     def slots(self) -> int:
         """Ranks per replica: each holds a different part of the model."""
-        return self.pp * self.tp
+        return self.pp * self.shards * self.tp
+
+    @property
+    def data_world(self) -> int:
+        """How many ways the global batch splits: replicas x shards (stages and tp share samples)."""
+        return self.dp * self.shards
+
+    def data_rank(self, rank: int) -> int:
+        """Which share of the global batch `rank` reads (0..data_world-1)."""
+        return self.replica_of(rank) * self.shards + self.shard_of(rank)
+
+    def shard_of(self, rank: int) -> int:
+        return (self.slot_of(rank) // self.tp) % self.shards
 
     @property
     def world_size(self) -> int:
@@ -46,7 +64,7 @@ class Layout:
         return rank % self.slots
 
     def stage_of(self, rank: int) -> int:
-        return self.slot_of(rank) // self.tp
+        return self.slot_of(rank) // (self.shards * self.tp)
 
     def tp_of(self, rank: int) -> int:
         return rank % self.tp
@@ -59,13 +77,15 @@ class Layout:
 
     def __str__(self) -> str:
         tp = f" x {self.tp} tensor slice(s)" if self.tp > 1 else ""
+        if self.shards > 1:
+            return f"{self.shards} shard(s){tp} x {self.dp} replica(s)"
         return f"{self.pp} stage(s){tp} x {self.dp} replica(s)"
 
 
 def chain(top: Layout, min_world: int = 1) -> list[Layout]:
     """Every layout a run may take, largest first: replicas dropped one by one, then stages."""
-    out = [Layout(top.pp, d, top.tp) for d in range(top.dp, 0, -1)]
-    out += [Layout(p, 1, top.tp) for p in range(top.pp - 1, 0, -1)]
+    out = [Layout(top.pp, d, top.tp, top.shards) for d in range(top.dp, 0, -1)]
+    out += [Layout(p, 1, top.tp, top.shards) for p in range(top.pp - 1, 0, -1)]
     return [lay for lay in out if lay.world_size >= min_world]
 
 

@@ -45,7 +45,7 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
     gradient all-reduce completed, so it includes every rank's contribution). Storage when no
     replica survived, when the state is sharded (a lost rank's shards existed only in its
     memory), or when the user asked for storage. A layout of several slots (pipeline stages,
-    tensor slices) needs a surviving replica of every slot at that step."""
+    tensor slices, HSDP's shards) needs a surviving replica of every slot at that step."""
     if not cfg.peer_restore:
         return FromStorage(), "failure.peer_restore is off: restore from the latest committed checkpoint"
     if sharded:
@@ -56,7 +56,8 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
     step = max(survivor_steps.values())
     if layout is not None and layout.slots > 1:
         sources = slot_sources(layout, {r: r for r in survivor_steps}, layout, survivor_steps)
-        what = "stage" if layout.tp == 1 else "slot (stage x tensor slice)"
+        what = ("shard (HSDP)" if layout.shards > 1 else "stage" if layout.tp == 1
+                else "slot (stage x tensor slice)")
         if sources is None:
             held = sorted({layout.slot_of(r) for r, s in survivor_steps.items() if s == step})
             return FromStorage(), (f"no surviving replica holds every {what} at step {step} (held: {held} of "

@@ -90,8 +90,8 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None) -
     w.kept_offer = None
     if w.model is None or w.built_for != w.strategy.layout_key:
         state.build(w)
-    elif w.strategy.tp > 1 and w.built_generation != w.generation:
-        state.rebind(w)  # its DTensors are bound to the old group's mesh
+    elif (w.strategy.tp > 1 or w.strategy.sharded) and w.built_generation != w.generation:
+        state.rebind(w)  # its DTensors (HSDP: its FSDP groups) are bound to the old group's mesh
     step = torch.tensor([w.step], dtype=torch.int64, device=w.device)
     dist.broadcast(step, src=src_rank)
     w.step = int(step.item())

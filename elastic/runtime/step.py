@@ -184,10 +184,11 @@ class StepRunner:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         # The data slice follows the rank's replica (its dp coordinate): every stage of a pipeline
-        # replica works on the same samples; ddp and fsdp ranks are each a replica.
+        # replica works on the same samples; ddp and fsdp ranks are each a replica, and HSDP's
+        # shards of one replica group read different samples (Layout.data_rank).
         lay = w.layout
-        replica = lay.replica_of(w.rank)
-        idx = w.order.rank_indices(w.step, tr.global_batch_size, lay.dp, replica)
+        replica = lay.data_rank(w.rank)  # HSDP: each shard of a replica group reads its own share
+        idx = w.order.rank_indices(w.step, tr.global_batch_size, lay.data_world, replica)
         w.optimizer.zero_grad(set_to_none=True)
         self._prefetch_next(micro)
         stop_flag = 1.0 if w.stop_requested else 0.0
@@ -253,8 +254,8 @@ class StepRunner:
         loss = agreed.loss_sum / w.strategy.loss_ranks
         with self._lock:
             self.compute_log.append(StepRecord(w.step, compute_s, loss))
-            if w.job.run.sample_ledger and lay.slot_of(w.rank) == 0:  # one rank per replica
-                self.ledger.append(LedgerEntry(w.step, lay.dp, replica, tuple(idx), w.order.num_samples))
+            if w.job.run.sample_ledger and lay.stage_of(w.rank) == lay.tp_of(w.rank) == 0:  # one rank per share
+                self.ledger.append(LedgerEntry(w.step, lay.data_world, replica, tuple(idx), w.order.num_samples))
         now = time.time()
         w.set_progress(step=w.step, loss=loss, step_end=now,
                        step_s=time.perf_counter() - t_start, compute_s=compute_s,
@@ -337,7 +338,7 @@ class StepRunner:
         tr = self.w.job.train
         if tr.strategy == "pipeline":
             return 0
-        return batch_plan(tr.global_batch_size, self.w.layout.dp, tr.micro_batch_size)[0]
+        return batch_plan(tr.global_batch_size, self.w.layout.data_world, tr.micro_batch_size)[0]
 
     def forget_bad_run(self) -> None:
         """After a restore every rank of the new group counts consecutive bad steps from zero:
@@ -378,7 +379,7 @@ class StepRunner:
         them (its share of the global order, cut into micro-batches): the data workers' plan."""
         w = self.w
         lay, tr = w.layout, w.job.train
-        ids = w.order.rank_indices(step, tr.global_batch_size, lay.dp, lay.replica_of(w.rank))
+        ids = w.order.rank_indices(step, tr.global_batch_size, lay.data_world, lay.data_rank(w.rank))
         m = self.micro or len(ids)
         return [(step, tuple(ids[i:i + m])) for i in range(0, len(ids), m)]
 
@@ -394,7 +395,7 @@ class StepRunner:
         if not w.strategy.needs_data or w.job.train.data_workers:
             return  # data workers read ahead on their own
         lay, tr = w.layout, w.job.train
-        nxt = w.order.rank_indices(w.step + 1, tr.global_batch_size, lay.dp, lay.replica_of(w.rank))
+        nxt = w.order.rank_indices(w.step + 1, tr.global_batch_size, lay.data_world, lay.data_rank(w.rank))
         if tr.prefetch:
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor

@@ -158,11 +158,12 @@ class Worker:
                 rank=rank, world_size=world_size, timeout=timedelta(seconds=fc.collective_timeout_s))
             self._join_phase = ("building the device mesh and the checkpoint group", time.monotonic())
             self.rank, self.world_size = rank, world_size
-            tp = self.job.train.tp.size
-            self.layout = Layout(pp, world_size // (pp * tp), tp)
+            tp, shards = self.job.train.tp.size, self.job.hsdp_shards
+            self.layout = Layout(pp, world_size // (pp * shards * tp), tp, shards)
             device = "cuda" if self.job.scaling.use_gpu else "cpu"
-            # Axes of size 1 are left out (a 1-D "dp" mesh for ddp and fsdp without tp).
-            axes = [(n, k) for n, k in (("dp", self.layout.dp), ("pp", pp), ("tp", tp)) if n == "dp" or k > 1]
+            # Axes of size 1 are left out (a 1-D "dp" mesh for ddp and fsdp without tp; HSDP's "shard").
+            axes = [(n, k) for n, k in (("dp", self.layout.dp), ("shard", shards), ("pp", pp), ("tp", tp))
+                    if n == "dp" or k > 1]
             self.mesh = init_device_mesh(device, tuple(k for _, k in axes), mesh_dim_names=tuple(n for n, _ in axes))
             for name, _ in axes[1:]:
                 # Created now, inside the window whose sockets `capture` records for an abort.

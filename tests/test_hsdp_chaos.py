@@ -1,0 +1,94 @@
+"""HSDP 2 x 2 (train.fsdp.replicate: 2) on a real local cluster (head + 4 or 5 one-CPU nodes):
+faults recovered from the other replica group's memory.
+
+Each of the two groups shards the state over 2 ranks; ranks 0 and 2 hold shard 0, ranks 1 and 3
+shard 1. A node killed between checkpoints takes rank 1: its shard lives on in rank 3's memory.
+  * with a replacement (a new worker, or a warm spare): the group re-forms at 2 x 2 and the
+    replacement takes shard 1 from rank 3, with no storage read and no step redone (the
+    survivors finished the fault step; their all-reduce across groups had the lost rank's
+    contribution). The run ends bit-identical to an uninterrupted one.
+  * without one: the group shrinks to one replica group (1 x 2), each shard from a survivor that
+    holds it, then grows back to 2 x 2 when a node joins, the new group copying from the old.
+Every sample is seen once either way (sample ledger)."""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from elastic import Trainer
+from elastic.workload import NUM_SAMPLES
+from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from tests.test_resize import wait_for
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+
+NUM_STEPS, EVERY, FAULT_STEP, BATCH, SEED = 30, 10, 15, 48, 5
+
+
+def hsdp_job(tmp_path, chaos=(), steps=NUM_STEPS, loss="elastic.workload:loss_fn", **scaling) -> dict:
+    return {
+        "run": {"name": f"h-{uuid.uuid4().hex[:8]}", "num_steps": steps, "seed": SEED, "sample_ledger": True},
+        "scaling": {"num_workers": 4, **scaling},
+        "failure": {"max_failures": 2, "hang_floor_s": 5},
+        "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": EVERY},
+        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                  "loss": loss, "global_batch_size": BATCH, "strategy": "fsdp",
+                  "fsdp": {"replicate": 2}},
+        "chaos": [dict(c) for c in chaos],
+    }
+
+
+def _assert_from_the_other_group(result, tmp_path, j, steps=NUM_STEPS):
+    (plan,) = result.events_of("restore_plan")
+    assert plan["source"] == "FromPeer" and "every shard (HSDP) from a surviving replica" in plan["reason"], plan
+    assert "no storage read" in plan["reason"], plan
+    restored = result.events_of("restored")[-1]
+    assert restored["uri"] is None and restored["source"].startswith("slot replicas"), restored
+    assert all(e["uri"] is None for e in result.events_of("restored")), result.events_of("restored")
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", steps, BATCH, NUM_SAMPLES,
+                      seed=SEED, lost_rank_upto=(1, FAULT_STEP))
+
+
+def test_hsdp_shrinks_to_one_group_from_memory_and_grows_back(cluster, tmp_path):  # noqa: F811
+    # 4 ranks on the 4 nodes: the killed node's rank has nowhere to go, so the run shrinks.
+    steps = 60
+    j = hsdp_job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], steps=steps,
+                 loss="tests.support.workloads:loss_slower_while_shrunk",
+                 min_workers=2, max_workers=4, shrink_after_s=2, grow_check_s=1)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))
+    t.start()
+    wait_for(tmp_path / "runs" / j["run"]["name"] / "events.jsonl", "resized", lambda e: e["new_world_size"] == 2)
+    cluster.ensure_worker_nodes(4)  # a node joins: the group grows back by a whole replica group
+    t.join(timeout=280)
+    result = out["result"]
+    sizes = [(r["old_world_size"], r["new_world_size"], r["path"]) for r in result.events_of("resized")]
+    assert sizes == [(4, 2, "memory"), (2, 4, "memory")], sizes
+    done = result.events_of("resize_completed")
+    assert done[0]["lost_steps"] == 0 and done[0]["resumed_step"] >= FAULT_STEP, done[0]
+    assert done[1]["lost_steps"] == 0, done[1]
+    assert result.metrics["step"] == steps
+    _assert_from_the_other_group(result, tmp_path, j, steps)
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_cluster, tmp_path_factory):  # noqa: F811
+    ray_cluster.ensure_worker_nodes(5)
+    result = Trainer(hsdp_job(tmp_path_factory.mktemp("base"))).fit(progress=False)
+    assert not result.events_of("buddies")  # replica groups hold each other's copies: none taken
+    return result.digests
+
+
+@pytest.mark.parametrize("spares, how", [(0, "started on demand"), (1, "warm spare")])
+def test_hsdp_node_kill_restores_from_the_other_group(cluster, baseline, tmp_path, spares, how):  # noqa: F811
+    cluster.ensure_worker_nodes(5)
+    j = hsdp_job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
+                 num_spares=spares, wait_for_spares=bool(spares))
+    result = Trainer(j).fit(progress=False)
+    assert result.digests == baseline
+    (rec,) = result.events_of("recovered")
+    assert rec["lost_steps"] == 0 and rec["resumed_step"] >= FAULT_STEP, rec
+    assert result.events_of("workers_replaced")[0]["how"] == {"1": how}
+    _assert_from_the_other_group(result, tmp_path, j)
