@@ -21,6 +21,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--params", default=None,
                    help="recovery: model sizes in parameters, comma-separated (900K, 9M, 90M: about 10 MB, 100 MB, "
                         "1 GB of model + AdamW state); default: the common workload's 1.3 M")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
+                   help="recovery: what every system trains with: ddp (default) or fsdp (elastic: FSDP2 with its "
+                        "in-memory copies; Ray Train: FSDP2 and distributed checkpointing)")
     p.add_argument("--mtbf-s", type=float, default=30.0, help="churn: mean time between faults, seconds")
     p.add_argument("--duration-s", type=float, default=600.0, help="churn: length of the fault schedule, seconds")
     p.add_argument("--replace-after-s", type=float, default=10.0,

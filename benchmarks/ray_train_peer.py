@@ -84,11 +84,21 @@ class _TimelineCallback(ray.train.UserCallback):
                    step=metrics[0].get("step"), checkpoint=checkpoint is not None)
 
 
-def resume_workload(seed: int):
+def resume_workload(seed: int, strategy: str = "ddp", use_gpu: bool = False):
     """The common workload's model and optimizer from the seed, then Ray Train's latest checkpoint
-    if there is one, the model wrapped for DDP: (model, optimizer, completed steps, checkpoint or None)."""
+    if there is one, the model wrapped for DDP (or sharded with FSDP2: benchmarks/ray_train_fsdp.py):
+    (model, optimizer, completed steps, checkpoint or None)."""
     torch.manual_seed(seed)  # same initial weights on every rank, before any checkpoint overrides them
     model = workload.build_model()
+    if strategy == "fsdp":
+        from benchmarks import ray_train_fsdp
+        model = ray_train_fsdp.shard(model, ray.train.get_context().get_world_size(), use_gpu)
+        optimizer = workload.build_optimizer(model.parameters())
+        step, checkpoint = 0, ray.train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as ckpt_dir:
+                step = ray_train_fsdp.load(model, optimizer, ckpt_dir)
+        return model, optimizer, step, checkpoint
     optimizer_state = None
     step = 0  # completed optimizer steps
     checkpoint = ray.train.get_checkpoint()
@@ -125,11 +135,18 @@ def _unwrapped(model):
 
 
 def report_step(model, optimizer, step: int, metrics: dict, rank: int, ckpt_every: int, num_steps: int,
-                timeline_dir: str, **log_fields) -> None:
+                timeline_dir: str, strategy: str = "ddp", **log_fields) -> None:
     """Ray Train's documented pattern: every `ckpt_every` steps rank 0 writes the (replicated) DDP
     state and every rank calls report, so the controller can pair them up; the checkpoint counts
-    once all ranks' reports are polled. The final step is reported too, for Result.metrics."""
-    if step % ckpt_every == 0:
+    once all ranks' reports are polled. The final step is reported too, for Result.metrics. FSDP:
+    every rank writes and reports its own shards (distributed checkpointing)."""
+    if step % ckpt_every == 0 and strategy == "fsdp":
+        from benchmarks import ray_train_fsdp
+        with tempfile.TemporaryDirectory() as tmp:
+            ray_train_fsdp.save(model, optimizer, step, tmp, rank)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, **log_fields)
+    elif step % ckpt_every == 0:
         if rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 torch.save({"model": _unwrapped(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step},
@@ -154,7 +171,8 @@ def _train_loop(config: dict) -> None:
     fault_marker = os.path.join(timeline_dir, FAULT_MARKER)
     is_recovery = os.path.exists(fault_marker)
 
-    model, optimizer, step, checkpoint = resume_workload(config["seed"])
+    strategy = config.get("strategy", "ddp")
+    model, optimizer, step, checkpoint = resume_workload(config["seed"], strategy, config.get("use_gpu", False))
     _log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery,
                checkpoint=checkpoint.path if checkpoint is not None else None)
 
@@ -186,7 +204,7 @@ def _train_loop(config: dict) -> None:
             first_step_logged = True
 
         metrics = {"step": step, "loss": float(loss.detach())}
-        report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir)
+        report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir, strategy)
     if rank == 0:
         _log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
 
@@ -270,10 +288,12 @@ def run_ray_train_recovery(
     s3=None,
     fault_rank: int = 1,
     use_gpu: bool = False,
+    strategy: str = "ddp",
 ) -> dict:
     """Train the common workload with Ray Train, fault rank `fault_rank`'s node after `fault_step` steps
     (kill it, or freeze it: `elastic.runtime.chaos` actions; or `kill_process`, its process alone), measure the
-    recovery. `use_gpu`: one GPU per worker, NCCL (`ScalingConfig(use_gpu=True)`).
+    recovery. `use_gpu`: one GPU per worker, NCCL (`ScalingConfig(use_gpu=True)`). `strategy`: "ddp"
+    (prepare_model) or "fsdp" (FSDP2 and distributed checkpointing: benchmarks/ray_train_fsdp.py).
 
     Needs `ray.init` done (on a cluster with a spare node). Returns one
     benchmark record (see shared/BENCHMARKS.md), plus `restart_s` and the
@@ -297,7 +317,7 @@ def run_ray_train_recovery(
         train_loop_config={
             "timeline_dir": timeline_dir, "num_steps": num_steps, "fault_step": fault_step,
             "ckpt_every": ckpt_every, "global_batch_size": global_batch_size, "seed": seed, "fault": fault,
-            "fault_rank": fault_rank,
+            "fault_rank": fault_rank, "strategy": strategy, "use_gpu": use_gpu,
         },
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                                resources_per_worker={"CPU": 1, **({"GPU": 1} if use_gpu else {})}),
@@ -320,6 +340,7 @@ def run_ray_train_recovery(
     return {
         "bench": "recovery",
         "system": "ray-train",
+        "strategy": strategy,
         "storage": "s3" if s3 is not None else "file",
         "fault": fault,
         **_summarise(events, fault_step=fault_step),

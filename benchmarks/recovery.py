@@ -110,7 +110,9 @@ TORCHFT_TIMEOUT_S = 300.0  # a torchft run that has not finished by then is repo
 
 def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str = "kill_node",
                 at_step: int = FAULT_STEPS[0], num_workers: int = NUM_WORKERS, fault_rank: int = 1,
-                gpu: bool = False) -> dict:
+                gpu: bool = False, strategy: str = "ddp") -> dict:
+    """The job of one elastic system. `strategy` fsdp: the state is sharded, and a fault restores
+    from the in-memory copies at their default budget (elastic-storage: from the checkpoint)."""
     scaling, failure = ELASTIC_SYSTEMS[system]
     return {
         "run": {"name": f"bench-recovery-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
@@ -119,22 +121,24 @@ def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY},
         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
                   "loss": "elastic.workload:loss_fn", "optimizer": "elastic.workload:build_optimizer",
-                  "global_batch_size": GLOBAL_BATCH},
+                  "global_batch_size": GLOBAL_BATCH, "strategy": strategy},
         "chaos": [{"action": fault, "rank": fault_rank, "at_step": at_step}],
     }
 
 
 def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str, at_step: int,
-                num_workers: int = NUM_WORKERS, fault_rank: int = 1, gpu: bool = False) -> dict:
+                num_workers: int = NUM_WORKERS, fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp") -> dict:
     from elastic import Trainer
     t0 = time.time()
-    job = elastic_job(system, storage_uri, storage_options, fault, at_step, num_workers, fault_rank, gpu)
+    job = elastic_job(system, storage_uri, storage_options, fault, at_step, num_workers, fault_rank, gpu, strategy)
     result = Trainer(job).fit(progress=False)
     rec = result.events_of("recovered")
     r = rec[0] if rec else {}
     restored = result.events_of("restored")[-1]
-    return {"bench": "recovery", "system": system, "fault": fault, "recover_s": r.get("recover_s"),
-            "restore_source": restored["source"],
+    (plan,) = result.events_of("restore_plan") or ({},)
+    return {"bench": "recovery", "system": system, "strategy": strategy, "fault": fault,
+            "recover_s": r.get("recover_s"), "restore_source": restored["source"],
+            "restore_plan": plan.get("reason"),
             "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
             "resumed_step": r.get("resumed_step"), "final_step": result.metrics["step"],
             "total_s": time.time() - t0, "num_workers": num_workers, "ckpt_every": CKPT_EVERY,
@@ -148,11 +152,11 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
 
 
 def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_workers: int = NUM_WORKERS,
-                  fault_rank: int = 1, gpu: bool = False) -> dict:
+                  fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp") -> dict:
     from benchmarks.ray_train_peer import run_ray_train_recovery
     return run_ray_train_recovery(storage_dir=storage_dir, num_workers=num_workers, num_steps=NUM_STEPS,
                                   fault_step=at_step, ckpt_every=CKPT_EVERY, global_batch_size=GLOBAL_BATCH,
-                                  fault=fault, s3=s3, fault_rank=fault_rank, use_gpu=gpu)
+                                  fault=fault, s3=s3, fault_rank=fault_rank, use_gpu=gpu, strategy=strategy)
 
 
 def main(args) -> int:
@@ -161,6 +165,10 @@ def main(args) -> int:
     from elastic.workload import HIDDEN_ENV
 
     gpu = bool(getattr(args, "gpu", False))
+    strategy = getattr(args, "strategy", "ddp") or "ddp"
+    if strategy == "fsdp" and TORCHFT in (args.systems or ""):
+        print(f"python -m benchmarks recovery: --strategy fsdp: {TORCHFT} runs DDP only here", file=sys.stderr)
+        return 2
     layout = {"num_workers": NUM_WORKERS, "fault_rank": 1, "systems": SYSTEMS}
     if gpu:
         from benchmarks.overhead import gpu_devices
@@ -223,10 +231,10 @@ def main(args) -> int:
                     for system in [s for s in systems if s != TORCHFT]:  # interleaved: drift hits all alike
                         cluster.ensure_worker_nodes(num_nodes)
                         if system == "ray-train":
-                            rec = run_ray_train(work, fault, at_step, s3, world, fault_rank, gpu)
+                            rec = run_ray_train(work, fault, at_step, s3, world, fault_rank, gpu, strategy)
                         else:
                             rec = {**run_elastic(system, storage_uri, storage_options, fault, at_step, world,
-                                                 fault_rank, gpu), "storage": args.storage}
+                                                 fault_rank, gpu, strategy), "storage": args.storage}
                         rec["backend"] = "nccl" if gpu else "gloo"
                         rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
                                    fault_offset=at_step % CKPT_EVERY)
@@ -256,7 +264,12 @@ def main(args) -> int:
                      f"{what} after step "
                      f"{', '.join(str(s) for s in dict.fromkeys(r['fault_step'] for r in mine if r.get('fault_step')))}"
                      f" (one per repetition, cycling through {', '.join(map(str, FAULT_STEPS))})"]
-            report_against_peer("recovery", f"recovery ({fault}, {params / 1e6:.1f} M params)", mine, med, METRICS,
+            if strategy != "ddp":
+                notes.append(f"every system trains with {strategy}: elastic FSDP2 with in-memory copies at their "
+                             f"default budget (elastic-storage: the checkpoint), Ray Train FSDP2 with distributed "
+                             f"checkpointing (benchmarks/ray_train_fsdp.py)")
+            title = f"recovery ({fault}, {params / 1e6:.1f} M params{', ' + strategy if strategy != 'ddp' else ''})"
+            report_against_peer("recovery", title, mine, med, METRICS,
                                 list(ELASTIC_SYSTEMS), "ray-train", notes, args.out)
     if args.out and len(sizes) > 1:
         plot_by_size(os.path.join(args.out, "recovery-by-size.png"), records)
