@@ -25,6 +25,7 @@ from elastic.controller import Controller
 from elastic.data.fingerprint import KEY as FINGERPRINT_KEY
 from elastic.data.fingerprint import dataset_fingerprint, has_hook
 from elastic.data.prefetch import check_data_workers
+from elastic.group.room import check_copies_room
 from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if fns["scheduler"] is not None:
             _check_scheduler(fns["scheduler"], job.train.scheduler)
+        from elastic.parallel.memory import state_bytes  # for the copies' memory check once Ray is up
+        from elastic.runtime.state import default_optimizer
+        self._state_bytes = state_bytes(fns["model"], fns["optimizer"] or default_optimizer)
         uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
         self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
         storage = Storage(uri, job.checkpoint.storage_options)
@@ -93,6 +97,7 @@ class Trainer:
         called on the driver with every event (docs/events.md) as it arrives, about twice a
         second, in order (an exception it raises is logged and the run goes on)."""
         _connect_or_start_ray(self.job)
+        check_copies_room(self.job, self._state_bytes)
         controller = ray.remote(Controller).options(
             num_cpus=0, max_concurrency=8,
             # The controller must outlive any worker node, so it runs on the head node (where

@@ -103,3 +103,41 @@ def test_a_committed_checkpoint_newer_than_the_copies_wins():
     assert found is None and not lost and "older than the latest committed checkpoint (step 10)" in why
     (step, _), _, _ = choose_copies(3, own, held, committed_step=5)
     assert step == 7
+
+
+# ---------------------------------------------------------------- the host-memory budget (pure)
+def test_copies_that_pass_a_nodes_memory_budget_are_refused_naming_the_node():
+    from elastic.policies.buddies import NodeRoom, copies_room
+    gib = 2 ** 30
+    nodes = [NodeRoom("a", 1, 8 * gib), NodeRoom("b", 4, 8 * gib)]
+    # 1 GiB of state over 4 ranks: 256 MiB a rank, 4 copies each -> 1 GiB per rank on a node.
+    assert copies_room(gib / 4, 4, nodes, 0.5) is None  # node b: 4 GiB of 8, within half
+    why = copies_room(gib / 4, 4, nodes, 0.25)
+    assert why.startswith("in-memory copies need about 4.00 GiB on node b (4 rank(s) x 4 x 256 MiB"), why
+    assert copies_room(gib / 2, 2, [NodeRoom("c", 8, 8 * gib)], 0.5) is None  # only 2 ranks to hold
+
+
+def test_the_state_estimate_counts_the_optimizers_moments_from_a_meta_build():
+    import torch
+    from elastic import workload
+    from elastic.parallel.memory import state_bytes
+    from tests.support.workloads import build_smooth_model
+    n = sum(p.numel() for p in workload.build_model().parameters())
+    assert state_bytes(workload.build_model, workload.build_optimizer) == 3 * 4 * n  # fp32 + AdamW's 2 moments
+    assert state_bytes(build_smooth_model, workload.build_sgd) == 2 * 4 * n  # + SGD's momentum
+    assert state_bytes(workload.build_model, lambda p: torch.optim.SGD(p, lr=0.1)) == 4 * n  # no state
+
+
+def test_which_jobs_take_copies_and_at_what_world_size(tmp_path):
+    from elastic.config import JobConfig
+    from elastic.group.room import copies_world
+    base = {"run": {"name": "x", "num_steps": 4}, "checkpoint": {"storage_uri": f"file://{tmp_path}"},
+            "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+                      "loss": "elastic.workload:loss_fn", "global_batch_size": 48, "strategy": "fsdp"}}
+    def world(scaling, **train):
+        j = {**base, "scaling": scaling, "train": {**base["train"], **train}}
+        return copies_world(JobConfig.model_validate(j))
+    assert world({"num_workers": 3}) == 3
+    assert world({"num_workers": 4, "min_workers": 2}) == 2  # the largest share: at the smallest world
+    assert world({"num_workers": 4}, fsdp={"replicate": 2}) is None  # the other group is the copy
+    assert world({"num_workers": 4}, strategy="ddp") is None

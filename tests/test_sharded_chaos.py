@@ -69,3 +69,14 @@ def test_fsdp_node_kill_with_a_warm_spare_restores_from_in_memory_copies(cluster
     result = Trainer(j).fit(progress=False)
     _assert_from_memory(result, baseline, tmp_path, j)
     assert result.events_of("workers_replaced")[0]["how"] == {"1": "warm spare"}
+
+
+def test_copies_over_the_host_memory_budget_are_refused_before_any_worker_starts(cluster, tmp_path):  # noqa: F811
+    from elastic.config import ConfigError
+    j = fsdp_job(tmp_path)
+    j["checkpoint"]["memory_max_host_share"] = 1e-6  # of each node's memory: far below 4 x a rank's share
+    trainer = Trainer(j)
+    with pytest.raises(ConfigError, match=r"checkpoint.memory_max_host_share=1e-06: in-memory copies need about "
+                                          r"[\d.]+ GiB on node .* \(1 rank\(s\) x 4 x 5 MiB"):
+        trainer.fit(progress=False)
+    assert not (tmp_path / "runs" / j["run"]["name"] / "events.jsonl").exists()  # no run started

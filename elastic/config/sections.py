@@ -117,6 +117,11 @@ class CheckpointConfig(_Strict):
         0.03, gt=0, le=1, description="The share of training time in-memory copies may cost: a copy (taking "
                                       "it, and its send end to end) is taken once the steps since the last one "
                                       "have run for its cost / this. 1: as often as memory_every_steps allows.")
+    memory_max_host_share: float = Field(
+        0.25, gt=0, le=1, description="The share of each node's memory (Ray's view of it) in-memory copies may "
+                                      "take. Checked before any worker starts, from the model and optimizer "
+                                      "state built on the meta device: a job whose copies would take more on "
+                                      "some node is refused, naming the estimate.")
     persist_retries: int = Field(5, ge=0, description="Retries of a background persist on storage errors.")
     persist_retry_backoff_s: float = Field(1.0, ge=0, description="First backoff between persist retries (doubles).")
     final_wait_s: float = Field(

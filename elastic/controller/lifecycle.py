@@ -57,6 +57,8 @@ def on_forming(ctl: Controller, _: Forming) -> State:
     except GroupError as e:
         return lost_from(ctl, e, "group formation")
     extra = {"stages": ctl.layout.pp, "replicas": ctl.layout.dp} if ctl.shape.staged else {}
+    if ctl.layout.shards > 1:
+        extra["shards"] = ctl.layout.shards  # HSDP: ranks per replica group
     ctl.events.emit("group_formed", world_size=len(ctl.group.members), form_s=ctl.now() - t0,
                     generation=ctl.generation, slowest_ping_s=slowest_ping_s, **extra)
     return Restoring()

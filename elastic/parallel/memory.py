@@ -43,3 +43,23 @@ def checkpoint_blocks(model: nn.Module, class_names: list[str] | None) -> int:
 
 def _recomputed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def state_bytes(model_fn, make_opt) -> int | None:
+    """Bytes of the model's parameters and buffers and its optimizer's state, from a build on the
+    meta device and one optimizer step there (which creates the state, shaped as it will be, at no
+    cost). None when the model or the optimizer cannot run on meta."""
+    import torch
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+        params = [p for p in model.parameters() if p.requires_grad]
+        total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        opt = make_opt(params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    except Exception:  # noqa: BLE001 - an estimate only: no estimate, no check
+        return None
+    return total + sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                       if isinstance(t, torch.Tensor) and t.device.type == "meta")

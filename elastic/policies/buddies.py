@@ -7,6 +7,18 @@ with its copy, and no rank holds many more copies than another.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+COPIES_PER_RANK = 4  # its own last two parts and one buddy's last two (runtime/memory_copies.KEEP = 2)
+
+
+@dataclass(frozen=True)
+class NodeRoom:
+    """What one node can give a run: its name, slots for ranks, and its memory (Ray's view)."""
+    name: str
+    ranks: int  # how many ranks it can hold (its CPUs or GPUs / a worker's)
+    memory_bytes: float
+
 
 def has_copies(every_steps: int, sharded: bool, pp: int, dp: int, tp: int) -> bool:
     """Whether a layout's state needs in-memory copies: it is held once (FSDP's shards, the stages
@@ -73,3 +85,18 @@ def choose_copies(world: int, own: dict[int, tuple[int, ...]], held: dict[int, d
         return None, "no in-memory copies yet (none taken since the last restore, or checkpoint.memory_every_steps is 0)", True
     return None, (f"no step at which every part has a surviving in-memory copy (at step {steps[0]}: none of ranks "
                   f"{missing}, each lost with its buddy or not yet copied)"), True
+
+
+def copies_room(share_bytes: float, world: int, nodes: list[NodeRoom], max_share: float) -> str | None:
+    """Whether in-memory copies fit each node's budget: a node holding k ranks holds about
+    k x COPIES_PER_RANK x `share_bytes` (a rank's part of model and optimizer state) of copies,
+    which must stay within `max_share` of its memory. None when they fit everywhere; else why not,
+    for the first node they do not fit (the caller names the fields)."""
+    for node in sorted(nodes, key=lambda n: n.name):
+        k = min(world, node.ranks)
+        need = k * COPIES_PER_RANK * share_bytes
+        if k and need > max_share * node.memory_bytes:
+            return (f"in-memory copies need about {need / 2**30:.2f} GiB on node {node.name} ({k} rank(s) x "
+                    f"{COPIES_PER_RANK} x {share_bytes / 2**20:.0f} MiB, a rank's share of the model and optimizer "
+                    f"state at {world} ranks), over {max_share:g} of its {node.memory_bytes / 2**30:.1f} GiB")
+    return None

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 META = ("meta",)  # `built_for` of a spare's model kept on the meta device: built again on joining
 
 
+def default_optimizer(params):
+    """The optimizer of a job that names none (train.optimizer)."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
 def build(w: Worker, sync_init: bool = False) -> None:
     """Model and optimizer from the seed; once in a group, prepared for the strategy (FSDP
     shards it over the current mesh, so every world size gets a fresh build)."""
@@ -42,7 +47,7 @@ def build(w: Worker, sync_init: bool = False) -> None:
             return
     else:
         model, template = w.fns["model"]().to(w.device), None
-    make_opt = w.fns["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3))
+    make_opt = w.fns["optimizer"] or default_optimizer
     if w.strategy:
         w.strategy.note_optimizer(model, make_opt)
         # A meta model needs no broadcast: every rank computes the same values from the seed.

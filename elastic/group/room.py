@@ -1,0 +1,50 @@
+"""What the cluster's nodes can hold, asked of Ray before any worker starts: here, whether the
+in-memory copies of state held once fit each node's memory budget (checkpoint.memory_max_host_share)."""
+from __future__ import annotations
+
+import ray
+
+from elastic.config import ConfigError, JobConfig
+from elastic.parallel.strategies import shape_for
+from elastic.parallel.topology import chain
+from elastic.policies.buddies import NodeRoom, copies_room, has_copies
+
+
+def copies_world(job: JobConfig) -> int | None:
+    """The smallest world size at which the run takes in-memory copies (a rank's share is largest
+    there); None when it never takes any (copies off, or replicated state at every layout)."""
+    shape = shape_for(job)
+    every = job.checkpoint.memory_every_steps
+    sizes = [lay.world_size for lay in chain(shape.layout(job.scaling.max_size), job.scaling.min_size)
+             if has_copies(every, shape.sharded, lay.pp, lay.dp, lay.tp)]
+    if not shape.staged and has_copies(every, shape.sharded, 1, job.scaling.min_size, 1):
+        sizes.append(job.scaling.min_size)  # flat: any size down to min_workers
+    return min(sizes) if sizes else None
+
+
+def node_rooms(job: JobConfig) -> list[NodeRoom]:
+    """Every alive node that can hold a rank, as Ray sees it now."""
+    sc = job.scaling
+    out = []
+    for n in ray.nodes():
+        res = n.get("Resources", {})
+        if not n.get("Alive") or "memory" not in res:
+            continue
+        slots = res.get("GPU", 0) if sc.use_gpu else res.get("CPU", 0) / sc.cpus_per_worker
+        if int(slots) >= 1:
+            out.append(NodeRoom(n.get("NodeName", "?") + "/" + n["NodeID"][:8], int(slots), res["memory"]))
+    return out
+
+
+def check_copies_room(job: JobConfig, state_bytes: int | None) -> None:
+    """Raise ConfigError, naming the fields, when the copies would pass the memory budget on some
+    node that is up now. No estimate (a model that cannot be built on meta) or no node yet (an
+    autoscaler adds them): no check."""
+    world = copies_world(job)
+    if world is None or not state_bytes:
+        return
+    why = copies_room(state_bytes / world, world, node_rooms(job), job.checkpoint.memory_max_host_share)
+    if why:
+        raise ConfigError(f"checkpoint.memory_max_host_share={job.checkpoint.memory_max_host_share:g}: {why}. Set "
+                          f"checkpoint.memory_every_steps: 0 (faults restore from storage), raise "
+                          f"memory_max_host_share, or spread the ranks over more nodes")
