@@ -88,13 +88,37 @@ def test_a_shrink_keeps_a_restore_from_copies():
 
 def test_copies_are_spaced_to_stay_within_their_budget():
     c = MemoryCopies(1, max_overhead=0.05)
+    for _ in range(3):
+        assert c.holding_back(10, 0.1)  # the step time without a copy is measured first
+        c.note_step(0.1)
     assert not c.holding_back(10, 0.1)  # nothing measured yet: the first copy is taken
     c.last_step, c.cost_s = 10, 0.02  # a copy at step 10 cost 20 ms; a step takes 100 ms
     # 20 ms is 5 % of 4 steps: steps 11..13 hold back, the copy after step 14 goes.
     assert [c.holding_back(s, 0.1) for s in (10, 11, 12, 13)] == [True, True, True, False]
     c = MemoryCopies(1, max_overhead=1.0)
+    for _ in range(3):
+        c.note_step(0.1)
     c.last_step, c.cost_s = 10, 0.02
     assert not c.holding_back(10, 0.1)  # a budget of 100 %: every step memory_every_steps allows
+
+
+def test_a_copys_cost_is_its_take_and_the_slowdown_of_steps_during_its_send():
+    import threading
+    c = MemoryCopies(1, max_overhead=0.05)
+    for t in (0.10, 0.11, 0.09, 0.10, 0.30):  # a slow outlier does not move the median
+        c.note_step(t)
+    release = threading.Event()
+    c._sender = threading.Thread(target=release.wait)
+    c._sender.start()
+    c.cost_s, c._extra_s = 0.01, 0.0  # what take() leaves: 10 ms on the training thread
+    c.note_step(0.16)  # a step while the send is on its way: 60 ms beyond the median of 100 ms
+    assert c.holding_back(11, 0.1) and c.cost_s == 0.01  # still on its way: not counted yet
+    release.set()
+    c._sender.join()
+    c.note_step(0.12)  # the send ended during this step: 20 ms more, and the cost is complete
+    assert abs(c.cost_s - 0.09) < 1e-9 and c._extra_s is None
+    c.note_step(0.5)  # then steps join the baseline again
+    assert len(c._base) == 6
 
 
 def test_a_committed_checkpoint_newer_than_the_copies_wins():

@@ -114,9 +114,10 @@ class CheckpointConfig(_Strict):
                              "the latest committed checkpoint). Replicated state restores from a surviving "
                              "replica without copies.")
     memory_max_overhead: float = Field(
-        0.03, gt=0, le=1, description="The share of training time in-memory copies may cost: a copy (taking "
-                                      "it, and its send end to end) is taken once the steps since the last one "
-                                      "have run for its cost / this. 1: as often as memory_every_steps allows.")
+        0.03, gt=0, le=1, description="The share of training time in-memory copies may cost: a copy is taken "
+                                      "once the steps since the last one have run for its cost / this. A copy's "
+                                      "cost: taking it, plus what the steps run during its send took beyond the "
+                                      "steps without one. 1: as often as memory_every_steps allows.")
     memory_max_host_share: float = Field(
         0.25, gt=0, le=1, description="The share of each node's memory (Ray's view of it) in-memory copies may "
                                       "take. Checked before any worker starts, from the model and optimizer "

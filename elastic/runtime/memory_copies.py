@@ -11,15 +11,21 @@ with no storage read.
 Which steps are copied is agreed: a copy due while some rank's last one is still on its way, or
 before the steps since its last copy have earned that copy's measured cost within
 checkpoint.memory_max_overhead, is skipped by every rank (the step statistics' COPYING slot), so
-every rank holds parts of the same steps, and copies cost at most that share of the time. Each
+every rank holds parts of the same steps, and copies cost at most that share of the time. A
+copy's cost is what it takes from training: the time taking it holds the training thread, plus
+what the steps run while its send is on its way took beyond the steps without one (their
+median). Where sending competes with training for the CPU that is most of the send; where it
+does not (a GPU trains, spare cores serialise) it is little, and copies come more often. Each
 keeps its last two parts and its buddies' last two: the newer may not have reached every buddy
 when a fault comes, the older has (its sends had ended before the newer began).
 A copy being received never replaces the last complete one: it is kept beside it until whole.
 """
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import ray
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
 
 KEEP = 2  # parts kept per rank: the newest, and the one before it (complete at every buddy)
+BASE_STEPS = 3  # steps without a send measured before the first copy: what a step costs without one
 
 
 # ---------------------------------------------------------------- on the wire: NumPy, not pickled tensors
@@ -67,8 +74,10 @@ class MemoryCopies:
     def __init__(self, every_steps: int, max_overhead: float = 0.03):
         self.every = every_steps
         self.max_overhead = max_overhead
-        self.cost_s = 0.0  # what the last copy cost: taking it, plus its send end to end
+        self.cost_s = 0.0  # what the last copy cost training: taking it, and its send's slowdown of steps
         self.last_step: int | None = None  # the step of the last copy taken
+        self._base = deque(maxlen=9)  # times of the latest steps run with no send on its way
+        self._extra_s: float | None = None  # while a send is on its way: the time its steps took beyond those
         self._lock = threading.Lock()
         self.own: dict[int, dict] = {}  # step -> this rank's part
         self.held: dict[int, dict[int, dict]] = {}  # rank -> step -> that rank's part
@@ -87,24 +96,41 @@ class MemoryCopies:
             self.generation, self.buddy = generation, buddy
 
     def clear(self) -> None:
-        """After a restore: the state is the restored one; copies start again from it."""
+        """After a restore: the state is the restored one; copies start again from it (and the
+        step time without one is measured again: the group may have changed)."""
         with self._lock:
             self.own, self.held, self._held_gen = {}, {}, {}
             self.generation, self.last_step = None, None
+            self._base.clear()
+            self._extra_s = None
 
     def sending(self) -> bool:
         return self._sender is not None and self._sender.is_alive()
 
     def holding_back(self, step: int, step_s: float | None) -> bool:
         """This rank's vote against a copy at the step after `step` (the step statistics' COPYING
-        slot; one vote skips it on every rank): its last send is still on its way, or the steps
+        slot; one vote skips it on every rank): its last send is still on its way (or its cost is
+        not counted yet), fewer than BASE_STEPS steps without one have been timed, or the steps
         since its last copy have not yet earned that copy's cost within the budget
         (cost <= max_overhead x steps x step time: copies spaced so they cost at most that share)."""
-        if self.sending():
+        if self.sending() or self._extra_s is not None or len(self._base) < BASE_STEPS:
             return True
         if self.last_step is None or not step_s or not self.cost_s:
             return False
         return (step + 1 - self.last_step) * step_s * self.max_overhead < self.cost_s
+
+    def note_step(self, step_s: float) -> None:
+        """After every step (before a copy is taken at it): a step run with no send on its way
+        joins the baseline; one run while a send was on its way adds what it took beyond the
+        baseline's median to that copy's cost, which is complete at the first step after the send
+        ended."""
+        if self._extra_s is None:
+            self._base.append(step_s)
+            return
+        self._extra_s += max(0.0, step_s - statistics.median(self._base)) if self._base else step_s
+        if not self.sending():
+            self.cost_s += self._extra_s
+            self._extra_s = None
 
     def due(self, step: int, copying: bool) -> bool:
         return bool(self.every) and self.buddy is not None and step % self.every == 0 and not copying
@@ -113,7 +139,8 @@ class MemoryCopies:
         """This rank's part at its current step, kept, and sent to its buddy in the background."""
         t0 = time.perf_counter()
         part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step)
-        took = time.perf_counter() - t0
+        self.cost_s = time.perf_counter() - t0  # on the training thread; the send's share follows (note_step)
+        self._extra_s = 0.0
         self.last_step = w.step
         with self._lock:
             self.own[w.step] = part
@@ -123,12 +150,8 @@ class MemoryCopies:
         gen = self.generation
 
         def send() -> None:
-            t0 = time.perf_counter()
             try:
                 ray.get(handle.hold_copy.remote(w.rank, gen, to_wire(part)))
-                # The send's time end to end stands for its cost: on a busy node, the CPU its
-                # serialising, the transfer and the buddy's copy take from training.
-                self.cost_s = took + time.perf_counter() - t0
             except Exception:  # noqa: BLE001 - the buddy is gone: its copies are too, and the polls say so
                 pass
 

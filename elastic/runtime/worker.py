@@ -331,6 +331,8 @@ class Worker:
                         fire_fault(self, f)
                 self.ckpt.expire()  # a persist past checkpoint.persist_timeout_s is given up: never waited on forever
                 agreed = self.runner.train_step(micro)
+                if self._progress["step_s"] is not None:
+                    self.copies.note_step(self._progress["step_s"])
                 if self.copies.due(self.step, agreed.copying):
                     self.copies.take(self)
                 self._stop_agreed = agreed.stop
