@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the field, before any worker starts."""
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +168,12 @@ def test_hold_gil_needs_its_duration_and_nothing_else_takes_one():
     with pytest.raises(ConfigError, match="hold_s is for hold_gil, not kill_node"):
         parse_job(job(chaos=[{"action": "kill_node", "rank": 1, "at_step": 2, "hold_s": 3}]))
     assert parse_job(job(chaos=[{"action": "hold_gil", "rank": 1, "at_step": 2, "hold_s": 3}])).chaos[0].hold_s == 3
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parent.parent / "examples").glob("*.yaml")))
+def test_every_example_job_passes_the_checks_before_any_worker(name):
+    """What `elastic train examples/<name>` checks before starting anything: the schema, the
+    cross-field rules and the strategy's plan on the meta device."""
+    from elastic.parallel.strategies import STRATEGIES
+    jc = load_job(str(Path(__file__).parent.parent / "examples" / name))
+    STRATEGIES[jc.train.strategy].check_job(jc, jc.train.resolve()["model"])
