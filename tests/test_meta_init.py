@@ -31,10 +31,14 @@ def test_modules_without_reset_parameters_are_refused_unless_train_init_is_set()
 @pytest.mark.timeout(600)
 def test_meta_init_gives_the_same_weights_at_every_layout(tmp_path):
     digests = {}
-    for strategy, workers, tp in [("ddp", 1, 1), ("fsdp", 4, 1), ("fsdp", 4, 2), ("ddp", 4, 2)]:
-        out = run_ranks(gpt_job(tmp_path, strategy, workers=workers, tp=tp, name=f"m{strategy}{workers}{tp}",
-                                meta_init=True), steps=0)
-        digests[(strategy, workers, tp)] = {o[2] for o in out}
+    for strategy, workers, tp, hsdp in [("ddp", 1, 1, 1), ("fsdp", 4, 1, 1), ("fsdp", 4, 2, 1), ("ddp", 4, 2, 1),
+                                        ("fsdp", 4, 1, 2)]:
+        job = gpt_job(tmp_path, strategy, workers=workers, tp=tp, name=f"m{strategy}{workers}{tp}{hsdp}",
+                      meta_init=True)
+        if hsdp > 1:
+            job["train"]["fsdp"] = {"replicate": hsdp}  # HSDP: (Replicate, Shard) placements
+        out = run_ranks(job, steps=0)
+        digests[(strategy, workers, tp, hsdp)] = {o[2] for o in out}
     assert len(set.union(*digests.values())) == 1, digests  # the whole state at step 0, bit for bit
     # A pipeline's digest is its stage's: compare the first step's loss instead, a function of the
     # initial weights (the same samples at every layout). Measured: equal to every printed digit

@@ -39,12 +39,6 @@ class Strategy(ABC):
 
     needs_data = True  # whether this rank reads the step's samples (a pipeline's middle stages do not)
 
-    # True: the step's statistics that are known before the gradients are summed over the world
-    # while the last backward runs (an asynchronous all-reduce launched before it), where this
-    # strategy's gradient reduction cannot carry them (fsdp: FSDP2 reduce-scatters inside
-    # backward). Only in steps where no statistic needs the gradients (no clipping, no fp16).
-    stats_before_backward = False
-
     def __init__(self, mesh, spec=None):
         self.mesh = mesh  # a DeviceMesh with named axes: "dp" for data parallel, "tp" with tensor parallelism
         self.spec = spec  # the job's TrainSpec (strategy options)
@@ -127,24 +121,19 @@ class Strategy(ABC):
     def note_optimizer(self, full_model: nn.Module, make_opt) -> None:
         """Called with the unsplit model before `prepare` (a pipeline records the param groups)."""
 
-    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int,
-                   before_last_backward=None) -> torch.Tensor:
+    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int) -> torch.Tensor:
         """Forward and backward of this rank's samples `idx` (global sample ids) in micro-batches
         of `micro`; `load(ids)` returns the collated batch. The loss is a mean over each
         micro-batch; weighted so the sum over micro-batches and ranks (after the average over
         ranks) is the mean over the global batch. Returns this rank's weighted loss sum.
-        Gradients are reduced by `reduce_gradients`, after. `before_last_backward(loss sum)` is
-        called once the last micro-batch's loss is known, before its backward."""
+        Gradients are reduced by `reduce_gradients`, after."""
         local_loss = None
         for i in range(0, len(idx), micro):
             chunk = idx[i:i + micro]
-            last = i + micro >= len(idx)
-            self.set_gradient_sync(model, last)
+            self.set_gradient_sync(model, i + micro >= len(idx))
             loss = loss_fn(model, load(chunk)) * (len(chunk) / len(idx))
-            local_loss = loss.detach() if local_loss is None else local_loss + loss.detach()
-            if last and before_last_backward is not None:
-                before_last_backward(local_loss)
             loss.backward()
+            local_loss = loss.detach() if local_loss is None else local_loss + loss.detach()
         return local_loss
 
     def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:

@@ -149,12 +149,11 @@ class DataParallel(Strategy):
         self._works.append(dist.all_reduce(self._bufs[k], op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"),
                                            async_op=True))
 
-    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int,
-                   before_last_backward=None) -> torch.Tensor:
+    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int) -> torch.Tensor:
         if self.overlap:
             self._hook(model)
             self._begin_step()
-        return super().train_step(model, idx, load, loss_fn, micro, before_last_backward)
+        return super().train_step(model, idx, load, loss_fn, micro)
 
     def set_gradient_sync(self, model: nn.Module, on: bool) -> None:
         self._sync = on

@@ -51,7 +51,6 @@ def select_blocks(model: nn.Module, class_names: list[str] | None) -> list[nn.Mo
 class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     sharded = True
-    stats_before_backward = True  # its reduce-scatters run inside backward: nothing to ride on
 
     @classmethod
     def check_job(cls, job, model_fn) -> None:

@@ -208,8 +208,7 @@ class Pipeline(DataParallel):
         self._schedule_for = model
         return self._schedule
 
-    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int,
-                   before_last_backward=None) -> torch.Tensor:
+    def train_step(self, model: nn.Module, idx: list[int], load, loss_fn, micro: int) -> torch.Tensor:
         """One replica's share of the step through the pipeline: the first stage feeds the inputs,
         the last computes the loss of each micro-batch (mean over it) and the schedule scales the
         gradients by 1/microbatches. Returns the replica's mean loss on the last stage, else 0."""

@@ -193,25 +193,13 @@ class StepRunner:
         self._prefetch_next(micro)
         stop_flag = 1.0 if w.stop_requested else 0.0
         busy_flag = 1.0 if w.ckpt is not None and w.ckpt.in_flight() else 0.0
-        owe_flag = 1.0 if w.book.owes_now() else 0.0
-        copy_flag = 1.0 if w.copies.holding_back(w.step, w._progress.get("step_s")) else 0.0
         loss_fn = w.fns["stage_loss"] if tr.strategy == "pipeline" else w.fns["loss"]
         scale = w.amp["scale"] if w.amp else None
         if scale is not None:  # fp16: scale the loss so small gradients survive; unscaled below
             loss_fn = _scaled(loss_fn, scale)
-        check_grads = tr.clip_grad_norm is not None or scale is not None
-        early: dict = {}  # the statistics summed while the last backward runs (stats_before_backward)
-
-        def launch(loss_sum: torch.Tensor) -> None:
-            flags = StepStats.flags(loss_sum.float().to(w.device), *self._flag_tensors(
-                stop_flag, busy_flag, owe_flag, copy_flag))
-            early["stats"] = StepStats.tensor(flags, torch.zeros((), device=w.device))
-            early["work"] = dist.all_reduce(early["stats"], async_op=True)
         try:
             with torch.autocast(w.device.type, dtype=_AUTOCAST[tr.precision], enabled=tr.precision != "fp32"):
-                local_loss = w.strategy.train_step(
-                    w.model, idx, self._load, loss_fn, micro,
-                    launch if w.strategy.stats_before_backward and not check_grads else None)
+                local_loss = w.strategy.train_step(w.model, idx, self._load, loss_fn, micro)
             local_loss = local_loss.float().to(w.device)
         except Exception as e:
             if is_collective_failure(e):
@@ -228,29 +216,29 @@ class StepRunner:
         clock.stop()
         try:
             # The step's statistics, summed over the whole world: every rank agrees on the stop,
-            # whatever its stage.
-            if early:  # summed during backward already: only the gradients' own reduction is left
-                w.strategy.reduce_gradients(w.model, None)
-                grads = w.strategy.local_grads(w.model)
-                early["work"].wait()
-                stats = early["stats"]
-                norm_sq = torch.zeros((), device=w.device)
-            else:
-                # Where every rank ends with the whole gradient (ddp), its norm needs no collective,
-                # and the rest rides on the gradients' own reduction. Otherwise the squared norm of
-                # this rank's part joins the statistics in one all-reduce after the reduction.
-                flags = StepStats.flags(local_loss, *self._flag_tensors(stop_flag, busy_flag, owe_flag, copy_flag))
-                ride = w.strategy.whole_grads_everywhere or not check_grads
-                carried = w.strategy.reduce_gradients(w.model, flags if ride else None) is not None
-                grads = w.strategy.local_grads(w.model)
-                if scale is not None:
-                    torch._foreach_mul_(grads, 1.0 / scale)
-                sumsq = (_sum_of_squares(grads, w.device, w.strategy.grad_weights(w.model)) if check_grads
-                         else torch.zeros((), device=w.device))
-                stats = StepStats.tensor(flags, sumsq)
-                if not carried:
-                    dist.all_reduce(stats)
-                norm_sq = sumsq if carried else stats[StepStats.GRAD_SUMSQ] / w.strategy.grad_copies
+            # whatever its stage. The host's flags join them by fill kernels, not by a copy: a copy
+            # from a Python list to a GPU synchronises the stream (PyTorch waits for a pageable
+            # copy), so it would hold the host here until backward had finished.
+            owe_flag = 1.0 if w.book.owes_now() else 0.0
+            copy_flag = 1.0 if w.copies.holding_back(w.step, w._progress.get("step_s")) else 0.0
+            stop, busy, owe, copying = (torch.full((), f, device=w.device)
+                                        for f in (stop_flag, busy_flag, owe_flag, copy_flag))
+            check_grads = tr.clip_grad_norm is not None or scale is not None
+            # Where every rank ends with the whole gradient (ddp), its norm needs no collective, and
+            # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
+            # rank's part joins the statistics in one all-reduce after the reduction.
+            flags = StepStats.flags(local_loss, stop, busy, owe, copying)
+            ride = w.strategy.whole_grads_everywhere or not check_grads
+            carried = w.strategy.reduce_gradients(w.model, flags if ride else None) is not None
+            grads = w.strategy.local_grads(w.model)
+            if scale is not None:
+                torch._foreach_mul_(grads, 1.0 / scale)
+            sumsq = (_sum_of_squares(grads, w.device, w.strategy.grad_weights(w.model)) if check_grads
+                     else torch.zeros((), device=w.device))
+            stats = StepStats.tensor(flags, sumsq)
+            if not carried:
+                dist.all_reduce(stats)
+            norm_sq = sumsq if carried else stats[StepStats.GRAD_SUMSQ] / w.strategy.grad_copies
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
         grad_norm = norm_sq.sqrt()
@@ -342,12 +330,6 @@ class StepRunner:
             times.append(clock.seconds() * w.slow_factor)
         w.model.zero_grad(set_to_none=True)
         return min(times[1:])  # the first allocates gradients and warms caches: not timed
-
-    def _flag_tensors(self, *flags: float) -> tuple[torch.Tensor, ...]:
-        """The host's flags as device scalars, by fill kernels, not by a copy: a copy from a Python
-        list to a GPU synchronises the stream (PyTorch waits for a pageable copy), so it would hold
-        the host until backward had finished."""
-        return tuple(torch.full((), f, device=self.w.device) for f in flags)
 
     # ---------------------------------------------------------------- data
     def micro_batch(self) -> int:
