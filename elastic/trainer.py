@@ -80,9 +80,7 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if fns["scheduler"] is not None:
             _check_scheduler(fns["scheduler"], job.train.scheduler)
-        from elastic.parallel.memory import state_bytes  # for the copies' memory check once Ray is up
-        from elastic.runtime.state import default_optimizer
-        self._state_bytes = state_bytes(fns["model"], fns["optimizer"] or default_optimizer)
+        self._builders = (fns["model"], fns["optimizer"])  # the copies' memory estimate, once Ray is up
         uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
         self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
         storage = Storage(uri, job.checkpoint.storage_options)
@@ -97,7 +95,7 @@ class Trainer:
         called on the driver with every event (docs/events.md) as it arrives, about twice a
         second, in order (an exception it raises is logged and the run goes on)."""
         _connect_or_start_ray(self.job)
-        check_copies_room(self.job, self._state_bytes)
+        check_copies_room(self.job, *self._builders)
         controller = ray.remote(Controller).options(
             num_cpus=0, max_concurrency=8,
             # The controller must outlive any worker node, so it runs on the head node (where

@@ -36,14 +36,19 @@ def node_rooms(job: JobConfig) -> list[NodeRoom]:
     return out
 
 
-def check_copies_room(job: JobConfig, state_bytes: int | None) -> None:
+def check_copies_room(job: JobConfig, model_fn, make_opt=None) -> None:
     """Raise ConfigError, naming the fields, when the copies would pass the memory budget on some
-    node that is up now. No estimate (a model that cannot be built on meta) or no node yet (an
-    autoscaler adds them): no check."""
+    node that is up now. The state is measured only for a job that takes copies. No estimate (a
+    model that cannot be built on meta) or no node yet (an autoscaler adds them): no check."""
     world = copies_world(job)
-    if world is None or not state_bytes:
+    if world is None:
         return
-    why = copies_room(state_bytes / world, world, node_rooms(job), job.checkpoint.memory_max_host_share)
+    from elastic.parallel.memory import state_bytes
+    from elastic.runtime.state import default_optimizer
+    size = state_bytes(model_fn, make_opt or default_optimizer)
+    if not size:
+        return
+    why = copies_room(size / world, world, node_rooms(job), job.checkpoint.memory_max_host_share)
     if why:
         raise ConfigError(f"checkpoint.memory_max_host_share={job.checkpoint.memory_max_host_share:g}: {why}. Set "
                           f"checkpoint.memory_every_steps: 0 (faults restore from storage), raise "

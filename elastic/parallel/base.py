@@ -167,10 +167,14 @@ class Strategy(ABC):
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         """Make every rank's model and optimizer state equal to `src_rank`'s (replicated strategies)."""
 
+    def buffer_group(self):
+        """The ranks whose buffers are made equal: the `dp` axis."""
+        return self.mesh.get_group("dp")
+
     def buffer_sync(self, model: nn.Module) -> BufferSync | None:
-        """How `model`'s buffers are made equal over the `dp` axis (None: nothing to do)."""
+        """How `model`'s buffers are made equal over `buffer_group()` (None: nothing to do)."""
         if self._buffers_of is not model:
-            self._buffer_sync = BufferSync.of(model, self.mesh.get_group("dp"))
+            self._buffer_sync = BufferSync.of(model, self.buffer_group())
             self._buffers_of = model
         return self._buffer_sync
 
@@ -202,6 +206,25 @@ class Strategy(ABC):
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def copy_from_replica(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
+    """Every rank of `src_rank`'s `dp` group holds the same state (replicas; HSDP's groups at one
+    shard), so one broadcast per dtype of each rank's local part of every model and optimizer
+    tensor, in a fixed key order, makes theirs equal to `src_rank`'s exactly."""
+    state = strategy.state_dict(model, optimizer)
+    broadcast_tensors([tensor.local(t) for t in _tensors_in_order(state)], src_rank, strategy.mesh.get_group("dp"))
+    strategy.load_state_dict(model, optimizer, state)
+
+
+def _tensors_in_order(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors_in_order(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in_order(v)]
+    return []
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], src: int, group) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.parallel import tensor
-from elastic.parallel.base import Strategy, broadcast_tensors
+from elastic.parallel.base import Strategy, copy_from_replica
 from elastic.parallel.tensor import like, local
 
 
@@ -93,9 +93,7 @@ class DataParallel(Strategy):
         optimizer tensor, in a fixed key order, copies the source replica exactly: how a
         replacement gets a survivor's state without touching storage. With tensor parallelism,
         over the slot's `dp` group: each rank's local slice from its replica at `src_rank`."""
-        state = self.state_dict(model, optimizer)
-        broadcast_tensors([local(t) for t in _tensors_in_order(state)], src_rank, self.mesh.get_group("dp"))
-        self.load_state_dict(model, optimizer, state)
+        copy_from_replica(self, model, optimizer, src_rank)
 
     # ---------------------------------------------------------------- overlapped buckets
     def _hook(self, model: nn.Module) -> None:
@@ -209,13 +207,3 @@ class DataParallel(Strategy):
             p.grad = like(flat[offset:offset + n].clone(), p)
             offset += n
         self.sync_buffers(model)
-
-
-def _tensors_in_order(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in _tensors_in_order(obj[k])]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_in_order(v)]
-    return []

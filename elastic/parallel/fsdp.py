@@ -26,11 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from elastic.parallel.base import Strategy, broadcast_tensors
-from elastic.parallel.buffers import BufferSync
+from elastic.parallel.base import Strategy, copy_from_replica
 from elastic.parallel.memory import select
 from elastic.parallel.shape import Shape
-from elastic.parallel.tensor import local
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -112,15 +110,10 @@ class FullyShardedDataParallel(Strategy):
         and updates it from its own samples), broadcast from the first rank (buffers.py)."""
         self.sync_buffers(model)
 
-    def buffer_sync(self, model: nn.Module) -> BufferSync | None:
+    def buffer_group(self):
         """Buffers are not sharded: every rank of the world takes the first rank's (HSDP: the
         "dp" axis alone would leave the shard groups apart)."""
-        if not self.hybrid:
-            return super().buffer_sync(model)
-        if self._buffers_of is not model:
-            self._buffer_sync = BufferSync.of(model, dist.group.WORLD)
-            self._buffers_of = model
-        return self._buffer_sync
+        return dist.group.WORLD if self.hybrid else super().buffer_group()
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
         """HSDP: each rank's shards, model and optimizer, from the rank at the same shard in
@@ -128,10 +121,7 @@ class FullyShardedDataParallel(Strategy):
         if not self.hybrid:
             raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "
                                "shards (elastic.parallel.resharding) or load a checkpoint")
-        from elastic.parallel.ddp import _tensors_in_order
-        state = self.state_dict(model, optimizer)
-        broadcast_tensors([local(t) for t in _tensors_in_order(state)], src_rank, self.mesh.get_group("dp"))
-        self.load_state_dict(model, optimizer, state)
+        copy_from_replica(self, model, optimizer, src_rank)
 
 
 def _on_gpu(model: nn.Module) -> bool:
