@@ -442,6 +442,27 @@ def test_a_survivor_whose_run_does_not_return_after_the_abort_is_replaced_and_th
     assert replaced["reason"] == f"its run() did not return after the abort within {grace:g} s: unresponsive"
 
 
+def test_a_survivor_slow_to_return_after_the_abort_it_answered_gets_one_more_grace_then_is_replaced():
+    # Rank 2's machine stops. Rank 1 answers the abort, but its run() returns only after a second
+    # grace (a loaded machine): it is kept, and the event says where it was. Rank 0's would need
+    # a third: it is replaced, and the reason names where its run() was stuck.
+    c, g, clock = make(num_steps=30, step_s=2.5, heartbeats=True)
+    drive(c, lambda c: c.step >= 8)
+    g.late_returns = {1: 2, 0: 3}
+    g.freeze(2, how="machine")
+    drive(c, lambda c: bool(kinds(c, "worker_replaced")) or isinstance(c.state, Finished))
+    (slow,) = kinds(c, "slow_return")
+    grace = 3 * c.job.failure.ping_timeout_s
+    assert slow["ranks"] == [0, 1] and slow["returned"] == [1] and slow["waited_s"] >= grace
+    assert slow["where"] == {"0": "step.py:1 in all_reduce", "1": "step.py:1 in all_reduce"}
+    (replaced,) = kinds(c, "worker_replaced")
+    assert replaced["rank"] == 0
+    assert replaced["reason"] == (f"its run() did not return after the abort within {2 * grace:g} s "
+                                  "(in step.py:1 in all_reduce): unresponsive")
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 30
+
+
 def test_a_final_checkpoint_that_did_not_commit_is_saved_again_until_it_commits():
     # Storage was out at the end for longer than the persist's retries: the ranks still hold the
     # final state, so they save it again; the second try commits.

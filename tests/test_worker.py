@@ -261,3 +261,28 @@ def test_after_a_formation_cut_mid_join_the_next_group_has_the_names_every_membe
     finally:
         w.leave()
 
+
+
+def test_where_names_the_frames_run_is_blocked_in_and_none_once_it_returned(worker):
+    """What the controller puts in the event when a survivor's run() does not return after an abort."""
+    import threading
+    entered, release = threading.Event(), threading.Event()
+    real = worker.runner.train_step
+
+    def blocked_step(micro):
+        entered.set()
+        release.wait(30)
+        return real(micro)
+    worker.runner.train_step = blocked_step
+    assert worker.where() is None
+    t = threading.Thread(target=worker.run, args=(2, []))
+    t.start()
+    assert entered.wait(30)
+    where = worker.where()
+    release.set()
+    t.join(30)
+    frames = where.split(" > ")  # innermost last: run() called the step, which waits on the event
+    assert len(frames) == 4 and frames[0].startswith("worker.py:") and frames[0].endswith(" in run")
+    assert frames[1].startswith("test_worker.py:") and frames[1].endswith(" in blocked_step")
+    assert frames[-1].startswith("threading.py:") and frames[-1].endswith(" in wait")
+    assert worker.where() is None

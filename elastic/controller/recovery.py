@@ -68,17 +68,19 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     grace_s = ctl.grace_s
     unanswered = group.abort_all(ctl.generation, grace_s)
     # Which of the two a survivor missed goes into the event: they fail for different reasons.
-    stuck = {r: (why, "its run() did not return after the abort")
-             for r, why in group.wait_runs(ctl.run_refs, grace_s).items()}
+    late, where = slow_returns(ctl, group.wait_runs(ctl.run_refs, grace_s), unanswered, grace_s)
+    stuck = {r: (why, f"its run() did not return after the abort within {2 * grace_s:g} s (in {where[r]})"
+                      if where.get(r) else f"its run() did not return after the abort within {grace_s:g} s")
+             for r, why in late.items()}
     for r, why in group.leave_all(grace_s).items():
-        stuck.setdefault(r, (why, "it did not leave its group"))
+        stuck.setdefault(r, (why, f"it did not leave its group within {grace_s:g} s"))
     ctl.run_refs = {}
     if group.suspect_nodes or unanswered:
         ctl.events.emit("collectives_aborted", generation=ctl.generation,
                         ranks=sorted(r for r in group.members if r not in unanswered),
                         unanswered=unanswered, suspect_nodes=sorted(n[:12] for n in group.suspect_nodes))
     for rank, (why, what) in stuck.items():
-        ctl.events.emit("worker_replaced", rank=rank, reason=f"{what} within {grace_s:g} s: {why}")
+        ctl.events.emit("worker_replaced", rank=rank, reason=f"{what}: {why}")
         if cause_of(why) != LostCause.PROCESS_DIED and rank in group.members:
             group.suspect(group.members[rank].node_id)
         group.kill(rank)
@@ -108,6 +110,25 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     ctl.events.emit("workers_replaced", ranks=missing, start_s=ctl.now() - t0, how=how,
                     nodes={r: group.members[r].node_id[:12] for r in missing})
     return merge_overlapping(ctl)
+
+
+def slow_returns(ctl: Controller, late: dict[int, str], unanswered: dict[int, str], grace_s: float
+                 ) -> tuple[dict[int, str], dict[int, str | None]]:
+    """Survivors whose run() had not returned `grace_s` after the abort, though they answered it
+    (their actor is alive and their collectives are cut): on a loaded machine the teardown and the
+    reply can take longer than that, and replacing a healthy survivor costs a worker start. Each
+    gets `grace_s` more; where its run() is (innermost frames) goes into the event either way, so
+    one that still does not return is replaced with the place it was stuck in. Returns those still
+    late, and where the slow ones were."""
+    slow = [r for r, why in late.items() if r not in unanswered and cause_of(why) == LostCause.UNRESPONSIVE]
+    if not slow:
+        return late, {}
+    t0 = ctl.now()
+    where = ctl.group.where(slow, ctl.job.failure.ping_timeout_s)
+    still = ctl.group.wait_runs({r: ctl.run_refs[r] for r in slow}, grace_s)
+    ctl.events.emit("slow_return", ranks=slow, returned=[r for r in slow if r not in still],
+                    waited_s=grace_s + ctl.now() - t0, where={r: where.get(r) for r in slow})
+    return {r: why for r, why in late.items() if r not in slow or r in still}, where
 
 
 def from_copies(ctl: Controller, answers: dict, storage_why: str):

@@ -300,6 +300,10 @@ class WorkerGroup(SparePool):
         if m is not None:
             kill_member(m)
 
+    def where(self, ranks, timeout_s: float) -> dict[int, str | None]:
+        """Where each member's run() is now (`Worker.where`); a rank that did not answer is left out."""
+        return gather({r: self.members[r].handle.where.remote() for r in ranks if r in self.members}, timeout_s)[0]
+
     def wait_runs(self, refs: dict[int, "ray.ObjectRef"], timeout_s: float) -> dict[int, str]:
         """Wait for members' run() calls to return; {rank: why} for those that did not."""
         live = {r: ref for r, ref in refs.items() if r in self.members}

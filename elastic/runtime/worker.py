@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
 import traceback
@@ -73,6 +74,7 @@ class Worker:
         self._join_pending: int | None = None  # the generation a join in progress is for
         self._join_cut: int | None = None  # a generation whose formation was cut while this rank left the old
         self._running = threading.Event()
+        self._run_thread: int | None = None  # the thread in run(), for `where`
         self.step = 0
         self.model = self.optimizer = self.strategy = None
         self.ckpt: AsyncCheckpointer | None = None
@@ -122,6 +124,16 @@ class Worker:
 
     def ping(self) -> bool:
         return True
+
+    def where(self, depth: int = 4) -> str | None:
+        """Where run() is now: its innermost `depth` frames, "file:line in function", innermost
+        last. None when no run() is in progress. For the event that says why a survivor was
+        replaced: one whose run() did not return after an abort names what it was stuck in."""
+        frame = sys._current_frames().get(self._run_thread) if self._running.is_set() else None
+        if frame is None:
+            return None
+        stack = traceback.extract_stack(frame)[-depth:]
+        return " > ".join(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in stack)
 
     # ---------------------------------------------------------------- group
     def join(self, addr: str, port: int, rank: int, world_size: int, generation: int, pp: int = 1) -> None:
@@ -313,6 +325,7 @@ class Worker:
         generation = self.generation
         self.forget_old_meshes()
         saved = self.step  # the restored state is in storage already, or is the fresh init
+        self._run_thread = threading.get_ident()
         self._running.set()
         try:
             while self.step < num_steps:

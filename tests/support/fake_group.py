@@ -90,6 +90,7 @@ class FakeGroup:
     # (storage out, a mismatched model); with none left, the newest candidate loads.
     load_failures: list = field(default_factory=list)
     heartbeats: bool = False  # each rank has a heartbeat sidecar (else the controller judges by polls alone)
+    late_returns: dict = field(default_factory=dict)  # rank -> waits its run() outlasts after an abort it answered
 
     def __post_init__(self):
         self._pending: list[float] = []  # fake times at which pending spares become ready
@@ -400,11 +401,25 @@ class FakeGroup:
         self.calls.append(("abort_all", generation))
         for r, m in self.members.items():
             if (only is None or r in only) and m.generation == generation and m.running and m.frozen_at is None:
+                if self.late_returns.get(r):
+                    continue  # it answered, but its run() returns only after that many waits
                 m.running, m.run_out = False, RunResult(RunStatus.ABORTED, m.step, generation, error="aborted")
         return {r: "unresponsive" for r, m in self.members.items() if m.frozen_at is not None}
 
     def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]:
+        self.calls.append(("wait_runs", sorted(refs)))
+        late = [r for r in refs if self.late_returns.get(r) and r in self.members]
+        for r in late:
+            self.late_returns[r] -= 1
+            if not self.late_returns[r]:
+                m = self.members[r]
+                m.running, m.run_out = False, RunResult(RunStatus.ABORTED, m.step, m.generation, error="aborted")
+        if late:
+            self.clock.advance(timeout_s)
         return {r: "unresponsive" for r in refs if r in self.members and self.members[r].running}
+
+    def where(self, ranks, timeout_s: float) -> dict[int, str | None]:
+        return {r: "step.py:1 in all_reduce" for r in ranks if r in self.members and self.members[r].running}
 
     def save_again(self, timeout_s: float) -> dict[int, str]:
         tries = 1 + sum(name == "save_again" for name, _ in self.calls)
