@@ -1,57 +1,120 @@
-"""`elastic train job.yaml`, `elastic status RUN` and `elastic timeline RUN`: a thin entry point over
-Trainer and the event log readers. The benchmarks run from a checkout: `python -m benchmarks NAME`."""
+"""The `elastic` command (also `python -m elastic`): a thin entry point over Trainer, the settings
+and the event log readers. The benchmarks run from a checkout: `python -m benchmarks NAME`.
+
+    elastic train JOB [--set KEY=VALUE ...] [--dry-run]   run a job (or check it and print it)
+    elastic config show JOB [--set ...] | defaults | schema
+    elastic status RUN [--json] [--storage-option KEY=VALUE ...]
+    elastic timeline RUN [--out PNG] [--storage-option KEY=VALUE ...]
+
+Exit codes: 0 done, 1 training failed, 2 bad input (a bad setting, an unreadable log). Commands
+that read settings or logs import neither torch nor Ray."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
+SET_HELP = ("override a setting of the job file, KEY a dotted path, VALUE read as YAML "
+            "(--set train.precision=bf16 --set scaling.num_workers=8); repeatable, applied in order")
+STORAGE_OPTION_HELP = ("an fsspec storage option for reading the run's folder, VALUE read as YAML "
+                       "(--storage-option endpoint_url=http://127.0.0.1:8333 --storage-option anon=true); "
+                       "repeatable. Credentials are better left to the environment (AWS_ACCESS_KEY_ID, ...)")
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elastic", description="Fault-tolerant PyTorch training on Ray.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+
+def parser() -> argparse.ArgumentParser:
+    from elastic import __version__
+    p = argparse.ArgumentParser(prog="elastic", description="Fault-tolerant PyTorch training on Ray.")
+    p.add_argument("--version", action="version", version=f"elastic {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="run a job from a YAML file on the current Ray cluster (or a local one)")
     tr.add_argument("job", help="path to job.yaml")
+    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    tr.add_argument("--dry-run", action="store_true",
+                    help="check the job as a run would before it starts (settings, the model, optimizer and "
+                         "dataset functions, the dataset, storage), print the resolved job, start nothing")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cf = sub.add_parser("config", help="the settings: a job resolved, every default, the JSON schema")
+    what = cf.add_subparsers(dest="what", required=True)
+    show = what.add_parser("show", help="the job as a run would take it: every default filled in, "
+                                        "overrides applied, credentials redacted (YAML)")
+    show.add_argument("job", help="path to job.yaml")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    what.add_parser("defaults", help="every setting with its default (YAML); <required> where there is none")
+    what.add_parser("schema", help="the job's JSON schema (for editors and CI checks of job files)")
     tl = sub.add_parser("timeline", help="draw a run's timeline (PNG) from its event log")
     tl.add_argument("events", help="path to a run's events.jsonl, or the run folder as a path or URI (s3://...)")
     tl.add_argument("--out", default="timeline.png", help="PNG to write")
     tl.add_argument("--per-rank", action=argparse.BooleanOptionalAction, default=True,
                     help="one row per rank below the controller's (default); --no-per-rank: the controller's only")
+    tl.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
+                    help=STORAGE_OPTION_HELP)
     st = sub.add_parser("status", help="where a run stands, from its event log: state, step, incidents, checkpoint")
     st.add_argument("run", help="the run folder as a path or URI (s3://...), or its events.jsonl")
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = parser.parse_args(argv)
+    st.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
+                    help=STORAGE_OPTION_HELP)
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     # 'module:function' references in a job are resolved relative to where the user runs us,
     # as with `python -m`; console scripts do not put the working directory on sys.path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-
-    if args.cmd == "train":
-        return _train(args)
-    if args.cmd == "timeline":
-        from elastic.config.secrets import redact_uri
-        from elastic.observability.timeline import load, plot
-        events = load(args.events)
-        if not events:
-            print(f"elastic: no events in {redact_uri(args.events)}", file=sys.stderr)
-            return 2
-        plot(events, args.out, title=redact_uri(args.events), per_rank=args.per_rank)
-        print(f"wrote {args.out}")
-        return 0
-    from elastic.observability.status import run_status
-    return run_status(args.run, as_json=args.json)
-
-
-def _train(args) -> int:
-    from elastic.config import ConfigError
-    from elastic.trainer import Trainer, TrainingFailed
+    from elastic.config.loading import ConfigError
     try:
-        trainer = Trainer(args.job)
+        return {"train": _train, "config": _config, "timeline": _timeline, "status": _status}[args.cmd](args)
     except ConfigError as e:
         print(f"elastic: {e}", file=sys.stderr)
         return 2
+
+
+def _config(args) -> int:
+    import yaml
+    if args.what == "show":
+        from elastic.config.loading import dump_job, load_job
+        print(dump_job(load_job(args.job, args.overrides)), end="")
+    elif args.what == "defaults":
+        from elastic.config.reference import defaults
+        print(yaml.safe_dump(defaults(), sort_keys=False), end="")
+    else:
+        from elastic.config import JobConfig
+        print(json.dumps(JobConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def _storage_options(args) -> dict:
+    from elastic.config.overrides import parse_options
+    return parse_options(args.storage_options, "--storage-option")
+
+
+def _timeline(args) -> int:
+    from elastic.config.secrets import redact_uri
+    from elastic.observability.timeline import load, plot
+    events = load(args.events, _storage_options(args))
+    if not events:
+        print(f"elastic: no events in {redact_uri(args.events)}", file=sys.stderr)
+        return 2
+    plot(events, args.out, title=redact_uri(args.events), per_rank=args.per_rank)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _status(args) -> int:
+    from elastic.observability.status import run_status
+    return run_status(args.run, as_json=args.json, storage_options=_storage_options(args))
+
+
+def _train(args) -> int:
+    from elastic.config.loading import dump_job, load_job
+    from elastic.trainer import Trainer, TrainingFailed
+    trainer = Trainer(load_job(args.job, args.overrides))
+    if args.dry_run:
+        print(dump_job(trainer.job), end="")
+        print(f"# elastic: {args.job} is valid; --dry-run: nothing started", file=sys.stderr)
+        return 0
     try:
         result = trainer.fit(progress=not args.no_progress)
     except TrainingFailed as e:

@@ -132,7 +132,7 @@ def test_the_timeline_of_an_object_store_run_reads_its_segments(tmp_path):
 
 @pytest.mark.s3
 @pytest.mark.timeout(120)
-def test_on_s3_the_log_is_segments_and_a_resumed_run_adds_to_them(s3_server):
+def test_on_s3_the_log_is_segments_and_a_resumed_run_adds_to_them(s3_server, capsys):
     storage = Storage(f"{s3_server.uri}/log-{uuid.uuid4().hex[:8]}", s3_server.storage_options)
     run_dir = join(storage.uri, "run")
     emit_and_flush(EventLog(storage, run_dir), ["run_started", "run_failed"], attempt=1)
@@ -140,6 +140,11 @@ def test_on_s3_the_log_is_segments_and_a_resumed_run_adds_to_them(s3_server):
     assert storage.list_dir(join(run_dir, "events")) == [f"00000{n}.jsonl" for n in (1, 2, 3, 4)]
     got = [(e["kind"], e["attempt"]) for e in read_events(storage, run_dir)]
     assert got == [("run_started", 1), ("run_failed", 1), ("run_started", 2), ("run_finished", 2)]
+    # `elastic status` reads it with the storage options given on its command line
+    opts = [a for k, v in s3_server.storage_options.items() for a in ("--storage-option", f"{k}={json.dumps(v)}")]
+    assert main(["status", run_dir, "--json", *opts]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["status"] == "finished" and status["num_starts"] == 2, status
 
 
 def test_the_writer_thread_outlives_an_unexpected_error_and_reports_it(tmp_path, monkeypatch):

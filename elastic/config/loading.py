@@ -8,23 +8,46 @@ from elastic.config.job import JobConfig
 from elastic.config.secrets import is_secret_key, redact
 
 
-def format_validation_error(e: ValidationError) -> str:
+def format_validation_error(e: ValidationError, overrides: dict[str, str] | None = None) -> str:
+    """One line per bad field: where, what is wrong, what was given. `overrides` ({dotted key: the
+    command-line override as given}): a line whose field one of them set (or lies under, or above)
+    names it, so a user sees which of the file and the command line to fix."""
     lines = []
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(job)"
+        path = ".".join(str(p) for p in err["loc"])
+        loc = path or "(job)"
         msg = err["msg"].removeprefix("Value error, ")
         # What was given, unless it is a whole mapping or may be a credential (under storage_options).
         shown = (err["type"] != "value_error" and "input" in err and not isinstance(err["input"], dict)
                  and not any(p == "storage_options" or is_secret_key(p) for p in err["loc"]))
-        lines.append(f"  {loc}: {msg}" + (f" (got {redact(err['input'])!r})" if shown else ""))
+        line = f"  {loc}: {msg}" + (f" (got {redact(err['input'])!r})" if shown else "")
+        sources = [redact_override(text) for key, text in (overrides or {}).items()
+                   if not path or _within(key, path) or _within(path, key)]
+        lines.append(line + (f" (from {', '.join(sources)})" if sources else ""))
     return "invalid job config:\n" + "\n".join(lines)
+
+
+def _within(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer + ".")
+
+
+def redact_override(text: str) -> str:
+    """An override that sets a credential (`...storage_options.secret=...`), or a whole mapping of
+    storage options, shown without its value."""
+    flag, _, assignment = text.partition(" ")
+    key = assignment.partition("=")[0]
+    parts = key.split(".")
+    if any(is_secret_key(p) for p in parts) or parts[-1] in ("storage_options", "client_kwargs"):
+        return f"{flag} {key}=***"
+    return text
 
 
 class ConfigError(ValueError):
     """A user setting is wrong; the message names the field and what to do."""
 
 
-def load_job(path: str) -> JobConfig:
+def read_job_file(path: str) -> dict:
+    """The job file as YAML gives it (a mapping), before validation."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
@@ -34,11 +57,24 @@ def load_job(path: str) -> JobConfig:
         raise ConfigError(f"job file {path!r} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"job file {path!r}: expected a mapping at the top level")
-    return parse_job(raw)
+    return raw
 
 
-def parse_job(raw: dict) -> JobConfig:
+def load_job(path: str, overrides: list[str] = ()) -> JobConfig:
+    """The job file, with command-line `overrides` (`KEY=VALUE`, elastic/config/overrides.py) on top."""
+    from elastic.config.overrides import apply_overrides
+    raw, given = apply_overrides(read_job_file(path), list(overrides))
+    return parse_job(raw, given)
+
+
+def parse_job(raw: dict, overrides: dict[str, str] | None = None) -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, overrides)) from None
+
+
+def dump_job(job: JobConfig) -> str:
+    """The resolved job as YAML, every default filled in and credentials redacted: what
+    `elastic config show` and `--dry-run` print, and what each run writes as its config.yaml."""
+    return yaml.safe_dump(redact(job.model_dump(mode="json")), sort_keys=False, default_flow_style=False)

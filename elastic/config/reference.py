@@ -16,7 +16,7 @@ from typing import Any, Iterator, Literal
 import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from elastic.config.job import JobConfig
 
@@ -115,6 +115,27 @@ def _sections(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, type[B
 def _anchor(path: str) -> str:
     """GitHub's anchor for a heading `path`: lower case, punctuation dropped."""
     return "".join(c for c in path.lower() if c.isalnum() or c in "-_")
+
+
+REQUIRED = "<required>"
+
+
+def defaults(model: type[BaseModel] = JobConfig) -> dict:
+    """Every field with its default, as a job file would give it (`elastic config defaults`): a
+    section as a mapping of its own fields, a field without a default as "<required>"."""
+    out: dict = {}
+    for name, field in model.model_fields.items():
+        subs = _models(field.annotation)
+        has_default = field.default_factory is not None or field.default is not PydanticUndefined
+        default = field.default_factory() if field.default_factory is not None else field.default
+        if len(subs) == 1 and typing.get_origin(field.annotation) is not list and (
+                not has_default or isinstance(default, BaseModel)):
+            out[name] = defaults(subs[0])
+        elif not has_default:
+            out[name] = REQUIRED
+        else:
+            out[name] = to_jsonable_python(default)
+    return out
 
 
 def render() -> str:

@@ -35,7 +35,7 @@ class ScalingConfig(_Strict):
     def _check_range(self) -> "ScalingConfig":
         lo, hi = self.min_size, self.max_size
         if not lo <= self.num_workers <= hi:
-            raise ValueError(f"scaling: need min_workers <= num_workers <= max_workers, got {lo} <= "
+            raise ValueError(f"need min_workers <= num_workers <= max_workers, got {lo} <= "
                              f"{self.num_workers} <= {hi}")
         return self
 

@@ -2,6 +2,7 @@
 of spares."""
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from elastic.checkpoint.fencing import current_generation
@@ -9,7 +10,8 @@ from elastic.checkpoint.lease import LeaseHeld
 from elastic.controller.recovery import lost_from
 from elastic.controller.states import Errored, Forming, Restoring, Starting, State
 from elastic.group.worker_group import GroupError
-from elastic.storage import call_within
+from elastic.config.loading import dump_job
+from elastic.storage import Storage, call_within, join
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
@@ -22,6 +24,7 @@ def on_starting(ctl: Controller, _: Starting) -> State:
     ctl.events.emit("run_started", run=ctl.job.run.name, num_workers=ctl.job.scaling.num_workers,
                     num_steps=ctl.job.run.num_steps, run_dir=ctl.run_dir, lease=ctl.lease.number)
     ctl.lease.start_renewing()
+    write_config(ctl)
     continue_generations(ctl)
     n = ctl.job.scaling.num_workers
     try:
@@ -45,6 +48,35 @@ def on_starting(ctl: Controller, _: Starting) -> State:
         ctl.events.emit("spares_ready" if ok else "spares_not_ready", num_ready=len(ctl.group.ready_spares),
                         wait_s=ctl.now() - t0)
     return Forming()
+
+
+CONFIG_FILE = "config.yaml"
+
+
+def write_config(ctl: Controller) -> None:
+    """The job this start runs, resolved (every default) and with credentials redacted, into the run
+    folder as config.yaml, once the run's lease is ours. A resumed run whose job changed keeps the
+    one before as config.<start>.yaml (the lease number that wrote it): no record is overwritten.
+    Storage that does not answer is reported and does not hold the run up."""
+    from elastic import __version__
+    text = (f"# elastic {__version__}: the job of start {ctl.lease.number} of run {ctl.job.run.name!r}, "
+            f"every default filled in, credentials redacted\n" + dump_job(ctl.job))
+    answered, _, error = call_within(lambda: save_config(ctl.storage, ctl.run_dir, text), ctl.grace_s)
+    if not answered or error is not None:
+        ctl.events.emit("config_not_written", uri=join(ctl.run_dir, CONFIG_FILE),
+                        error=str(error)[:300] if error else f"storage did not answer within {ctl.grace_s:g} s")
+
+
+def save_config(storage: Storage, run_dir: str, text: str) -> None:
+    uri = join(run_dir, CONFIG_FILE)
+    if storage.exists(uri):
+        old = storage.read_bytes(uri).decode()
+        if old.partition("\n")[2] == text.partition("\n")[2]:
+            return storage.write_bytes(uri, text.encode())  # the same job: only the start number moves on
+        found = re.search(r"the job of start (\d+) ", old.partition("\n")[0])
+        start = found.group(1) if found else "previous"
+        storage.write_bytes(join(run_dir, f"config.{start}.yaml"), old.encode())
+    storage.write_bytes(uri, text.encode())
 
 
 def on_forming(ctl: Controller, _: Forming) -> State:

@@ -245,13 +245,14 @@ def incident_line(i: dict) -> str:
     return f"#{i['n']} +{i['t_s']:.1f}s step {_v(i['step'])} {i['kind'] or 'fault'}: " + " -> ".join(parts)
 
 
-def run_status(run: str, as_json: bool = False, now: float | None = None) -> int:
-    """The `elastic status` command: print the summary (or its JSON); 2 when there is no log to read."""
+def run_status(run: str, as_json: bool = False, now: float | None = None, storage_options: dict | None = None) -> int:
+    """The `elastic status` command: print the summary (or its JSON); 2 when there is no log to read.
+    `storage_options`: fsspec options for the run's folder (`--storage-option`)."""
     from elastic.config.secrets import redact, redact_uri
     from elastic.storage import StorageError
     from elastic.observability.timeline import load
     try:
-        events = load(run)
+        events = load(run, storage_options)
     except (StorageError, OSError) as e:
         print(f"elastic: cannot read the event log of {redact_uri(run)}: {redact_uri(str(e))}", file=sys.stderr)
         return 2

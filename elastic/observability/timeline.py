@@ -40,13 +40,13 @@ class Mark(NamedTuple):
     label: str
 
 
-def load(path: str) -> list[dict]:
+def load(path: str, storage_options: dict | None = None) -> list[dict]:
     """Events from a local run's events.jsonl, or from a run folder given as a path or URI (an
-    object store's run keeps its log as numbered segments; credentials come from the environment).
-    A folder that does not exist has no events."""
+    object store's run keeps its log as numbered segments; credentials from `storage_options` or
+    the environment). A folder that does not exist has no events."""
     if "://" in path or not os.path.isfile(path):
         from elastic.storage import Storage
-        storage = Storage(path.rstrip("/").removesuffix("/" + EVENTS_FILE))
+        storage = Storage(path.rstrip("/").removesuffix("/" + EVENTS_FILE), storage_options)
         return read_events(storage, storage.uri)
     with open(path) as f:
         return parse_lines(f.read(), path)
