@@ -4,7 +4,7 @@ and the event log readers. The benchmarks run from a checkout: `python -m benchm
     elastic train JOB [--set KEY=VALUE ...] [--dry-run]   run a job (or check it and print it)
     elastic config show JOB [--set ...] | defaults | schema
     elastic status RUN [--json] [--storage-option KEY=VALUE ...]
-    elastic timeline RUN [--out PNG] [--storage-option KEY=VALUE ...]
+    elastic timeline RUN [--out PNG] [--trace JSON] [--storage-option KEY=VALUE ...]
 
 Exit codes: 0 done, 1 training failed, 2 bad input (a bad setting, an unreadable log). Commands
 that read settings or logs import neither torch nor Ray."""
@@ -42,9 +42,12 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     what.add_parser("defaults", help="every setting with its default (YAML); <required> where there is none")
     what.add_parser("schema", help="the job's JSON schema (for editors and CI checks of job files)")
-    tl = sub.add_parser("timeline", help="draw a run's timeline (PNG) from its event log")
+    tl = sub.add_parser("timeline", help="a run's timeline from its event log: a PNG, or a trace for Perfetto")
     tl.add_argument("events", help="path to a run's events.jsonl, or the run folder as a path or URI (s3://...)")
-    tl.add_argument("--out", default="timeline.png", help="PNG to write")
+    tl.add_argument("--out", default=None, help="PNG to write (default timeline.png, unless --trace is given alone)")
+    tl.add_argument("--trace", default=None, metavar="JSON",
+                    help="write a Chrome trace (trace-event JSON) to open in Perfetto or chrome://tracing: "
+                         "the controller's states, checkpoints and events, one track per rank")
     tl.add_argument("--per-rank", action=argparse.BooleanOptionalAction, default=True,
                     help="one row per rank below the controller's (default); --no-per-rank: the controller's only")
     tl.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
@@ -97,8 +100,15 @@ def _timeline(args) -> int:
     if not events:
         print(f"elastic: no events in {redact_uri(args.events)}", file=sys.stderr)
         return 2
-    plot(events, args.out, title=redact_uri(args.events), per_rank=args.per_rank)
-    print(f"wrote {args.out}")
+    title = redact_uri(args.events)
+    if args.trace:
+        from elastic.observability.trace import write_trace
+        write_trace(events, args.trace, title=title)
+        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.out or not args.trace:
+        out = args.out or "timeline.png"
+        plot(events, out, title=title, per_rank=args.per_rank)
+        print(f"wrote {out}")
     return 0
 
 

@@ -13,6 +13,7 @@ from elastic import Trainer  # noqa: E402
 from elastic.local_cluster import local_cluster  # noqa: E402
 from elastic.config import load_job  # noqa: E402
 from elastic.observability.timeline import plot  # noqa: E402
+from elastic.observability.trace import write_trace  # noqa: E402
 
 
 def main() -> int:
@@ -24,9 +25,13 @@ def main() -> int:
     with local_cluster(num_worker_nodes=4, cpus_per_node=1):
         result = Trainer(job).fit()
     print(result.summary())
-    png = os.path.join(result.run_dir.removeprefix("file://"), "timeline.png")
-    plot(result.events, png, title=f"{job.run.name}: {job.chaos[0].action} on rank {job.chaos[0].rank}")
-    print(f"timeline of the run (states, fault, recovery, checkpoints): {png}")
+    run_dir = result.run_dir.removeprefix("file://")
+    title = f"{job.run.name}: {job.chaos[0].action} on rank {job.chaos[0].rank}"
+    png, trace = os.path.join(run_dir, "timeline.png"), os.path.join(run_dir, "trace.json")
+    plot(result.events, png, title=title)
+    write_trace(result.events, trace, title=title)
+    print(f"timeline of the run (states, fault, recovery, checkpoints): {png}\n"
+          f"the same as a trace, one track per rank (open it in https://ui.perfetto.dev): {trace}")
     return 0
 
 

@@ -113,3 +113,79 @@ def test_a_log_without_ranks_or_states_still_draws(tmp_path):
     out = tmp_path / "t.png"
     assert main(["timeline", str(write_run("file", tmp_path, events)), "--out", str(out)]) == 0
     assert png_size(out)[1] > 0
+
+
+# ------------------------------------------------------------------ a trace for Perfetto
+
+_PHASES = {"X", "i", "M"}
+
+
+def check_trace_event_format(trace: dict) -> None:
+    """The JSON Object form of the trace-event format (Chrome's "Trace Event Format" document, the
+    one Perfetto and chrome://tracing read): a traceEvents list; every event a name, a phase and a
+    pid; complete events ("X") a ts and a non-negative dur in microseconds, instants ("i") a ts and
+    a scope (g global, p process, t thread), metadata ("M") a name it defines and args."""
+    assert set(trace) >= {"traceEvents"} and trace["displayTimeUnit"] in ("ms", "ns")
+    for e in trace["traceEvents"]:
+        assert isinstance(e["name"], str) and e["ph"] in _PHASES and isinstance(e["pid"], int), e
+        if e["ph"] == "M":
+            assert e["name"] in ("process_name", "thread_name", "process_sort_index", "thread_sort_index"), e
+            assert isinstance(e["args"], dict) and ("tid" in e) == e["name"].startswith("thread"), e
+            continue
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0 and isinstance(e["tid"], int), e
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+        else:
+            assert e["s"] in ("g", "p", "t"), e
+        assert isinstance(e.get("args", {}), dict)
+
+
+def test_a_trace_has_the_controllers_states_checkpoints_and_events_and_one_track_per_rank(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    events = a_run()
+    run_dir = write_run("file", tmp_path, events)
+    out = tmp_path / "run.json"
+    assert main(["timeline", run_dir, "--trace", str(out)]) == 0
+    assert not (tmp_path / "timeline.png").exists()  # --trace alone writes the trace only
+    trace = json.loads(out.read_text())  # strict JSON: json.loads would take NaN, the writer refuses it
+    check_trace_event_format(trace)
+    ev = trace["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"].endswith("_name")}
+    spans = rank_spans(events)
+    assert {names[(2, r)] for r in spans} == {f"rank {r}" for r in spans}
+    assert [names[(1, t)] for t in (1, 2, 3)] == ["state", "checkpoints", "events"]
+    # every event of the log is there, at its time, with its fields
+    instants = [e for e in ev if e["ph"] == "i" and e["pid"] == 1]
+    assert [e["name"] for e in instants] == [e["kind"] for e in events if e["kind"] != "state"]
+    for e, log in zip(instants, [x for x in events if x["kind"] != "state"]):
+        assert e["ts"] == pytest.approx((log["t"] - events[0]["t"]) * 1e6, abs=0.1)
+        assert e["args"] == {k: v for k, v in log.items() if k not in ("t", "kind")}
+    assert {e["name"] for e in instants if e["s"] == "g"} >= {"fault_injected", "recovered"}
+    # the controller's states cover the run end to end, in order
+    states = [e for e in ev if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == 1]
+    assert states[0]["ts"] == 0 and all(a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=0.2)
+                                        for a, b in zip(states, states[1:]))
+    assert [s["name"] for s in states][:2] == ["Starting", "Forming"] and "Recovering" in [s["name"] for s in states]
+    # each committed checkpoint's persist ends at its commit
+    commits = [e for e in events if e["kind"] == "checkpoint_committed" and e.get("persist_s") is not None]
+    persists = [e for e in ev if e["ph"] == "X" and e["tid"] == 2 and e["pid"] == 1]
+    assert len(persists) == len(commits) > 0
+    # each rank's spans are its rows in the PNG
+    for r, row in spans.items():
+        got = [(e["name"], e["ts"], e["dur"]) for e in ev if e["ph"] == "X" and e["pid"] == 2 and e["tid"] == r]
+        assert got == [(s.state, round(s.start_s * 1e6, 1), round((s.end_s - s.start_s) * 1e6, 1)) for s in row]
+    marks = [e for e in ev if e["ph"] == "i" and e["pid"] == 2]
+    assert len(marks) == len([m for m in rank_marks(events) if m.rank in spans]) > 0
+
+
+def test_a_trace_and_a_png_together_and_a_value_json_cannot_hold(tmp_path):
+    events = a_run()
+    events[5] = {**events[5], "odd": float("nan")}
+    log = tmp_path / "events.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    png, out = tmp_path / "t.png", tmp_path / "t.json"
+    assert main(["timeline", str(log), "--trace", str(out), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads(out.read_text())
+    check_trace_event_format(trace)
+    assert any(e.get("args", {}).get("odd") == "nan" for e in trace["traceEvents"])
