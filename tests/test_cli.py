@@ -126,7 +126,7 @@ def test_version_and_python_dash_m_elastic():
                          cwd=ROOT, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"elastic {__version__}"
     from importlib.metadata import version
-    assert version("elastic") == __version__  # the installed distribution says the same
+    assert version("elastic-trainer") == __version__  # the installed distribution says the same
 
 
 def test_reading_settings_and_logs_imports_neither_torch_nor_ray():
