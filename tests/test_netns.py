@@ -198,12 +198,3 @@ def test_slow_adds_latency(pc, iso):
     print(f"\n[netns] one call with 200 ms each way: {took:.2f} s")
     assert took >= 0.4
     ray.kill(a)
-
-
-def test_time_until_ray_declares_a_cut_node_dead(pc, iso):
-    """Measured with Ray's default health-check settings; reported, not asserted (only that it happens)."""
-    iso.cut()
-    took = netns.wait_node_dead(iso.node_id, timeout_s=240)
-    print(f"\n[netns] ray.nodes() reported the cut node dead {took} s after the cut")
-    assert took is not None, "Ray never declared the cut node dead"
-    iso.close()

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 BIN = os.path.dirname(sys.executable)
 NUM_WORKER_NODES = 2  # one rank each; the head has no CPUs, as in k8s/rayjob.yaml
-NUM_STEPS = 300
+NUM_STEPS = 120  # killed after its second checkpoint (step 40): most of the run is left to resume
 EVERY_STEPS = 20
 LEASE_TTL_S = 5  # the first driver's lease: the retry waits until it has expired, as KubeRay's does
 

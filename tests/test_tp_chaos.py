@@ -28,7 +28,7 @@ from tests.ray_fixtures import assert_exact_once
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
-NUM_STEPS, EVERY, FAULT_STEP, BATCH = 60, 10, 25, 32
+NUM_STEPS, EVERY, FAULT_STEP, BATCH = 40, 10, 15, 32
 NODES = 5
 
 
@@ -110,7 +110,7 @@ def test_fsdp_tp_process_kill_restores_2d_shards_from_storage(cluster, tmp_path_
     (plan,) = result.events_of("restore_plan")
     assert plan["source"] == "FromStorage" and "fully sharded" in plan["reason"]
     restored = result.events_of("restored")[-1]
-    assert restored["source"] == "storage" and restored["step"] == 20
+    assert restored["source"] == "storage" and restored["step"] == 10
 
 
 def _num_samples() -> int:
