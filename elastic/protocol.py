@@ -74,7 +74,8 @@ class RestoreResult:
     restore_s: float
     uri: str | None = None  # the checkpoint loaded, on the storage path
     skipped: tuple[tuple[str, str], ...] = ()  # (checkpoint uri, why it did not load)
-    phases: dict[str, float] | None = None  # seconds per phase, where timed (a re-shard in memory)
+    phases: dict[str, float] | None = None  # seconds per phase, where timed (a re-shard in memory, a peer's transfer)
+    state_bytes: int | None = None  # this rank's state that crossed the group (a restore from a peer)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,19 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
+class MemorySample:
+    """A rank's memory now (elastic/runtime/memory_watch.py); the GPU fields are None off CUDA."""
+
+    rss_bytes: int  # the worker process's resident set
+    host_limit_bytes: int  # the node's memory, or its cgroup's limit where lower
+    gpu_allocated_bytes: int | None = None  # held by tensors
+    gpu_reserved_bytes: int | None = None  # held by the caching allocator
+    gpu_peak_allocated_bytes: int | None = None  # since the process started
+    gpu_total_bytes: int | None = None  # the device's
+    gpu_fragmentation: float | None = None  # free-but-split share of reserved
+
+
+@dataclass(frozen=True)
 class PollReport:
     """A worker's answer to `poll()`: its progress now, and everything that happened since its
     last answer (each persist, step, skip and retry is reported exactly once)."""
@@ -166,6 +180,7 @@ class PollReport:
     deferred: tuple[int, ...] = ()  # checkpoint steps skipped while a persist was still running
     memory_steps: tuple[int, ...] = ()  # steps of this rank's own in-memory parts (memory_every_steps)
     copies_held: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> steps of its parts held here
+    memory: MemorySample | None = None  # its memory now (at most a second old)
 
 
 class WorkerGroupProtocol(Protocol):
@@ -214,6 +229,8 @@ class WorkerGroupProtocol(Protocol):
     def beats(self) -> dict: ...
     def kill(self, rank: int) -> None: ...
     def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]: ...
+
+    def where(self, ranks, timeout_s: float) -> dict[int, str | None]: ...  # where each one's run() is now
     def save_again(self, timeout_s: float) -> dict[int, str]: ...
     def leave_all(self, timeout_s: float) -> dict[int, str]: ...
     def shutdown(self) -> None: ...

@@ -233,7 +233,10 @@ def test_a_frozen_rank_0_that_thaws_is_fenced_off(cluster, baseline, tmp_path): 
     (fault,) = result.events_of("fault_injected")
     (detected,) = result.events_of("failure_detected")
     assert [(x["rank"], x["cause"]) for x in detected["lost"]] == [(0, "unresponsive")]
-    assert result.events_of("restored")[-1]["source"].startswith("peer rank")
+    restored = result.events_of("restored")[-1]
+    assert restored["source"].startswith("peer rank")
+    # what crossed the group, and how fast: the rank's whole state, at a rate the event reports
+    assert restored["state_bytes"] >= 1_323_018 * 4 and restored["transfer_gb_per_s"] > 0 and restored["phases"]["transfer"] > 0
     root = tmp_path / "runs" / name / "checkpoints"
     committed = [c for c in sorted(os.listdir(root)) if (root / c / "COMMITTED").exists()]
     for c in committed:  # every marker was written by a current rank 0, after its own shards

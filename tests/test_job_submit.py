@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
 from tests.ray_fixtures import free_port
+from tests.support.processes import answers, stop_group
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
@@ -79,31 +77,14 @@ def ray_head(tmp_path):
          "--disable-usage-stats"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=tmp_path)
     url = f"http://127.0.0.1:{dash}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(url + "/api/version", timeout=2)
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                log.flush()
-                _stop(proc)  # never leave a half-started head behind for the next test
-                pytest.fail("ray head did not come up:\n" + (tmp_path / "head.log").read_text()[-3000:])
-            time.sleep(1)
+    if not answers(url + "/api/version", proc, timeout_s=120, every_s=1):
+        log.flush()
+        stop_group(proc)  # never leave a half-started head behind for the next test
+        pytest.fail("ray head did not come up:\n" + (tmp_path / "head.log").read_text()[-3000:])
     try:
         yield url, env
     finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=5)  # `ray start --block` was seen to outlast 30 s of SIGTERM: then SIGKILL
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        stop_group(proc)  # `ray start --block` was seen to outlast 30 s of SIGTERM: SIGKILL after 5
 
 
 def test_ray_job_submit_from_a_checkout_to_a_head_without_elastic(ray_head, tmp_path):

@@ -123,7 +123,8 @@ def schema() -> Schema:
 def test_every_manifest_is_a_known_kind():
     known = {("ray.io/v1", "RayJob"), ("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("batch/v1", "Job"),
              ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-             ("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Secret")}
+             ("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Secret"),
+             ("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
     assert MANIFESTS, "no manifests found under k8s/"
     for path in MANIFESTS:
         for doc in documents(path):
@@ -385,3 +386,55 @@ def test_credentials_come_from_a_secret_never_from_a_manifest_or_job_config():
         (cm,) = documents(path)
         job = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
         assert named_secrets(job) == [], path
+
+
+# ---------------------------------------------------------------------- Prometheus-operator: scrape and alerts
+MONITORING_SCHEMAS = {"PodMonitor": K8S / "schemas" / "podmonitor.monitoring.coreos.com-v1.schema.yaml",
+                      "PrometheusRule": K8S / "schemas" / "prometheusrule.monitoring.coreos.com-v1.schema.yaml"}
+
+
+def _monitoring(kind: str) -> dict:
+    (doc,) = [d for d in documents(K8S / "monitoring" / ("podmonitor.yaml" if kind == "PodMonitor" else "alerts.yaml"))
+              if d["kind"] == kind]
+    return doc
+
+
+@pytest.mark.parametrize("kind", sorted(MONITORING_SCHEMAS))
+def test_the_monitoring_manifests_match_the_prometheus_operator_schemas(kind):
+    schema = Schema(MONITORING_SCHEMAS[kind])
+    doc = _monitoring(kind)
+    assert schema.errors(doc) == [], schema.errors(doc)
+    # the validator catches what the API server would refuse
+    bad = copy.deepcopy(doc)
+    bad["spec"]["sampleLimitt"] = 1
+    assert any("sampleLimitt: unknown field" in e for e in schema.errors(bad))
+
+
+def test_the_podmonitor_scrapes_the_rayjobs_pods_on_a_port_they_name():
+    monitor = _monitoring("PodMonitor")
+    job = rayjob()
+    rc = job["spec"]["rayClusterSpec"]
+    templates = [rc["headGroupSpec"]["template"], worker_group(job)["template"]]
+    assert all(monitor["spec"]["selector"]["matchLabels"].items() <= t["metadata"]["labels"].items() for t in templates)
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    for group, container in ray_containers(job).items():
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports.get(endpoint["port"]) == 8080, (group, ports)
+    assert rc["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "8080"
+    assert worker_group(job)["rayStartParams"]["metrics-export-port"] == "8080"
+
+
+def test_every_alert_reads_series_elastic_exports_keeps_the_run_label_and_says_what_to_do():
+    from elastic.observability import metrics as m
+    defined = {n for metric in m.METRICS.values() for n in metric.prometheus_names}
+    rules = [r for g in _monitoring("PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} >= {"ElasticRunFailed", "ElasticRunNotTraining", "ElasticCheckpointsFailing",
+                                           "ElasticCheckpointStale", "ElasticHostMemoryGrowing", "ElasticGPUMemoryGrowing"}
+    for r in rules:
+        used = set(re.findall(r"\bray_elastic_\w+", r["expr"]))
+        assert used and used <= defined, (r["alert"], sorted(used - defined))
+        assert re.search(r"by \(run\b", r["expr"]), r["alert"]  # an alert names its run
+        assert r["labels"]["severity"] in ("critical", "warning")
+        assert r["annotations"]["summary"] and len(r["annotations"]["description"]) > 40
+        assert r["expr"].count("(") == r["expr"].count(")")
+

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import math
+from dataclasses import replace
 import re
 import socket
 import time
@@ -102,9 +103,9 @@ def test_a_failure_during_a_recovery_belongs_to_the_first_one_and_unknown_fault_
                                "fault_step": 5, "lost_steps": 0, "world_size": 3}])
     assert be.get("elastic_failures", cause="node_died") == 1 and be.get("elastic_failures", cause="unresponsive") == 1
     assert be.get("elastic_recoveries", cause="node_died") == 1
-    assert be.get("elastic_recoveries", cause="unresponsive") is None
+    assert be.get("elastic_recoveries", cause="unresponsive") == 0  # its series exists from the start, at 0
     assert be.get("elastic_detect_seconds", cause="node_died") is None  # no fault time known
-    assert be.get("elastic_lost_steps") is None  # nothing redone: nothing counted
+    assert be.get("elastic_lost_steps") == 0  # nothing redone: the series stays at its 0
 
 
 def test_a_user_error_is_a_failure_by_its_own_cause():
@@ -118,7 +119,7 @@ def test_a_user_error_is_a_failure_by_its_own_cause():
     assert be.get("elastic_failures", cause="user_error") == 1
     assert be.get("elastic_decisions", decision="Raise") == 1
     assert be.get("elastic_controller_state", state="Errored") == 1
-    assert be.get("elastic_recoveries", cause="user_error") is None
+    assert be.get("elastic_recoveries", cause="user_error") == 0
 
 
 def test_checkpoints_by_outcome_and_persist_times():
@@ -157,6 +158,62 @@ def test_progress_gives_step_loss_rates_and_per_rank_times_and_redone_steps_coun
     assert be.get("elastic_step") == 30 and be.get("elastic_loss") == 1.5
     be.apply(rm.progress(30, float("nan"), {}))
     assert be.get("elastic_loss") == 1.5  # a non-finite loss is not a value to plot
+
+
+def test_each_ranks_memory_is_a_series_and_the_gpu_ones_only_where_there_is_a_gpu():
+    from elastic.protocol import MemorySample
+    rm, be = feed(started(n=2))
+    cpu = MemorySample(rss_bytes=300 << 20, host_limit_bytes=8 << 30)
+    gpu = MemorySample(rss_bytes=400 << 20, host_limit_bytes=8 << 30, gpu_allocated_bytes=5 << 30,
+                       gpu_reserved_bytes=6 << 30, gpu_peak_allocated_bytes=7 << 30, gpu_total_bytes=80 << 30,
+                       gpu_fragmentation=0.125)
+    answers = {0: replace(report(0, step=3, step_s=0.1), memory=cpu), 1: replace(report(1, step=3, step_s=0.1),
+                                                                                   memory=gpu)}
+    be.apply(rm.progress(3, 1.0, answers))
+    assert be.get("elastic_rank_rss_bytes", rank=0) == 300 << 20 and be.get("elastic_rank_host_limit_bytes", rank=1) == 8 << 30
+    assert be.get("elastic_rank_gpu_reserved_bytes", rank=1) == 6 << 30 and be.get("elastic_rank_gpu_fragmentation", rank=1) == 0.125
+    assert be.get("elastic_rank_gpu_total_bytes", rank=1) == 80 << 30
+    assert be.get("elastic_rank_gpu_allocated_bytes", rank=0) is None  # no GPU: no series, not a 0
+    assert {f"elastic_rank_{f}" for f in m.MEMORY_FIELDS} <= set(m.PER_RANK)  # a shrink ends them too
+
+
+def test_a_workers_memory_watch_reads_its_own_process_at_most_once_a_second():
+    from elastic.runtime.memory_watch import MemoryWatch
+    t = [0.0]
+    watch = MemoryWatch(clock=lambda: t[0])
+    first = watch.sample()
+    assert 0 < first.rss_bytes < first.host_limit_bytes and first.gpu_reserved_bytes is None
+    held = bytearray(64 << 20)  # touched: resident
+    held[::4096] = b"x" * len(held[::4096])
+    assert watch.sample() is first  # within the second: the same sample
+    t[0] = 1.0
+    assert watch.sample().rss_bytes >= first.rss_bytes + (60 << 20)
+    del held
+
+
+def test_series_that_have_not_moved_exist_at_0_and_spares_ready_follows_the_pool():
+    rm, be = feed(started(n=2))
+    for name in ("elastic_lost_steps", "elastic_skipped_steps", "elastic_rollbacks", "elastic_steps"):
+        assert be.get(name) == 0, name
+    assert be.get("elastic_spares_ready") == 0
+    be.apply(rm.event({"kind": "spares_ready", "num_ready": 1, "wait_s": 1.0}))
+    assert be.get("elastic_spares_ready") == 1
+    be.apply(rm.progress(4, 1.0, {}, spares_ready=0))  # the spare took a lost rank's place, none refilled
+    assert be.get("elastic_spares_ready") == 0
+
+
+def test_every_label_value_a_counter_can_take_has_its_series_from_the_start():
+    from elastic.policies import failure, straggler
+    from elastic.protocol import LostCause
+    causes = {c.value for c in LostCause} | {"user_error"}
+    assert set(m.ZERO_BY_LABEL["elastic_failures"][1]) == causes == set(m.ZERO_BY_LABEL["elastic_recoveries"][1])
+    decisions = {cls.__name__ for mod in (failure, straggler) for cls in vars(mod).values()
+                 if isinstance(cls, type) and cls.__module__ == mod.__name__ and hasattr(cls, "__dataclass_fields__")
+                 and cls.__name__ in ("Restart", "Raise", "Swap", "Report", "Drop")} | {"Grow"}
+    assert decisions <= set(m.ZERO_BY_LABEL["elastic_decisions"][1])
+    _, be = feed(started(n=2))
+    for name, (tag, values) in m.ZERO_BY_LABEL.items():
+        assert all(be.get(name, **{tag: v}) == 0 for v in values), name
 
 
 def test_a_shrink_ends_the_series_of_the_ranks_that_are_gone():
@@ -273,7 +330,65 @@ def test_the_grafana_dashboard_loads_and_queries_only_metrics_we_define():
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     assert all(p["title"] and p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in panels)
     assert all('run=~"$run"' in t["expr"] for p in panels for t in p["targets"])
-    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "run"}
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "cluster", "run"}
+    assert all('ray_io_cluster=~"$cluster"' in t["expr"] for p in panels for t in p["targets"])
+    # a counter's total over the dashboard's range: increase(), so a resubmitted cluster's restart at 0
+    # is not a drop, never the raw value
+    raw = [t["expr"] for p in panels for t in p["targets"]
+           if re.search(r"_total\{", t["expr"]) and not re.search(r"(increase|rate)\(ray_elastic_\w+_total\{", t["expr"])]
+    assert raw == []
+    (quantiles,) = [p for p in panels if p["title"].startswith("Detect and recover")]
+    assert sorted(t["legendFormat"] for t in quantiles["targets"]) == ["p50 detect", "p50 recover", "p90 detect",
+                                                                         "p90 recover"]
+
+
+# ---------------------------------------------------------------------- a real Prometheus and promtool
+ALERTS = Path(__file__).resolve().parent.parent / "k8s" / "monitoring" / "alerts.yaml"
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__range": "10m", "$__interval": "1s"}
+
+
+def _panel_exprs(run: str) -> list[str]:
+    """Every panel query of the dashboard as Prometheus gets it from Grafana: its variables filled in."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            e = t["expr"].replace('run=~"$run"', f'run=~"{run}"').replace('"$cluster"', '".*"')
+            for var, value in GRAFANA_VARS.items():
+                e = e.replace(var, value)
+            out.append(e)
+    return out
+
+
+def _alert_rules() -> list[dict]:
+    import yaml
+    (doc,) = [d for d in yaml.safe_load_all(ALERTS.read_text()) if d]
+    return [r for g in doc["spec"]["groups"] for r in g["rules"]]
+
+
+@pytest.fixture(scope="module")
+def prometheus():
+    from tests.support.prometheus import HOW, find_prometheus, prometheus_server
+    if find_prometheus() is None:
+        pytest.skip(f"no prometheus binary: {HOW}")
+    with prometheus_server() as server:
+        yield server
+
+
+def test_the_alert_rules_pass_promtool_and_every_query_parses_in_prometheus(prometheus, tmp_path):
+    import subprocess
+    import yaml
+    (doc,) = [d for d in yaml.safe_load_all(ALERTS.read_text()) if d]
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}))  # a PrometheusRule's spec is a rules file
+    out = subprocess.run([prometheus.promtool, "check", "rules", str(rules_file)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and f"SUCCESS: {len(_alert_rules())} rules found" in out.stdout, out.stdout + out.stderr
+    # A query Prometheus cannot parse is refused with an error: none is.
+    for e in _panel_exprs("nothing-yet") + [r["expr"] for r in _alert_rules()]:
+        assert prometheus.query(e) == [], e  # parsed and evaluated: no data yet
+    with pytest.raises(ValueError, match="bad_data"):  # the check can fail
+        prometheus.query("max by (run (ray_elastic_step)")
 
 
 # ---------------------------------------------------------------------- a real run, read back from Prometheus
@@ -340,10 +455,12 @@ def _scrape(targets: list[str], run: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.mark.chaos
 @pytest.mark.timeout(300)
-def test_a_real_run_s_metrics_are_read_from_the_prometheus_endpoint(metrics_cluster, tmp_path):
+def test_a_real_run_s_metrics_are_read_from_the_prometheus_endpoint(metrics_cluster, prometheus, tmp_path):
     from elastic import Trainer
 
     cluster, head_port = metrics_cluster
+    prometheus.set_targets(_targets())  # every node's agent, scraped every second during the drill
+    t_start = time.time()
     run = f"metrics-{uuid.uuid4().hex[:8]}"
     job = {
         "run": {"name": run, "num_steps": NUM_STEPS, "seed": 7},
@@ -375,6 +492,11 @@ def test_a_real_run_s_metrics_are_read_from_the_prometheus_endpoint(metrics_clus
         ("ray_elastic_steps_total", ()): NUM_STEPS + rec["lost_steps"],
         ("ray_elastic_checkpoint_step", ()): max(e["step"] for e in committed),
         ("ray_elastic_checkpoints_total", (("outcome", "committed"),)): len(committed),
+        # series that never moved in this run exist, at 0 (rate() and alerts see a 0, not nothing)
+        ("ray_elastic_lost_steps_total", ()): rec["lost_steps"],
+        ("ray_elastic_skipped_steps_total", ()): 0,
+        ("ray_elastic_rollbacks_total", ()): 0,
+        ("ray_elastic_spares_ready", ()): 0,
     }
     # Export is asynchronous (each process reports every REPORT_INTERVAL_MS): poll, never time.
     deadline = time.monotonic() + 60
@@ -395,6 +517,54 @@ def test_a_real_run_s_metrics_are_read_from_the_prometheus_endpoint(metrics_clus
     assert got[("ray_elastic_steps_per_second", ())] > 0
     assert all(got.get(("ray_elastic_step_seconds", (("rank", str(r)),)), 0) > 0 for r in range(NUM_WORKERS))
     assert all(got.get(("ray_elastic_compute_seconds", (("rank", str(r)),)), 0) > 0 for r in range(NUM_WORKERS))
+    for r in range(NUM_WORKERS):  # each worker's memory; no GPU here, so no GPU series at all
+        rss = got.get(("ray_elastic_rank_rss_bytes", (("rank", str(r)),)), 0)
+        assert 50 << 20 < rss < got[("ray_elastic_rank_host_limit_bytes", (("rank", str(r)),))]
+    assert not [k for k in got if k[0].startswith("ray_elastic_rank_gpu_")]
     persisted = [e["persist_s"] for e in committed if e["attempts"]]
     assert got[("ray_elastic_checkpoint_persist_seconds_count", ())] == len(persisted)
     assert got[("ray_elastic_last_persist_seconds", ())] == pytest.approx(persisted[-1])
+    _read_back_from_prometheus(prometheus, run, result, t_start, cause)
+
+
+def _read_back_from_prometheus(prom, run: str, result, t_start: float, cause: str) -> None:
+    """What the dashboard and the alerts see, through a real Prometheus that scraped the drill."""
+    deadline = time.monotonic() + 60
+    while True:  # the last export reaches the agents within a second, the next scrape a second later
+        got = prom.query(f'max by (run) (ray_elastic_step{{run="{run}"}})')
+        if (got and float(got[0]["value"][1]) == NUM_STEPS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got and float(got[0]["value"][1]) == NUM_STEPS, got
+    time.sleep(2)  # a range's last evaluation, on its 1 s grid, falls after that newest sample
+    now = time.time()
+    # steps advanced while it was scraped: never back, and up from where they were first seen (a
+    # 30-step run outpaces the 1 s export and scrape, so only a few of its steps are seen)
+    (series,) = prom.query_range(f'max by (run) (ray_elastic_step{{run="{run}"}})', t_start, now)
+    steps = [float(v) for _, v in series["values"]]
+    assert steps == sorted(steps) and steps[0] < steps[-1] == NUM_STEPS, steps
+    # the recovery, counted by its cause
+    (rec,) = prom.query(f'sum by (cause) (ray_elastic_recoveries_total{{run="{run}"}}) > 0')
+    assert rec["metric"]["cause"] == cause and float(rec["value"][1]) == 1
+    zeros = prom.query(f'sum by (cause) (ray_elastic_recoveries_total{{run="{run}"}}) == 0')
+    assert len(zeros) == len(m.ZERO_BY_LABEL["elastic_recoveries"][1]) - 1  # every other cause, at 0
+    # the checkpoint step moves with the commits (what the staleness alert watches): only committed
+    # steps, ending at the last one, and as many changes as distinct values seen
+    (ck,) = prom.query_range(f'max by (run) (ray_elastic_checkpoint_step{{run="{run}"}})', t_start, now)
+    seen = [float(v) for _, v in ck["values"]]
+    committed = [e["step"] for e in result.events_of("checkpoint_committed")]
+    assert seen == sorted(seen) and set(seen) <= set(committed) and seen[-1] == max(committed), (seen, committed)
+    (changes,) = prom.query(f'max by (run) (changes(ray_elastic_checkpoint_step{{run="{run}"}}[10m]))')
+    assert float(changes["value"][1]) >= len(set(seen)) - 1
+    # each rank's memory
+    rss = prom.query(f'max by (run, rank) (ray_elastic_rank_rss_bytes{{run="{run}"}})')
+    assert sorted(int(x["metric"]["rank"]) for x in rss) == list(range(NUM_WORKERS))
+    # every panel's query and every alert evaluates on the real data; the run finished well, so no
+    # alert on the run fires (the memory ones extrapolate a worker's start-up over hours: evaluated only)
+    answered = [e for e in _panel_exprs(run) if prom.query(e)]
+    assert len(answered) >= len(_panel_exprs(run)) // 2, "most panels show this run"
+    for rule in _alert_rules():
+        fired = prom.query(rule["expr"])
+        if "Memory" not in rule["alert"]:
+            assert fired == [], (rule["alert"], fired)
+

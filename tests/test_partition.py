@@ -183,6 +183,7 @@ def _partition(pc, iso, baseline, tmp_path, heal_after_s: float | None):
     assert not result.events_of("worker_replaced")  # no healthy survivor was thrown away
     restored = result.events_of("restored")[-1]
     assert restored["source"].startswith("peer rank") and restored["uri"] is None, restored
+    assert restored["state_bytes"] > 0 and restored["transfer_gb_per_s"] > 0, restored
     (rec,) = result.events_of("recovered")
     assert rec["lost_steps"] == 0, rec
     (replaced,) = result.events_of("workers_replaced")
@@ -190,7 +191,7 @@ def _partition(pc, iso, baseline, tmp_path, heal_after_s: float | None):
     assert not iso.node_id.startswith(replaced["nodes"][str(rank)]), "the replacement went to the cut node"
     print(f"\n[partition] rank {rank} cut at step >= {CUT_AFTER_STEP}: silence_detected "
           f"{silence['t'] - t_cut:.2f} s after the cut; recovered (from the {rec['measured_from']}) "
-          f"recover_s={rec['recover_s']:.2f} (first step {rec['recover_s'] + silence['t'] - t_cut:.2f} s after "
+          f"recover_s={rec['recover_s']:.2f}, state moved at {restored['transfer_gb_per_s']} GB/s (first step {rec['recover_s'] + silence['t'] - t_cut:.2f} s after "
           f"the cut), resumed_step={rec['resumed_step']}, source={restored['source']!r}, "
           f"replacement {replaced['how']} in {replaced['start_s']:.2f} s"
           + (f"; healed {t_heal - t_cut:.1f} s after the cut" if t_heal else ""))

@@ -114,7 +114,7 @@ def absorb_progress(ctl: Controller, answers: dict[int, PollReport]) -> None:
             resized(ctl, answers)
     tr.step = max(tr.step, new_step)
     tr.max_step_seen = max(tr.max_step_seen, max(steps))
-    ctl.metrics.on_progress(tr.step, tr.loss, answers)
+    ctl.metrics.on_progress(tr.step, tr.loss, answers, len(ctl.group.ready_spares))
 
 
 def _first_step_t(ctl: Controller, answers: dict[int, PollReport]) -> float:

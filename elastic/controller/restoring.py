@@ -138,6 +138,12 @@ def restored(ctl: Controller, out: dict[int, RestoreResult]) -> State:
     slowest = max(out.values(), key=lambda o: o.restore_s)
     restore_s = slowest.restore_s
     extra = {"phases": slowest.phases} if slowest.phases is not None else {}  # the slowest rank's, where timed
+    moved = max(out.values(), key=lambda o: (o.phases or {}).get("transfer", 0.0))
+    if moved.state_bytes and (moved.phases or {}).get("transfer"):
+        # A restore from a peer: the state one rank holds, over the slowest rank's transfer (the
+        # broadcast's wall time, which every rank of the group spends at once).
+        extra.update(state_bytes=moved.state_bytes,
+                     transfer_gb_per_s=round(moved.state_bytes / moved.phases["transfer"] / 1e9, 3))
     ctl.events.emit("restored", step=r0.step, source=r0.source, uri=r0.uri, restore_s=restore_s,
                     world_size=len(out), **extra)
     if ctl.resize is not None:

@@ -107,11 +107,41 @@ _CATALOGUE = (
     Metric("elastic_checkpoint_stall_seconds", "gauge",
            "Training time the rank's last checkpoint save blocked (snapshot, plus waiting for the previous "
            "persist).", ("run", "rank")),
+    Metric("elastic_rank_rss_bytes", "gauge", "Resident host memory of the rank's worker process.", ("run", "rank")),
+    Metric("elastic_rank_host_limit_bytes", "gauge",
+           "Host memory the rank's process may use: its node's, or its cgroup's limit where lower (a pod's).",
+           ("run", "rank")),
+    Metric("elastic_rank_gpu_allocated_bytes", "gauge", "GPU memory held by the rank's tensors (CUDA only).",
+           ("run", "rank")),
+    Metric("elastic_rank_gpu_reserved_bytes", "gauge",
+           "GPU memory the rank's caching allocator holds (CUDA only).", ("run", "rank")),
+    Metric("elastic_rank_gpu_peak_allocated_bytes", "gauge",
+           "Peak GPU memory held by the rank's tensors since its process started (CUDA only).", ("run", "rank")),
+    Metric("elastic_rank_gpu_total_bytes", "gauge", "Memory of the rank's GPU (CUDA only).", ("run", "rank")),
+    Metric("elastic_rank_gpu_fragmentation", "gauge",
+           "Share of the rank's reserved GPU memory that is free but split into pieces a large allocation "
+           "cannot use (CUDA only).", ("run", "rank")),
     Metric("elastic_straggler_ratio", "gauge",
            "The rank's median compute time in the last straggler window over the others' (stragglers.enabled).",
            ("run", "rank")),
 )
 METRICS: dict[str, Metric] = {m.name: m for m in _CATALOGUE}
+# Counters without labels, and so with one series from the start (0 until they move)
+ZERO_AT_START = ("elastic_steps", "elastic_lost_steps", "elastic_skipped_steps", "elastic_rollbacks")
+# Labelled counters, one series per value a run can give them, at 0 from the start: increase()
+# over a series that first appears at 1 shows 0 (a combined cause, "node_died+unresponsive",
+# is the one value not known in advance).
+ZERO_BY_LABEL = {
+    "elastic_failures": ("cause", ("process_died", "node_died", "unreachable", "unresponsive", "hang", "error",
+                                   "user_error")),
+    "elastic_recoveries": ("cause", ("process_died", "node_died", "unreachable", "unresponsive", "hang", "error",
+                                     "user_error")),
+    "elastic_decisions": ("decision", ("Restart", "Raise", "Swap", "Drop", "Report", "Grow")),
+    "elastic_checkpoints": ("outcome", ("committed", "failed", "deferred")),
+}
+# elastic.protocol.MemorySample's fields, each the metric elastic_rank_<field>
+MEMORY_FIELDS = ("rss_bytes", "host_limit_bytes", "gpu_allocated_bytes", "gpu_reserved_bytes",
+                 "gpu_peak_allocated_bytes", "gpu_total_bytes", "gpu_fragmentation")
 PER_RANK = tuple(m.name for m in _CATALOGUE if "rank" in m.tags)
 
 
@@ -161,6 +191,11 @@ class RunMetrics:
         self._counted_step = None
         out = [self._u("elastic_num_steps", ev["num_steps"])]
         out += [self._u("elastic_controller_state", 1 if s == "Starting" else 0, state=s) for s in _state_names()]
+        # Series that have not moved yet exist with 0 from the start: rate(), increase() and an
+        # alert see a 0, not nothing (a counter first seen at 1 has no increase to show).
+        out += [self._u(name, 0) for name in ZERO_AT_START]
+        out += [self._u(name, 0, **{tag: value}) for name, (tag, values) in ZERO_BY_LABEL.items() for value in values]
+        out += [self._u("elastic_spares_ready", 0)]
         return out
 
     def _on_state(self, ev: dict) -> list[Update]:
@@ -272,10 +307,13 @@ class RunMetrics:
         self._counted_step = step
         return [self._u("elastic_steps", step - base)]
 
-    def progress(self, step: int, loss: float | None, answers: dict) -> list[Update]:
-        """The controller's step and loss, and each answering rank's last step, compute and
-        checkpoint-stall times (a poll's answers: `elastic.protocol.PollReport`s)."""
+    def progress(self, step: int, loss: float | None, answers: dict, spares_ready: int | None = None) -> list[Update]:
+        """The controller's step and loss, each answering rank's last step, compute and
+        checkpoint-stall times and memory (a poll's answers: `elastic.protocol.PollReport`s), and
+        the warm spares ready now (a spare that took a rank's place is no longer one)."""
         out = [self._u("elastic_step", step)] + self.steps(step)
+        if spares_ready is not None:
+            out.append(self._u("elastic_spares_ready", spares_ready))
         if loss is not None and math.isfinite(loss):
             out.append(self._u("elastic_loss", loss))
         for name, key in (("elastic_step_seconds", "step_s"), ("elastic_compute_seconds", "compute_s"),
@@ -285,6 +323,12 @@ class RunMetrics:
         step_s = [a.step_s for a in answers.values() if a.step_s]
         if step_s:
             out.append(self._u("elastic_steps_per_second", 1.0 / max(step_s)))
+        for r, a in sorted(answers.items()):
+            mem = getattr(a, "memory", None)
+            for field_name in MEMORY_FIELDS if mem is not None else ():
+                value = getattr(mem, field_name)
+                if value is not None:
+                    out.append(self._u(f"elastic_rank_{field_name}", value, rank=r))
         return out
 
     def window(self, ratios: dict) -> list[Update]:
@@ -346,8 +390,11 @@ class RayBackend:
             if u.op == "set":
                 metric.set(u.value, tags=u.tag_dict)
             elif u.op == "inc":
-                if u.value > 0:  # Ray's counters refuse anything else
+                if u.value > 0:
                     metric.inc(u.value, tags=u.tag_dict)
+                elif u.value == 0:
+                    # A counter's series at 0 (ZERO_AT_START): Ray's inc() refuses 0, its record does not.
+                    metric._record(0.0, tags=u.tag_dict)
             else:
                 metric.observe(u.value, tags=u.tag_dict)
 
@@ -385,14 +432,14 @@ class MetricsHook:
     def on_event(self, ev: dict) -> None:
         self._apply(lambda: self.mapping.event(ev))
 
-    def on_progress(self, step: int, loss: float | None, answers: dict) -> None:
+    def on_progress(self, step: int, loss: float | None, answers: dict, spares_ready: int | None = None) -> None:
         if self.backend is None:
             return
         # Gauges at most once a second (Ray exports no faster); the steps counter on every poll.
         now = self._clock()
         if self._progress_at is None or now - self._progress_at >= PROGRESS_EVERY_S:
             self._progress_at = now
-            self._apply(lambda: self.mapping.progress(step, loss, answers))
+            self._apply(lambda: self.mapping.progress(step, loss, answers, spares_ready))
         else:
             self._apply(lambda: self.mapping.steps(step))
 

@@ -96,12 +96,15 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None) -
     dist.broadcast(step, src=src_rank)
     w.step = int(step.item())
     src = slot_sources[w.layout.slot_of(w.rank)] if slot_sources else src_rank
+    t_move = time.monotonic()
     w.strategy.broadcast_state(w.model, w.optimizer, src)
     if w.amp:
         broadcast_tensors([w.amp[k] for k in sorted(w.amp)], src, w.mesh.get_group("dp"))
+    transfer_s = time.monotonic() - t_move
     start_checkpointer(w)
     return RestoreResult(step=w.step, restore_s=time.monotonic() - t0,
-                         source=f"peer rank {src}" if not slot_sources else f"slot replicas {list(slot_sources)}")
+                         source=f"peer rank {src}" if not slot_sources else f"slot replicas {list(slot_sources)}",
+                         phases={"transfer": transfer_s}, state_bytes=state.local_bytes(w))
 
 
 def offer(w: Worker, publish: bool = True) -> dict:

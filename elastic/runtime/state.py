@@ -147,3 +147,16 @@ def _hash_into(h, obj) -> None:
             _hash_into(h, v)
     else:
         h.update(repr(obj).encode())
+
+
+def local_bytes(w: Worker) -> int:
+    """Bytes of model and optimizer state this rank holds (a sharded or tensor-parallel tensor:
+    its local part): what a restore from a peer moves into it."""
+    tensors = list(w.model.state_dict().values())
+    tensors += [v for per_param in w.optimizer.state.values() for v in per_param.values()]
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
