@@ -438,3 +438,11 @@ def test_every_alert_reads_series_elastic_exports_keeps_the_run_label_and_says_w
         assert r["annotations"]["summary"] and len(r["annotations"]["description"]) > 40
         assert r["expr"].count("(") == r["expr"].count(")")
 
+
+def test_the_rayjob_has_a_deadline_so_a_stuck_run_does_not_hold_nodes_forever(schema):
+    job = rayjob()
+    assert 3600 <= job["spec"]["activeDeadlineSeconds"] <= 7 * 86400
+    bad = copy.deepcopy(job)
+    bad["spec"]["activeDeadlineSeconds"] = "1d"  # the CRD takes seconds as an int32
+    assert any("activeDeadlineSeconds: expected integer" in e for e in schema.errors(bad)), schema.errors(bad)
+
