@@ -124,7 +124,8 @@ def test_every_manifest_is_a_known_kind():
     known = {("ray.io/v1", "RayJob"), ("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("batch/v1", "Job"),
              ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
              ("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Secret"),
-             ("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+             ("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+             ("policy/v1", "PodDisruptionBudget")}
     assert MANIFESTS, "no manifests found under k8s/"
     for path in MANIFESTS:
         for doc in documents(path):
@@ -445,4 +446,19 @@ def test_the_rayjob_has_a_deadline_so_a_stuck_run_does_not_hold_nodes_forever(sc
     bad = copy.deepcopy(job)
     bad["spec"]["activeDeadlineSeconds"] = "1d"  # the CRD takes seconds as an int32
     assert any("activeDeadlineSeconds: expected integer" in e for e in schema.errors(bad)), schema.errors(bad)
+
+
+def test_the_head_pod_is_protected_from_eviction_and_the_workers_are_not():
+    (pdb,) = documents(K8S / "head-pdb.yaml")
+    assert pdb["spec"] == {"maxUnavailable": 0, "selector": pdb["spec"]["selector"]}
+    want = pdb["spec"]["selector"]["matchLabels"]
+    job = rayjob()
+    rc = job["spec"]["rayClusterSpec"]
+    # KubeRay adds ray.io/node-type (head / worker) to the labels each template sets
+    head = {**rc["headGroupSpec"]["template"]["metadata"]["labels"], "ray.io/node-type": "head"}
+    worker = {**worker_group(job)["template"]["metadata"]["labels"], "ray.io/node-type": "worker"}
+    assert want.items() <= head.items() and not want.items() <= worker.items()
+    annotations = rc["headGroupSpec"]["template"]["metadata"]["annotations"]
+    assert annotations["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+    assert "annotations" not in worker_group(job)["template"]["metadata"]
 
