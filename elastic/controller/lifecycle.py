@@ -69,13 +69,10 @@ def write_config(ctl: Controller) -> None:
 
 def save_config(storage: Storage, run_dir: str, text: str) -> None:
     uri = join(run_dir, CONFIG_FILE)
-    if storage.exists(uri):
-        old = storage.read_bytes(uri).decode()
-        if old.partition("\n")[2] == text.partition("\n")[2]:
-            return storage.write_bytes(uri, text.encode())  # the same job: only the start number moves on
+    old = storage.read_bytes(uri).decode() if storage.exists(uri) else None
+    if old is not None and old.partition("\n")[2] != text.partition("\n")[2]:  # a changed job: keep the one before
         found = re.search(r"the job of start (\d+) ", old.partition("\n")[0])
-        start = found.group(1) if found else "previous"
-        storage.write_bytes(join(run_dir, f"config.{start}.yaml"), old.encode())
+        storage.write_bytes(join(run_dir, f"config.{found.group(1) if found else 'previous'}.yaml"), old.encode())
     storage.write_bytes(uri, text.encode())
 
 

@@ -30,8 +30,10 @@ import math
 import threading
 import time
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Protocol
+
+from elastic.protocol import LostCause, MemorySample
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +133,15 @@ ZERO_AT_START = ("elastic_steps", "elastic_lost_steps", "elastic_skipped_steps",
 # Labelled counters, one series per value a run can give them, at 0 from the start: increase()
 # over a series that first appears at 1 shows 0 (a combined cause, "node_died+unresponsive",
 # is the one value not known in advance).
+_CAUSES = tuple(c.value for c in LostCause) + ("user_error",)
 ZERO_BY_LABEL = {
-    "elastic_failures": ("cause", ("process_died", "node_died", "unreachable", "unresponsive", "hang", "error",
-                                   "user_error")),
-    "elastic_recoveries": ("cause", ("process_died", "node_died", "unreachable", "unresponsive", "hang", "error",
-                                     "user_error")),
+    "elastic_failures": ("cause", _CAUSES),
+    "elastic_recoveries": ("cause", _CAUSES),
     "elastic_decisions": ("decision", ("Restart", "Raise", "Swap", "Drop", "Report", "Grow")),
     "elastic_checkpoints": ("outcome", ("committed", "failed", "deferred")),
 }
 # elastic.protocol.MemorySample's fields, each the metric elastic_rank_<field>
-MEMORY_FIELDS = ("rss_bytes", "host_limit_bytes", "gpu_allocated_bytes", "gpu_reserved_bytes",
-                 "gpu_peak_allocated_bytes", "gpu_total_bytes", "gpu_fragmentation")
+MEMORY_FIELDS = tuple(f.name for f in fields(MemorySample))
 PER_RANK = tuple(m.name for m in _CATALOGUE if "rank" in m.tags)
 
 
@@ -323,12 +323,8 @@ class RunMetrics:
         step_s = [a.step_s for a in answers.values() if a.step_s]
         if step_s:
             out.append(self._u("elastic_steps_per_second", 1.0 / max(step_s)))
-        for r, a in sorted(answers.items()):
-            mem = getattr(a, "memory", None)
-            for field_name in MEMORY_FIELDS if mem is not None else ():
-                value = getattr(mem, field_name)
-                if value is not None:
-                    out.append(self._u(f"elastic_rank_{field_name}", value, rank=r))
+        out += [self._u(f"elastic_rank_{name}", value, rank=r) for r, a in sorted(answers.items()) if a.memory
+                for name in MEMORY_FIELDS if (value := getattr(a.memory, name)) is not None]
         return out
 
     def window(self, ratios: dict) -> list[Update]:

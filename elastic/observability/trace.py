@@ -101,16 +101,7 @@ def _controller_states(events: list[dict], t0: float) -> list[dict]:
 
 
 def write_trace(events: list[dict], path: str, title: str = "") -> None:
-    """Write the trace (strict JSON: no NaN), whole or not at all."""
-    import os
-    import tempfile
-    text = json.dumps(to_trace(events, title), allow_nan=False)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write the trace (strict JSON: no NaN) to a path or URI, whole or not at all (Storage)."""
+    from elastic.storage import Storage, normalize_uri
+    uri = normalize_uri(path)
+    Storage(uri.rsplit("/", 1)[0]).write_bytes(uri, json.dumps(to_trace(events, title), allow_nan=False).encode())

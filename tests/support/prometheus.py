@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import urllib.parse
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from tests.ray_fixtures import free_port
 from tests.support.processes import answers, stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +33,6 @@ def find_prometheus() -> tuple[str, str] | None:
         if server.is_file() and tool.is_file() and os.access(server, os.X_OK):
             return str(server), str(tool)
     return None
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -85,7 +79,7 @@ def prometheus_server(scrape_interval_s: float = 1.0) -> Iterator[Prometheus]:
         "global": {"scrape_interval": f"{scrape_interval_s:g}s", "evaluation_interval": f"{scrape_interval_s:g}s"},
         "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]}],
     }))
-    port = _free_port()
+    port = free_port()
     log = open(folder / "prometheus.log", "w")
     proc = subprocess.Popen([server, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
