@@ -8,9 +8,7 @@ job config."""
 from __future__ import annotations
 
 import copy
-import difflib
 import re
-from pathlib import Path
 
 import pytest
 import ray
@@ -18,88 +16,28 @@ import yaml
 
 from elastic.config import parse_job
 from elastic.config.secrets import is_secret_key, named_secrets
+from tests.support.k8s import CRD_SCHEMAS, K8S, SCHEMAS, Schema, documents, render
 
-K8S = Path(__file__).resolve().parent.parent / "k8s"
-SCHEMA_FILE = K8S / "schemas" / "rayjob.ray.io-v1.schema.yaml"
-MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if "schemas" not in p.parts)
-JOB_CONFIGMAPS = [K8S / "job-configmap.yaml", K8S / "chaos" / "job-configmap-drill.yaml"]
-
-INT_RANGE = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
-TYPES = {  # JSON types; bool is not an integer here, as in Kubernetes
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-    "string": lambda v: isinstance(v, str),
-    "boolean": lambda v: isinstance(v, bool),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-}
+# Every file of objects under k8s/ (not the schemas, the kustomizations or the job configs they
+# put into a ConfigMap), and every kustomization, rendered as `kubectl apply -k` would.
+MANIFESTS = sorted(p for p in K8S.rglob("*.yaml")
+                   if "schemas" not in p.parts and p.name not in ("kustomization.yaml", "job.yaml"))
+KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
 
 
-class Schema:
-    """A small validator for the subset of OpenAPI v3 that CRD schemas use: type, format (integer
-    ranges), enum, pattern, properties, additionalProperties, required, items, anyOf and the
-    x-kubernetes-int-or-string / x-kubernetes-preserve-unknown-fields extensions. An object with
-    `properties` and no `additionalProperties` is closed: an unknown field is an error, as in
-    `kubectl apply` (server-side field validation is strict by default), not silently pruned."""
-
-    def __init__(self, path: Path = SCHEMA_FILE):
-        doc = yaml.safe_load(path.read_text())
-        self.definitions = doc["definitions"]
-        self.root = doc["openAPIV3Schema"]
-        self.source = doc["source"]
-
-    def errors(self, value, schema: dict | None = None, path: str = "") -> list[str]:
-        schema = self.root if schema is None else schema
-        if "$ref" in schema:
-            schema = self.definitions[schema["$ref"].removeprefix("#/definitions/")]
-        here = path or "<root>"
-        if schema.get("x-elastic-not-vendored"):
-            return [f"{here}: this field is in the CRD but its schema was not vendored; copy it into "
-                    f"{SCHEMA_FILE.relative_to(K8S.parent)} from {self.source['repository']} "
-                    f"{self.source['path']} @ {self.source['commit']}"]
-        if schema.get("x-kubernetes-int-or-string"):
-            if not (TYPES["integer"](value) or TYPES["string"](value)):
-                return [f"{here}: expected an integer or a string, got {value!r}"]
-        elif "type" in schema and not TYPES[schema["type"]](value):
-            return [f"{here}: expected {schema['type']}, got {type(value).__name__} {value!r}"]
-        out = []
-        if "enum" in schema and value not in schema["enum"]:
-            out.append(f"{here}: {value!r} is not one of {schema['enum']}")
-        if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
-            out.append(f"{here}: {value!r} does not match {schema['pattern']}")
-        if TYPES["integer"](value) and schema.get("format") in INT_RANGE:
-            lo, hi = INT_RANGE[schema["format"]]
-            if not lo <= value <= hi:
-                out.append(f"{here}: {value} is out of {schema['format']} range")
-        if "minimum" in schema and TYPES["number"](value) and value < schema["minimum"]:
-            out.append(f"{here}: {value} < minimum {schema['minimum']}")
-        if isinstance(value, dict):
-            props = schema.get("properties", {})
-            for key in schema.get("required", []):
-                if key not in value:
-                    out.append(f"{here}: required field {key!r} is missing")
-            for key, sub in value.items():
-                where = f"{path}.{key}" if path else key
-                if key in props:
-                    out += self.errors(sub, props[key], where)
-                elif isinstance(schema.get("additionalProperties"), dict):
-                    out += self.errors(sub, schema["additionalProperties"], where)
-                elif props and not schema.get("additionalProperties") \
-                        and not schema.get("x-kubernetes-preserve-unknown-fields"):
-                    close = difflib.get_close_matches(key, props, n=1)
-                    out.append(f"{where}: unknown field" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        if isinstance(value, list) and "items" in schema:
-            for i, item in enumerate(value):
-                out += self.errors(item, schema["items"], f"{path}[{i}]")
-        return out
+def kustomization_id(path) -> str:
+    return str(path.relative_to(K8S))
 
 
-def documents(path: Path) -> list[dict]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+def job_config(objects: list[dict]) -> dict:
+    """The job YAML the RayJob's head mounts: the `elastic-job` ConfigMap's job.yaml."""
+    (cm,) = [d for d in objects if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "elastic-job"]
+    return yaml.safe_load(cm["data"]["job.yaml"])
 
 
-def rayjob() -> dict:
-    (job,) = [d for d in documents(K8S / "rayjob.yaml") if d["kind"] == "RayJob"]
+def rayjob(objects: list[dict] | None = None) -> dict:
+    """The RayJob of a rendered kustomization (k8s/base by default)."""
+    (job,) = [d for d in (objects or render(K8S / "base")) if d["kind"] == "RayJob"]
     return job
 
 
@@ -118,20 +56,6 @@ def ray_containers(job: dict) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def schema() -> Schema:
     return Schema()
-
-
-def test_every_manifest_is_a_known_kind():
-    known = {("ray.io/v1", "RayJob"), ("v1", "ConfigMap"), ("v1", "ServiceAccount"), ("batch/v1", "Job"),
-             ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-             ("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Secret"),
-             ("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
-             ("policy/v1", "PodDisruptionBudget")}
-    assert MANIFESTS, "no manifests found under k8s/"
-    for path in MANIFESTS:
-        for doc in documents(path):
-            kind = (doc.get("apiVersion"), doc.get("kind"))
-            assert kind in known, f"{path}: {kind}"
-            assert doc.get("metadata", {}).get("name"), f"{path}: {doc['kind']} without metadata.name"
 
 
 def test_the_rayjob_matches_the_crd_schema_field_by_field(schema):
@@ -187,20 +111,18 @@ def test_a_lost_head_pod_is_retried_on_a_fresh_cluster_that_resumes():
     volumes = {v["name"]: v for v in spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]}
     (mount,) = ray_containers(rayjob())["head"]["volumeMounts"]
     assert mount["mountPath"] == "/home/ray/job" and volumes[mount["name"]]["configMap"]["name"] == "elastic-job"
-    for path in JOB_CONFIGMAPS:
-        (cm,) = documents(path)
-        assert cm["metadata"]["name"] == "elastic-job"
-        job = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+    for path in KUSTOMIZATIONS:  # every variant keeps its checkpoints in object storage
+        job = parse_job(job_config(render(path)))
         assert job.checkpoint.storage_uri.startswith("s3://"), path
 
 
-@pytest.mark.parametrize("path", JOB_CONFIGMAPS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=kustomization_id)
 def test_the_worker_group_fits_the_job(path):
     """One rank per worker pod, plus the spares: the group starts at num_workers, the autoscaler
     keeps it between min_workers and max_workers (each + num_spares), and the head takes no rank."""
-    (cm,) = documents(path)
-    sc = parse_job(yaml.safe_load(cm["data"]["job.yaml"])).scaling
-    job = rayjob()
+    objects = render(path)
+    sc = parse_job(job_config(objects)).scaling
+    job = rayjob(objects)
     group = worker_group(job)
     assert float(group["rayStartParams"]["num-cpus"]) == sc.cpus_per_worker
     assert job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
@@ -208,6 +130,9 @@ def test_the_worker_group_fits_the_job(path):
     assert group["minReplicas"] == sc.min_size + sc.num_spares
     assert group["maxReplicas"] == sc.max_size + sc.num_spares
     assert sc.min_size < sc.max_size
+    # A GPU job asks for one GPU per rank, and its pods have one each; a CPU job none.
+    gpus = ray_containers(job)["workers"]["resources"]["limits"].get("nvidia.com/gpu", 0)
+    assert gpus == (1 if sc.use_gpu else 0), (path, gpus, sc.use_gpu)
 
 
 def test_images_run_the_ray_version_the_package_pins():
@@ -274,7 +199,7 @@ def test_every_container_runs_unprivileged():
 
 
 def network_policy() -> dict:
-    (policy,) = documents(K8S / "networkpolicy.yaml")
+    (policy,) = documents(K8S / "base" / "networkpolicy.yaml")
     return policy
 
 
@@ -383,15 +308,18 @@ def test_credentials_come_from_a_secret_never_from_a_manifest_or_job_config():
             literal = [e["name"] for e in _env_entries(doc) if is_secret_key(e.get("name")) and "value" in e]
             assert not literal, f"{path}: {literal} set inline; use a secretRef"
     # No job config carries a credential (storage options, a password in a URI).
-    for path in JOB_CONFIGMAPS:
-        (cm,) = documents(path)
-        job = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+    for path in KUSTOMIZATIONS:
+        job = parse_job(job_config(render(path)))
         assert named_secrets(job) == [], path
+        # ...and no rendered object sets one inline either
+        for doc in render(path):
+            literal = [e["name"] for e in _env_entries(doc) if is_secret_key(e.get("name")) and "value" in e]
+            assert not literal, f"{path}: {literal} set inline; use a secretRef"
 
 
 # ---------------------------------------------------------------------- Prometheus-operator: scrape and alerts
-MONITORING_SCHEMAS = {"PodMonitor": K8S / "schemas" / "podmonitor.monitoring.coreos.com-v1.schema.yaml",
-                      "PrometheusRule": K8S / "schemas" / "prometheusrule.monitoring.coreos.com-v1.schema.yaml"}
+MONITORING_SCHEMAS = {kind: SCHEMAS / name for (_, kind), name in CRD_SCHEMAS.items()
+                      if kind in ("PodMonitor", "PrometheusRule")}
 
 
 def _monitoring(kind: str) -> dict:
@@ -449,7 +377,7 @@ def test_the_rayjob_has_a_deadline_so_a_stuck_run_does_not_hold_nodes_forever(sc
 
 
 def test_the_head_pod_is_protected_from_eviction_and_the_workers_are_not():
-    (pdb,) = documents(K8S / "head-pdb.yaml")
+    (pdb,) = documents(K8S / "base" / "head-pdb.yaml")
     assert pdb["spec"] == {"maxUnavailable": 0, "selector": pdb["spec"]["selector"]}
     want = pdb["spec"]["selector"]["matchLabels"]
     job = rayjob()

@@ -27,7 +27,7 @@ from tests.ray_fixtures import free_port
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 BIN = os.path.dirname(sys.executable)
-NUM_WORKER_NODES = 2  # one rank each; the head has no CPUs, as in k8s/rayjob.yaml
+NUM_WORKER_NODES = 2  # one rank each; the head has no CPUs, as in k8s/base/rayjob.yaml
 NUM_STEPS = 120  # killed after its second checkpoint (step 40): most of the run is left to resume
 EVERY_STEPS = 20
 LEASE_TTL_S = 5  # the first driver's lease: the retry waits until it has expired, as KubeRay's does
