@@ -102,8 +102,8 @@ def _timeline(args) -> int:
         return 2
     title = redact_uri(args.events)
     if args.trace:
-        from elastic.observability.trace import write_trace
-        write_trace(events, args.trace, title=title)
+        from elastic.observability.trace import load_steps, write_trace
+        write_trace(events, args.trace, title=title, steps=load_steps(args.events, _storage_options(args)))
         print(f"wrote {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if args.out or not args.trace:
         out = args.out or "timeline.png"

@@ -116,11 +116,14 @@ class PersistResult:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One completed step on one rank: its own compute time (the straggler signal) and the loss."""
+    """One completed step on one rank: its own compute time (the straggler signal), the loss, and
+    when it ended and how long it took in all (compute + waiting on collectives and data)."""
 
     step: int
     compute_s: float
     loss: float
+    t_end: float = 0.0  # wall clock (time.time()) at the step's end, on the rank's node
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from elastic import Trainer  # noqa: E402
 from elastic.local_cluster import local_cluster  # noqa: E402
 from elastic.config import load_job  # noqa: E402
 from elastic.observability.timeline import plot  # noqa: E402
-from elastic.observability.trace import write_trace  # noqa: E402
+from elastic.observability.trace import load_steps, write_trace  # noqa: E402
 
 
 def main() -> int:
@@ -29,9 +29,10 @@ def main() -> int:
     title = f"{job.run.name}: {job.chaos[0].action} on rank {job.chaos[0].rank}"
     png, trace = os.path.join(run_dir, "timeline.png"), os.path.join(run_dir, "trace.json")
     plot(result.events, png, title=title)
-    write_trace(result.events, trace, title=title)
+    write_trace(result.events, trace, title=title, steps=load_steps(run_dir))
     print(f"timeline of the run (states, fault, recovery, checkpoints): {png}\n"
-          f"the same as a trace, one track per rank (open it in https://ui.perfetto.dev): {trace}")
+          f"the same as a trace, one track per rank with each step's compute and waiting "
+          f"(open it in https://ui.perfetto.dev): {trace}")
     return 0
 
 

@@ -19,6 +19,7 @@ from elastic import Trainer, TrainingFailed
 from elastic.checkpoint.layout import latest_committed, step_dir
 from elastic.storage import Storage, join
 from elastic.observability.events import parse_lines
+from elastic.observability.trace import load_steps, to_trace
 from elastic.workload import NUM_SAMPLES
 from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
 
@@ -121,6 +122,17 @@ def test_node_kill_with_a_warm_spare_takes_no_storage_round_trip(cluster, baseli
     # The spare ran on a node other than the active workers'.
     started = result.events_of("workers_started")[0]["nodes"]
     assert replaced["nodes"]["1"] not in started.values()
+    # steps.json: every rank's steps, each drawn in the trace inside that rank's "running" span
+    # (the timeline's rows, from the event log alone), with its compute and its waiting.
+    steps = load_steps(result.run_dir)
+    assert {r: [row[0] for row in rows] for r, rows in steps["ranks"].items()} == {
+        str(r): list(range(1, NUM_STEPS + 1)) for r in range(3)}
+    trace = to_trace(result.events, steps=steps)["traceEvents"]
+    for r in range(3):  # a step ends while its rank has a process: in a span of its row other than "lost"
+        alive = [e for e in trace if e.get("cat") == "rank" and e["ph"] == "X" and e["tid"] == r and e["name"] != "lost"]
+        drawn = [e for e in trace if e.get("cat") == "step" and e["tid"] == r and e["name"].startswith("step ")]
+        assert len(drawn) == NUM_STEPS
+        assert all(any(a["ts"] <= s["ts"] + s["dur"] <= a["ts"] + a["dur"] for a in alive) for s in drawn), r
 
 
 def test_node_kill_storage_path_when_peer_restore_is_off(cluster, baseline, tmp_path):  # noqa: F811

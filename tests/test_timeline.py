@@ -189,3 +189,42 @@ def test_a_trace_and_a_png_together_and_a_value_json_cannot_hold(tmp_path):
     trace = json.loads(out.read_text())
     check_trace_event_format(trace)
     assert any(e.get("args", {}).get("odd") == "nan" for e in trace["traceEvents"])
+
+
+def test_a_run_leaves_each_ranks_newest_step_times_and_the_trace_draws_each_steps_compute_and_wait():
+    from elastic.observability.trace import load_steps, to_trace
+    from tests.test_controller import make
+    c, _, _ = make(num_steps=30, report_compute=True)
+    assert c.run()["status"] == "finished"
+    steps = load_steps(c.run_dir)
+    assert steps["fields"] == ["step", "t_end", "step_s", "compute_s"]
+    assert {r: [row[0] for row in rows] for r, rows in steps["ranks"].items()} == {
+        str(r): list(range(1, 31)) for r in range(3)}
+    trace = to_trace(c.events.events, steps=steps)
+    check_trace_event_format(trace)
+    ev = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
+    for r in range(3):
+        mine = [e for e in ev if e["tid"] == r]
+        whole = [e for e in mine if e["name"].startswith("step ")]
+        assert [e["args"]["step"] for e in whole] == list(range(1, 31))
+        for w in whole:  # compute, then wait, tiling the step
+            i = mine.index(w)
+            parts = mine[i + 1:i + 3]
+            assert [p["name"] for p in parts] == ["compute", "wait"]
+            assert parts[0]["ts"] == w["ts"] and parts[0]["dur"] == pytest.approx(w["args"]["compute_s"] * 1e6, abs=0.2)
+            assert parts[1]["ts"] + parts[1]["dur"] == pytest.approx(w["ts"] + w["dur"], abs=0.2)
+    # a trace without steps.json has no step spans; a run folder without one gives None
+    assert not [e for e in to_trace(c.events.events)["traceEvents"] if e.get("cat") == "step"]
+    assert load_steps("memory://no-such-run/x") is None
+
+
+def test_step_times_kept_per_rank_shrink_as_the_world_grows():
+    from elastic.controller.records import RunLog
+    log = RunLog()
+    for s in range(5000):
+        log.record_step(0, s, 1.0 + s, 0.1, 0.05, world=3)
+    assert len(log.step_times[0]) == 2000 and log.step_times[0][-1][0] == 4999  # the newest
+    log.record_step(0, 5000, 5001.0, 0.1, 0.05, world=1000)  # 100,000 records over all ranks
+    assert len(log.step_times[0]) == 100 and log.step_times[0][-1][0] == 5000
+    log.record_step(1, 1, 1.0, 0.1, 0.05, world=100_000)
+    assert log.step_times[1].maxlen == 50  # a floor, so a trace always has some steps

@@ -151,6 +151,7 @@ class Controller:
             self.group.shutdown()
             if self.holds_run:
                 self.run_log.write_metrics(self.storage, self.run_dir, self.fence.holds)
+                self.run_log.write_steps(self.storage, self.run_dir, self.fence.holds)
         st = self.state
         if self.holds_run:  # a driver refused the run, or one that lost it, writes nothing into its folder
             self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",

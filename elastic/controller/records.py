@@ -67,12 +67,18 @@ class ResizeRecord:
     reached_step: int | None = None
 
 
+STEP_TIMES_KEPT = 100_000  # step records kept for steps.json, over all ranks (the newest per rank)
+
+
 @dataclass
 class RunLog:
     """What the run leaves beside its checkpoints: the loss curve (metrics.json), the sample ledger
-    (ledger.json) and the steps that made no update (owner: reports.py folds, finish.py writes)."""
+    (ledger.json), the steps that made no update, and each rank's latest step times (steps.json,
+    the trace's compute and waiting) (owner: reports.py folds, finish.py writes)."""
 
     loss_curve: dict = field(default_factory=dict)  # step -> (global mean loss, world size)
+    # rank -> its newest (step, t_end, step_s, compute_s), at most STEP_TIMES_KEPT / world size each
+    step_times: dict = field(default_factory=dict)
     # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
     ledger: dict = field(default_factory=dict)
     num_samples: int = 0  # the dataset's length, as the ranks' ledger entries report it
@@ -92,6 +98,27 @@ class RunLog:
             storage.write_bytes(join(run_dir, "metrics.json"), json.dumps(body).encode())
         except Exception as e:  # noqa: BLE001 - metrics are best effort; the run's outcome is not
             log.warning("metrics.json not written: %s", e)
+
+    def record_step(self, rank: int, step: int, t_end: float, step_s: float, compute_s: float, world: int) -> None:
+        kept = self.step_times.get(rank)
+        size = max(50, min(2000, STEP_TIMES_KEPT // max(1, world)))
+        if kept is None or kept.maxlen != size:
+            kept = self.step_times[rank] = deque(kept or (), maxlen=size)
+        kept.append((step, round(t_end, 6), round(step_s, 6), round(compute_s, 6)))
+
+    def write_steps(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]]) -> None:
+        """steps.json: each rank's newest steps, `[step, end (wall clock), seconds, compute seconds]`
+        (`elastic timeline --trace` draws them). A row is a rank number, like the timeline's.
+        Best effort, and only while this controller still holds the run."""
+        held, why = holds()
+        if not held or not self.step_times:
+            return
+        body = {"fields": ["step", "t_end", "step_s", "compute_s"],
+                "ranks": {str(r): list(rows) for r, rows in sorted(self.step_times.items())}}
+        try:
+            storage.write_bytes(join(run_dir, "steps.json"), json.dumps(body).encode())
+        except Exception as e:  # noqa: BLE001 - step times are best effort; the run's outcome is not
+            log.warning("steps.json not written: %s", e)
 
     def write_ledger(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]],
                      seed: int, global_batch_size: int) -> None:

@@ -84,6 +84,8 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
             if ctl.job.stragglers.enabled:
                 ctl.compute_log.setdefault(rank, {})[rec.step] = rec.compute_s
             log.loss_curve[rec.step] = (rec.loss, ctl.world_size)  # a redone step replaces the lost attempt
+            if rec.t_end:
+                log.record_step(rank, rec.step, rec.t_end, rec.step_s, rec.compute_s, ctl.world_size)
         for e in a.ledger:
             log.num_samples = e.num_samples or log.num_samples
             entry = log.ledger.get(e.step)

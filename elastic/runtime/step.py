@@ -252,13 +252,12 @@ class StepRunner:
         if w.scheduler is not None:
             w.scheduler.step()  # once per step, skipped or not: the schedule is a function of the step
         loss = agreed.loss_sum / w.strategy.loss_ranks
+        now, step_s = time.time(), time.perf_counter() - t_start
         with self._lock:
-            self.compute_log.append(StepRecord(w.step, compute_s, loss))
+            self.compute_log.append(StepRecord(w.step, compute_s, loss, now, step_s))
             if w.job.run.sample_ledger and lay.stage_of(w.rank) == lay.tp_of(w.rank) == 0:  # one rank per share
                 self.ledger.append(LedgerEntry(w.step, lay.data_world, replica, tuple(idx), w.order.num_samples))
-        now = time.time()
-        w.set_progress(step=w.step, loss=loss, step_end=now,
-                       step_s=time.perf_counter() - t_start, compute_s=compute_s,
+        w.set_progress(step=w.step, loss=loss, step_end=now, step_s=step_s, compute_s=compute_s,
                        first_step_end=w._progress.get("first_step_end") or now)
         return agreed
 

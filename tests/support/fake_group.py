@@ -80,6 +80,7 @@ class FakeGroup:
     commits: list = field(default_factory=list)  # checkpoint uris rank 0 reports committed at its next answer
     retried: list = field(default_factory=list)  # steps rank 0 reports saved again (a failed checkpoint), next answer
     report_compute: bool = False  # answers carry each step's compute time (for the straggler policy)
+    t_start: float = field(default_factory=time.time)  # wall clock of step 0's start, for the step records' ends
     slowest_poll_answer_s: float = 0.0
     final_commits: bool = True  # the run's last checkpoint commits (False: storage was out at the end)
     commit_on_save_again: int = 1  # the final state saved again commits at this try (0: never)
@@ -342,7 +343,8 @@ class FakeGroup:
             self.commits = []
             retried, self.retried = self.retried, []
         compute_log = [StepRecord(s, self.step_s / 2 * (m.slow[1] if m.slow and 0 < s - m.slow[0] <= m.slow[2]
-                                                        else 1.0), 1.0)
+                                                        else 1.0), 1.0,
+                                  t_end=self.t_start + s * self.step_s, step_s=self.step_s)
                        for s in range(m.logged + 1, m.step + 1)] if self.report_compute else []
         m.logged = m.step
         status = (RankStatus.STORAGE_WAIT if m.finish_at is not None else RankStatus.RUNNING if m.running
