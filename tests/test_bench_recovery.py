@@ -75,3 +75,21 @@ def test_a_gpu_run_refuses_a_node_fault(capsys, monkeypatch):
     assert bench.main(p.parse_args(["recovery", "--gpu"])) == 2  # the default fault, kill_node
     assert "kill_process" in capsys.readouterr().err
     assert bench.main(p.parse_args(["recovery", "--gpu", "--fault", "kill_process", "--systems", "elastic-spare"])) == 2
+
+
+def test_the_ray_train_peers_results_are_checked_before_they_are_compared():
+    """The Ray Train peer's sanity check, which every benchmark result of it carries (`sanity`):
+    a run that did not finish, never restarted, resumed where no checkpoint is, miscounts its
+    lost steps or has impossible times is named, not compared."""
+    from benchmarks.ray_train_peer import sanity_problems
+    good = {"final_step": 30, "fault_step": 15, "resumed_step": 10, "lost_steps": 5, "num_restarts": 1,
+            "recover_s": 30.0, "restart_s": 25.0, "total_s": 60.0, "detect_s": 5.0}
+    kw = dict(num_steps=30, fault_step=15, ckpt_every=10)
+    assert sanity_problems(good, **kw) == []
+    assert sanity_problems({**good, "resumed_step": 0, "lost_steps": 15, "detect_s": None}, **kw) == []
+    for bad, why in [({"final_step": 20}, "final_step"), ({"resumed_step": 12}, "resumed_step"),
+                     ({"resumed_step": 20}, "resumed_step"), ({"lost_steps": 4}, "lost_steps"),
+                     ({"num_restarts": 0}, "no restart"), ({"total_s": float("nan")}, "not all positive"),
+                     ({"detect_s": 26.0}, "detect_s")]:
+        problems = sanity_problems({**good, **bad}, **kw)
+        assert len(problems) == 1 and why in problems[0], (bad, problems)

@@ -26,7 +26,7 @@ from tests.test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
-NUM_STEPS, EVERY, FAULT_STEP, BATCH = 160, 10, 25, 16
+NUM_STEPS, EVERY, FAULT_STEP, BATCH = 80, 10, 25, 16
 
 
 def num_samples() -> int:

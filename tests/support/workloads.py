@@ -62,6 +62,17 @@ def stage_loss_slower_while_shrunk(logits, target):
     return stage_loss(logits, target)
 
 
-def _pace_while_shrunk(extra_s: float) -> None:
-    if dist.is_initialized() and dist.get_world_size() < 3:
+def stage_loss_slower_below_8_ranks(logits, target):
+    """examples.gpt:stage_loss, 0.2 s slower per micro-batch while a dp x pp x tp = 2 x 2 x 2 group
+    has shrunk to one replica: the 3-D shrink drill's shrunk steps took 0.6 s here, and once its
+    last 25 steps at 4 ranks (16 s) ended before the returned replica had warmed (no grow to
+    test; another time it grew back after 9 s). Paced, those steps take 20 s more. Only the time
+    changes, never the arithmetic."""
+    from examples.gpt import stage_loss
+    _pace_while_shrunk(0.2, below=8)
+    return stage_loss(logits, target)
+
+
+def _pace_while_shrunk(extra_s: float, below: int = 3) -> None:
+    if dist.is_initialized() and dist.get_world_size() < below:
         time.sleep(extra_s)
