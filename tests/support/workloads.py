@@ -62,15 +62,14 @@ def stage_loss_slower_while_shrunk(logits, target):
     return stage_loss(logits, target)
 
 
-def stage_loss_slower_below_8_ranks(logits, target):
-    """examples.gpt:stage_loss, 0.2 s slower per micro-batch while a dp x pp x tp = 2 x 2 x 2 group
-    has shrunk to one replica: the 3-D shrink drill's shrunk steps took 0.6 s here, and once its
-    last 25 steps at 4 ranks (16 s) ended before the returned replica had warmed (no grow to
-    test; another time it grew back after 9 s). Paced, those steps take 20 s more. Only the time
-    changes, never the arithmetic."""
-    from examples.gpt import stage_loss
-    _pace_while_shrunk(0.2, below=8)
-    return stage_loss(logits, target)
+def gpt_loss_slower_below_4_ranks(model, batch):
+    """examples.gpt:loss_fn, 0.3 s slower per step while a dp x tp = 2 x 2 group has shrunk to one
+    replica, so the run cannot end before the returned replica has warmed (a 3-D shrink drill
+    once ended at 4 of its 8 ranks with nothing grown back). Only the time changes, never the
+    arithmetic."""
+    from examples.gpt import loss_fn
+    _pace_while_shrunk(0.3, below=4)
+    return loss_fn(model, batch)
 
 
 def _pace_while_shrunk(extra_s: float, below: int = 3) -> None:
