@@ -126,6 +126,9 @@ class StepRecord:
     step_s: float = 0.0
 
 
+STEP_FIELDS = ("step", "t_end", "step_s", "compute_s")  # a row of steps.json: a StepRecord's times
+
+
 @dataclass(frozen=True)
 class LedgerEntry:
     """The sample ids one dp replica trained on at `step` (train.sample_ledger)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from elastic.data.order import GlobalOrder
+from elastic.protocol import STEP_FIELDS
 from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class RunLog:
         held, why = holds()
         if not held or not self.step_times:
             return
-        body = {"fields": ["step", "t_end", "step_s", "compute_s"],
+        body = {"fields": list(STEP_FIELDS),
                 "ranks": {str(r): list(rows) for r, rows in sorted(self.step_times.items())}}
         try:
             storage.write_bytes(join(run_dir, "steps.json"), json.dumps(body).encode())

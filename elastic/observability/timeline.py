@@ -45,11 +45,16 @@ def load(path: str, storage_options: dict | None = None) -> list[dict]:
     object store's run keeps its log as numbered segments; credentials from `storage_options` or
     the environment). A folder that does not exist has no events."""
     if "://" in path or not os.path.isfile(path):
-        from elastic.storage import Storage
-        storage = Storage(path.rstrip("/").removesuffix("/" + EVENTS_FILE), storage_options)
+        storage = run_folder(path, storage_options)
         return read_events(storage, storage.uri)
     with open(path) as f:
         return parse_lines(f.read(), path)
+
+
+def run_folder(path: str, storage_options: dict | None = None):
+    """The Storage of a run folder given as a path or URI, or as the path of its events.jsonl."""
+    from elastic.storage import Storage
+    return Storage(path.rstrip("/").removesuffix("/" + EVENTS_FILE), storage_options)
 
 
 def rank_spans(events: list[dict]) -> dict[int, list[Span]]:

@@ -15,13 +15,15 @@ Tracks:
     into "compute" (the rank's own forward, backward and optimizer step: the straggler signal)
     followed by "wait" (the rest: collectives, data, checkpoint snapshots). The split is drawn
     as two spans in that order; in the rank, waiting is spread through the step.
-Times are microseconds since the log's first event. Pure: the events in, a JSON-able dict out."""
+Times are microseconds since the log's first event, or since the first recorded step's start
+where a rank's clock runs behind the driver's. Pure: the events in, a JSON-able dict out."""
 from __future__ import annotations
 
 import json
 import math
 
-from elastic.observability.timeline import rank_marks, rank_spans
+from elastic.protocol import STEP_FIELDS
+from elastic.observability.timeline import rank_marks, rank_spans, run_folder
 
 CONTROLLER_PID, RANKS_PID = 1, 2
 STATE_TID, CHECKPOINT_TID, EVENTS_TID = 1, 2, 3
@@ -102,7 +104,7 @@ def _step_spans(steps: dict | None, t0: float, ranks: set[int]) -> list[dict]:
         if rank in ranks:
             start -= t0
             compute = min(max(r["compute_s"], 0.0), r["step_s"])
-            common = {"ph": "X", "pid": RANKS_PID, "tid": int(rank)}
+            common = {"ph": "X", "pid": RANKS_PID, "tid": rank}
             out.append({"name": f"step {r['step']}", "cat": "step", "ts": _us(start), "dur": _us(r["step_s"]),
                         "args": {"step": r["step"], "step_s": r["step_s"], "compute_s": r["compute_s"]}, **common})
             out.append({"name": "compute", "cat": "step", "ts": _us(start), "dur": _us(compute), **common})
@@ -116,7 +118,7 @@ def _step_rows(steps: dict | None):
     """(rank, wall-clock start, the row as a dict) of every step in a steps.json."""
     if not steps:
         return
-    fields = steps.get("fields", ["step", "t_end", "step_s", "compute_s"])
+    fields = steps.get("fields", STEP_FIELDS)
     for rank, rows in steps.get("ranks", {}).items():
         for row in rows:
             r = dict(zip(fields, row))
@@ -148,8 +150,8 @@ def write_trace(events: list[dict], path: str, title: str = "", steps: dict | No
 def load_steps(run: str, storage_options: dict | None = None) -> dict | None:
     """A run folder's steps.json (path or URI; a path to its events.jsonl names the folder too),
     or None where the run has none (a run from before it existed, or one still running)."""
-    from elastic.storage import Storage, StorageError, join
-    storage = Storage(run.rstrip("/").removesuffix("/events.jsonl"), storage_options)
+    from elastic.storage import StorageError, join
+    storage = run_folder(run, storage_options)
     uri = join(storage.uri, "steps.json")
     try:
         return json.loads(storage.read_bytes(uri)) if storage.exists(uri) else None
