@@ -71,12 +71,14 @@ OPTIONS = (
          help="GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py, the model every system trains (default 4,64,64 "
               "for pipeline, 4,256,64 for parallel)", used_by=("pipeline", "parallel")),
     _opt("--memory", action="store_true",
-         help="peak memory per rank (eager vs meta init, activation checkpointing off/on) instead of throughput",
+         help="peak memory per rank per layout (eager vs meta init, activation checkpointing off/on) instead of "
+              "throughput",
          used_by=("parallel",)),
     _opt("--gpt-sizes", default=None, help="with --memory: model sizes as LAYERS,DIM,CONTEXT separated by ';' "
                                            "(default: --gpt)", used_by=("parallel",)),
     _opt("--layouts", default=None,
-         help="STRATEGY:dpDxtpT layouts, comma-separated (default ddp:dp2xtp2,fsdp:dp2xtp2,ddp:dp4,fsdp:dp4)",
+         help="STRATEGY:dpDxtpT[+sp] layouts, comma-separated; +sp: sequence parallelism (default "
+              "ddp:dp2xtp2,fsdp:dp2xtp2,ddp:dp4,fsdp:dp4; with --memory fsdp:dp4)",
          used_by=("parallel",)),
     _opt("--latency-ms", default=None,
          help="milliseconds a relay adds to every S3 request, one setting each, comma-separated (0: loopback, no "

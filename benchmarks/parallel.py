@@ -13,8 +13,11 @@ The cluster: NODES worker nodes of 2 CPUs; elastic's ranks take one CPU each, so
 starts on one node. The plain processes run beside it on the same machine, at the niceness Ray
 gives its workers (as `benchmarks overhead` runs its torch DDP peer).
 
-Memory (`--memory`): peak resident memory per rank of elastic's FSDP over MEMORY_WORLD ranks
-(real gloo ranks in spawned processes, no Ray), per model size (`--gpt` sizes separated by `;`),
+A layout ending in `+sp` (e.g. fsdp:dp2xtp2+sp) turns on sequence parallelism, in elastic and in
+the plain script alike.
+
+Memory (`--memory`): peak resident memory per rank of elastic per layout (default MEMORY_LAYOUTS,
+real gloo ranks in spawned processes, no Ray), per model size (`--gpt` sizes separated by `;`),
 eager build against `train.meta_init`, and activation checkpointing off and on: the peak after
 the build and the peak over MEMORY_STEPS steps (one asynchronous checkpoint's staging included).
 
@@ -36,34 +39,42 @@ from benchmarks.pipeline import _connect_with_env, gpt_env, read_step_log
 from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
 
 SEED, BATCH, STEPS, WARMUP_STEPS = 0, 16, 60, 10
-MEMORY_WORLD, MEMORY_STEPS = 4, 2
+MEMORY_STEPS = 2
 NODES = 2
 SYSTEMS = ["elastic", "torch"]
 DEFAULT_LAYOUTS = "ddp:dp2xtp2,fsdp:dp2xtp2,ddp:dp4,fsdp:dp4"
+MEMORY_LAYOUTS = "fsdp:dp4"
 
 
-def parse_layout(spec: str) -> tuple[str, int, int]:
-    """'fsdp:dp2xtp2' -> ("fsdp", 2, 2); 'ddp:dp4' -> ("ddp", 4, 1). ValueError naming the flag."""
+def parse_layout(spec: str) -> tuple[str, int, int, bool]:
+    """'fsdp:dp2xtp2' -> ("fsdp", 2, 2, False); 'ddp:dp4' -> ("ddp", 4, 1, False); a '+sp' suffix
+    (with tp > 1): sequence parallelism on. ValueError naming the flag."""
     try:
         strategy, shape = spec.split(":")
-        parts = dict((p[:2], int(p[2:])) for p in shape.split("x"))
+        sp = shape.endswith("+sp")
+        parts = dict((p[:2], int(p[2:])) for p in shape.removesuffix("+sp").split("x"))
         dp, tp = parts.pop("dp"), parts.pop("tp", 1)
-        if parts or strategy not in ("ddp", "fsdp") or min(dp, tp) < 1:
+        if parts or strategy not in ("ddp", "fsdp") or min(dp, tp) < 1 or (sp and tp < 2):
             raise ValueError
     except (ValueError, KeyError):
-        raise ValueError(f"--layouts: expected STRATEGY:dpDxtpT (ddp or fsdp, e.g. fsdp:dp2xtp2 or ddp:dp4), "
-                         f"got {spec!r}") from None
-    return strategy, dp, tp
+        raise ValueError(f"--layouts: expected STRATEGY:dpDxtpT[+sp] (ddp or fsdp, e.g. fsdp:dp2xtp2, ddp:dp4, or "
+                         f"fsdp:dp2xtp2+sp for sequence parallelism, which needs tp >= 2), got {spec!r}") from None
+    return strategy, dp, tp, sp
 
 
-def elastic_job(strategy: str, dp: int, tp: int, storage_uri: str) -> dict:
+def layout_name(strategy: str, dp: int, tp: int, sp: bool) -> str:
+    return f"{strategy} dp{dp}xtp{tp}{' +sp' if sp else ''}"
+
+
+def elastic_job(strategy: str, dp: int, tp: int, storage_uri: str, sp: bool = False) -> dict:
     return {
         "run": {"name": f"bench-parallel-{uuid.uuid4().hex[:8]}", "num_steps": STEPS, "seed": SEED},
         "scaling": {"num_workers": dp * tp, "cpus_per_worker": 1},
         "checkpoint": {"storage_uri": storage_uri, "every_steps": STEPS},
         "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
                   "loss": "examples.gpt:loss_fn", "optimizer": "benchmarks.plain_pipeline:timed_optimizer",
-                  "global_batch_size": BATCH, "strategy": strategy, "tp": {"size": tp}},
+                  "global_batch_size": BATCH, "strategy": strategy,
+                  "tp": {"size": tp, **({"sequence_parallel": True} if sp else {})}},
     }
 
 
@@ -74,24 +85,24 @@ def figures(step_log: str) -> dict:
     return {**step_rate([x["t"] for x in lines], WARMUP_STEPS), "threads": lines[-1]["threads"]}
 
 
-def run_elastic(strategy: str, dp: int, tp: int, step_log: str, storage_uri: str) -> dict:
+def run_elastic(strategy: str, dp: int, tp: int, sp: bool, step_log: str, storage_uri: str) -> dict:
     from elastic import Trainer
     open(step_log, "w").close()
-    result = Trainer(elastic_job(strategy, dp, tp, storage_uri)).fit(progress=False)
+    result = Trainer(elastic_job(strategy, dp, tp, storage_uri, sp)).fit(progress=False)
     if result.events_of("recovered") or result.metrics["step"] != STEPS:
         raise RuntimeError(f"elastic's run was not fault-free: {result.summary()}")
     placed = result.events_of("placement")
     return {**figures(step_log), "tp_split_groups": placed[0]["split_groups"] if placed else []}
 
 
-def run_plain(strategy: str, dp: int, tp: int, step_log: str, env: dict[str, str], niceness: int) -> dict:
+def run_plain(strategy: str, dp: int, tp: int, sp: bool, step_log: str, env: dict[str, str], niceness: int) -> dict:
     """The plain script under torchrun, at the priority Ray gives its workers (as the overhead
     benchmark runs its torch DDP peer): background processes then preempt both alike."""
     open(step_log, "w").close()
     increment = max(0, niceness - os.getpriority(os.PRIO_PROCESS, 0))
     cmd = ["nice", "-n", str(increment), sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp * tp}",
            "-m", "benchmarks.plain_tp", "--strategy", strategy, "--tp", str(tp), "--steps", str(STEPS),
-           "--global-batch", str(BATCH), "--seed", str(SEED)]
+           "--global-batch", str(BATCH), "--seed", str(SEED), *(["--sequence-parallel"] if sp else [])]
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"the plain script failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -110,37 +121,41 @@ def summarise(records: list[dict]) -> tuple[dict, str]:
     return med, "\n".join(lines) + "\n"
 
 
-def run_memory(sizes: list[str], out: str | None) -> int:
-    """Peak RSS per rank (MiB) for each size x {eager, meta init} x {activation checkpointing off, on}."""
+def run_memory(sizes: list[str], layouts: list[tuple], out: str | None) -> int:
+    """Peak RSS per rank (MiB) for each size x layout x {eager, meta init} x {activation
+    checkpointing off, on}."""
     from tests.spawn_ranks import run_ranks
     records = []
     for size in sizes:
         env = gpt_env(size)
-        for meta in (False, True):
-            for ac in (None, ["Block"]):
-                work = tempfile.mkdtemp(prefix="elastic-bench-parallel-mem-")
-                job = {"run": {"name": "mem", "num_steps": MEMORY_STEPS, "seed": SEED},
-                       "scaling": {"num_workers": MEMORY_WORLD},
-                       "checkpoint": {"storage_uri": f"file://{work}", "every_steps": 100},
-                       "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
-                                 "loss": "examples.gpt:loss_fn", "global_batch_size": BATCH, "strategy": "fsdp",
-                                 "meta_init": meta, "activation_checkpointing": ac}}
-                out_ranks = run_ranks(job, steps=MEMORY_STEPS, env=env)
-                r = {"bench": "parallel", "part": "memory", "gpt": size, "strategy": "fsdp", "world": MEMORY_WORLD,
-                     "meta_init": meta, "activation_checkpointing": bool(ac),
-                     "build_peak_mib": max(o[6]["restored_rss_mb"] for o in out_ranks),
-                     "run_peak_mib": max(o[6]["maxrss_mb"] for o in out_ranks)}
-                records.append(r)
-                emit(r)
-    lines = ["| GPT layers,dim,context | build | activation checkpointing | peak RSS after the build (MiB) | "
-             "peak RSS over the run (MiB) |", "|---|---|---|---|---|"]
+        for strategy, dp, tp, sp in layouts:
+            for meta in (False, True):
+                for ac in (None, ["Block"]):
+                    work = tempfile.mkdtemp(prefix="elastic-bench-parallel-mem-")
+                    job = {"run": {"name": "mem", "num_steps": MEMORY_STEPS, "seed": SEED},
+                           "scaling": {"num_workers": dp * tp},
+                           "checkpoint": {"storage_uri": f"file://{work}", "every_steps": 100},
+                           "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
+                                     "loss": "examples.gpt:loss_fn", "global_batch_size": BATCH, "strategy": strategy,
+                                     "tp": {"size": tp, **({"sequence_parallel": True} if sp else {})},
+                                     "meta_init": meta, "activation_checkpointing": ac}}
+                    out_ranks = run_ranks(job, steps=MEMORY_STEPS, env=env)
+                    r = {"bench": "parallel", "part": "memory", "gpt": size, "layout": layout_name(strategy, dp, tp, sp),
+                         "strategy": strategy, "world": dp * tp, "tp": tp, "sequence_parallel": sp,
+                         "meta_init": meta, "activation_checkpointing": bool(ac),
+                         "build_peak_mib": max(o[6]["restored_rss_mb"] for o in out_ranks),
+                         "run_peak_mib": max(o[6]["maxrss_mb"] for o in out_ranks)}
+                    records.append(r)
+                    emit(r)
+    lines = ["| GPT layers,dim,context | layout | build | activation checkpointing | peak RSS after the build (MiB) | "
+             "peak RSS over the run (MiB) |", "|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['gpt']} | {'meta init' if r['meta_init'] else 'eager'} | "
+        lines.append(f"| {r['gpt']} | {r['layout']} | {'meta init' if r['meta_init'] else 'eager'} | "
                      f"{'on' if r['activation_checkpointing'] else 'off'} | {r['build_peak_mib']:.0f} | "
                      f"{r['run_peak_mib']:.0f} |")
     table = "\n".join(lines) + "\n"
-    notes = (f"FSDP over {MEMORY_WORLD} gloo ranks (spawned processes), global batch {BATCH}, AdamW, "
-             f"{MEMORY_STEPS} steps; the largest rank's ru_maxrss")
+    notes = (f"real gloo ranks (spawned processes, no Ray), global batch {BATCH}, AdamW, {MEMORY_STEPS} steps; the "
+             f"largest rank's ru_maxrss")
     write_report(out, records, table, notes)
     return 0
 
@@ -150,7 +165,8 @@ def main(args) -> int:
 
     if getattr(args, "memory", False):
         try:
-            return run_memory((args.gpt_sizes or args.gpt).split(";"), args.out)
+            layouts = [parse_layout(x) for x in (args.layouts or MEMORY_LAYOUTS).split(",")]
+            return run_memory((args.gpt_sizes or args.gpt).split(";"), layouts, args.out)
         except ValueError as e:
             print(f"python -m benchmarks parallel: {e}", file=sys.stderr)
             return 2
@@ -185,16 +201,16 @@ def main(args) -> int:
             order = [s for s in SYSTEMS if s in systems]
             if rep % 2:
                 order.reverse()
-            for strategy, dp, tp in layouts:
-                layout = f"{strategy} dp{dp}xtp{tp}"
+            for strategy, dp, tp, sp in layouts:
+                layout = layout_name(strategy, dp, tp, sp)
                 got = {}
                 for system in order:
                     cluster.ensure_worker_nodes(NODES)
                     t0 = time.time()
-                    figs = (run_elastic(strategy, dp, tp, step_log, storage_uri) if system == "elastic"
-                            else run_plain(strategy, dp, tp, step_log, env, niceness))
+                    figs = (run_elastic(strategy, dp, tp, sp, step_log, storage_uri) if system == "elastic"
+                            else run_plain(strategy, dp, tp, sp, step_log, env, niceness))
                     got[system] = {**common, "system": system, "layout": layout, "strategy": strategy, "dp": dp,
-                                   "tp": tp, "rep": rep, **figs, "total_s": time.time() - t0}
+                                   "tp": tp, "sequence_parallel": sp, "rep": rep, **figs, "total_s": time.time() - t0}
                 if len(got) == 2:
                     got["elastic"]["parallel_ratio"] = got["elastic"]["steps_per_s"] / got["torch"]["steps_per_s"]
                 for r in got.values():

@@ -12,7 +12,8 @@ the plan (the same `ColwiseParallel` / `RowwiseParallel` styles on the same laye
 optimizer with the step clock, and the global batch.
 
 Set up to win, as torchtitan composes it: one `DeviceMesh` of (dp, tp); `parallelize_module` per
-block; fsdp: `fully_shard` on `mesh["dp"]` per block, then the root (FSDP2 + TP, 2-D); ddp:
+block (`--sequence-parallel`: torchtitan's `SequenceParallel` norms between `Shard(1)` inputs and
+outputs); fsdp: `fully_shard` on `mesh["dp"]` per block, then the root (FSDP2 + TP, 2-D); ddp:
 torch's `DistributedDataParallel` with `device_mesh=mesh["dp"]` (its 2-D mode with TP). No loss
 all-reduce, no `.item()`, no checkpoint.
 """
@@ -33,9 +34,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="also split the blocks' norms and residual stream along the sequence (torch's SequenceParallel)")
     args = p.parse_args(argv)
     if min(args.tp, args.steps, args.global_batch) < 1:
         p.error("--tp, --steps and --global-batch must be >= 1")
+    if args.sequence_parallel and args.tp < 2:
+        p.error("--sequence-parallel needs --tp >= 2")
     return args
 
 
@@ -43,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks.plain_pipeline import timed_optimizer
@@ -61,10 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     mesh = init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(args.seed)
     model = build_model()
-    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     if args.tp > 1:
-        for name, plan in builtin_plans(model).items():
-            parallelize_module(model.get_submodule(name), mesh["tp"], {c: style[s]() for c, s in plan.items()})
+        plans = builtin_plans(model)
+        for i, (name, plan) in enumerate(plans.items()):
+            block = model.get_submodule(name)
+            if not args.sequence_parallel:
+                parallelize_module(block, mesh["tp"], {c: ColwiseParallel() if s == "colwise" else RowwiseParallel()
+                                                       for c, s in plan.items()})
+                continue
+            # torchtitan's layout: norms on sequence parts, gathered into the column-wise Linears.
+            styles = {c: ColwiseParallel(input_layouts=Shard(1)) if s == "colwise"
+                      else RowwiseParallel(output_layouts=Shard(1)) for c, s in plan.items()}
+            parallelize_module(block, mesh["tp"], {**styles, "ln1": SequenceParallel(), "ln2": SequenceParallel()})
+            if i == 0:
+                parallelize_module(block, mesh["tp"], PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+            if i == len(plans) - 1:
+                parallelize_module(block, mesh["tp"], PrepareModuleOutput(
+                    output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
     if args.strategy == "fsdp":
         for block in model:  # every child with parameters, then the root: elastic's default units
             if any(True for _ in block.parameters()):
@@ -84,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        print(f"plain_tp: {args.strategy} dp {dp} x tp {args.tp}, {args.steps} steps")
+        sp = " with sequence parallelism" if args.sequence_parallel else ""
+        print(f"plain_tp: {args.strategy} dp {dp} x tp {args.tp}{sp}, {args.steps} steps")
     return 0
 
 

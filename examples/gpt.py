@@ -54,8 +54,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         qkv = self.qkv(self.ln1(x))  # (b, t, 3 x local width): this rank's heads
+        b, t = qkv.shape[:2]  # the whole sequence: with sequence parallelism, x holds a part of it
         q, k, v = qkv.view(b, t, -1, 3, DIM // HEADS).permute(3, 0, 2, 1, 4)
         a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))

@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 BIN = os.path.dirname(sys.executable)
 NUM_WORKER_NODES = 2  # one rank each; the head has no CPUs, as in k8s/base/rayjob.yaml
-NUM_STEPS = 120  # killed after its second checkpoint (step 40): most of the run is left to resume
-EVERY_STEPS = 20
+NUM_STEPS = 60  # killed after its second checkpoint (step 20): most of the run is left to resume
+EVERY_STEPS = 10
 LEASE_TTL_S = 5  # the first driver's lease: the retry waits until it has expired, as KubeRay's does
 
 JOB = """

@@ -58,7 +58,8 @@ def gpt_3d(tmp_path, chaos=(), steps=NUM_STEPS, **train) -> dict:
 
 
 def fsdp_tp(tmp_path, chaos=()) -> dict:
-    j = gpt_3d(tmp_path, chaos, strategy="fsdp", loss="examples.gpt:loss_fn", pipeline=None)
+    # 20 steps: the fault at step 15 falls between the checkpoints of steps 10 and 20.
+    j = gpt_3d(tmp_path, chaos, steps=20, strategy="fsdp", loss="examples.gpt:loss_fn", pipeline=None)
     j["scaling"].update(num_workers=4, min_workers=4)
     return j
 

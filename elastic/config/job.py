@@ -114,7 +114,13 @@ class JobConfig(_Strict):
         if tp == 1:
             if tr.tp.plan is not None:
                 raise ValueError("train.tp.plan is set but train.tp.size is 1: set train.tp.size")
+            if tr.tp.sequence_parallel:
+                raise ValueError("train.tp.sequence_parallel is set but train.tp.size is 1: sequence parallelism "
+                                 "splits the sequence over the tp ranks; set train.tp.size")
             return
+        if tr.tp.sequence_parallel and tr.tp.plan is not None:
+            raise ValueError("train.tp.sequence_parallel applies to the built-in plan, and train.tp.plan is set: "
+                             "apply torch's SequenceParallel in your plan instead, and leave sequence_parallel off")
         stages = tr.pipeline.stages if tr.pipeline else 1
         unit = stages * tp
         what = f"train.pipeline.stages={stages} x train.tp.size={tp}" if tr.pipeline else f"train.tp.size={tp}"

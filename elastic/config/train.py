@@ -98,6 +98,12 @@ class TensorParallelSpec(_Strict):
                           "built-in Megatron-style plan for transformer blocks (a head-major fused `qkv` or "
                           "`q`/`k`/`v` column-wise, `proj` row-wise, an `mlp`'s first Linear column-wise and last "
                           "row-wise; docs/large-models.md). Checked on the meta device before any worker starts.")
+    sequence_parallel: bool = Field(
+        False, description="With the built-in plan: also split the norms and the residual stream inside the blocks "
+                           "along the sequence (Megatron's sequence parallelism), so those activations cost 1/size "
+                           "per rank; the attention and MLP inputs are gathered, their outputs reduce-scattered. "
+                           "The blocks must run one after another on the residual stream and each hold its own "
+                           "norms (examples/gpt.py). A train.tp.plan applies SequenceParallel itself.")
 
 
 class DataSpec(_Strict):

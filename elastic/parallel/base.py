@@ -78,7 +78,7 @@ class Strategy(ABC):
         check_sync_batchnorm(job, model, cls.name)
         memory.select(model, tr.activation_checkpointing, "train.activation_checkpointing")
         if tr.tp.size > 1 and tr.tp.plan is None:
-            tensor.check_builtin(model, tr.tp.size)
+            tensor.check_builtin(model, tr.tp.size, tr.tp.sequence_parallel)
         if tr.meta_init and tr.init is None:
             meta_init.check(model, None)
 
@@ -151,7 +151,8 @@ class Strategy(ABC):
             broadcast_tensors(list(model.state_dict().values()), dist.get_global_rank(group, 0), group)
         if self.tp > 1:
             plan = self.spec.tp.plan
-            model = tensor.apply(model, self.mesh["tp"], tensor.import_plan(plan) if plan else None)
+            model = tensor.apply(model, self.mesh["tp"], tensor.import_plan(plan) if plan else None,
+                                 self.spec.tp.sequence_parallel)
         memory.checkpoint_blocks(model, self.spec.activation_checkpointing if self.spec else None)
         return model
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+NORMS = tuple(c for c in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if c is not None)
 ATTENTION_IN = (("qkv",), ("q", "k", "v"), ("q_proj", "k_proj", "v_proj"))
 ATTENTION_OUT = ("proj", "o_proj", "out_proj")
 MLP = ("mlp", "ffn", "feed_forward")
@@ -181,9 +182,14 @@ def builtin_plans(model: nn.Module) -> dict[str, dict[str, str]]:
     return out
 
 
-def check_builtin(model: nn.Module, tp: int) -> None:
+def _norms(block: nn.Module) -> list[str]:
+    return [n for n, c in block.named_children() if isinstance(c, NORMS)]
+
+
+def check_builtin(model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:
     """Before any worker starts (on the meta device): the built-in plan finds blocks, and tp
-    divides every split width and each block's head count (`heads` / `n_heads` / `num_heads`)."""
+    divides every split width and each block's head count (`heads` / `n_heads` / `num_heads`).
+    With sequence parallelism, every block holds its own norms and no block sits inside another."""
     plans = builtin_plans(model)
     if not plans:
         raise TensorPlanError(
@@ -203,20 +209,80 @@ def check_builtin(model: nn.Module, tp: int) -> None:
                 raise TensorPlanError(f"train.tp.size={tp} does not divide the {width} {field} features of "
                                       f"{name}.{child}, which the built-in plan splits {style}. Choose a tp size "
                                       f"that divides {width}")
+    if sequence_parallel:
+        for name in plans:
+            inner = [o for o in plans if o != name and o.startswith(f"{name}." if name else "")]
+            if inner:
+                raise TensorPlanError(f"train.tp.sequence_parallel: the built-in plan found the block {inner[0]} inside "
+                                      f"the block {name or '(root)'}; it splits the sequence between blocks that run "
+                                      f"one after another. Give each block its attention and MLP, or set train.tp.plan")
+            if not _norms(model.get_submodule(name)):
+                raise TensorPlanError(f"train.tp.sequence_parallel: the block {name or '(root)'} holds no LayerNorm or "
+                                      f"RMSNorm of its own, which sequence parallelism splits along the sequence. "
+                                      f"Leave sequence_parallel off, or set train.tp.plan")
 
 
-def apply_builtin(model: nn.Module, tp_mesh) -> nn.Module:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for name, plan in builtin_plans(model).items():
-        parallelize_module(model.get_submodule(name), tp_mesh, {c: style[s]() for c, s in plan.items()})
+def apply_builtin(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
+    """The built-in plan. With `sequence_parallel` (torchtitan's layout), inside the blocks the
+    residual stream and the norms hold 1/tp of the sequence each: a column-wise Linear gathers its
+    input, a row-wise one reduce-scatters its output, the first block takes its part of the whole
+    sequence it gets and the last block gathers it back, so what runs between blocks (embeddings,
+    head) sees the whole sequence as without it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    plans = builtin_plans(model)
+    for i, (name, plan) in enumerate(plans.items()):
+        block = model.get_submodule(name)
+        if not sequence_parallel:
+            parallelize_module(block, tp_mesh, {c: (ColwiseParallel() if s == "colwise" else RowwiseParallel())
+                                                for c, s in plan.items()})
+            continue
+        styles = {c: (ColwiseParallel(input_layouts=Shard(1)) if s == "colwise" else RowwiseParallel(output_layouts=Shard(1)))
+                  for c, s in plan.items()}
+        styles.update({n: SequenceParallel(use_local_output=True) for n in _norms(block)})
+        parallelize_module(block, tp_mesh, styles)
+        if i == 0:
+            block.register_forward_pre_hook(_SequenceParts(tp_mesh))
+        if i == len(plans) - 1:
+            block.register_forward_hook(_WholeSequence(tp_mesh))
     return model
 
 
-def apply(model: nn.Module, tp_mesh, plan_fn=None) -> nn.Module:
+class _SequenceParts:
+    """Forward pre-hook of the first block: its input (the whole sequence, the same on every tp
+    rank) becomes this rank's part of the sequence; in backward the parts' gradients are gathered."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __call__(self, module, args):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        x, tp = args[0], self.mesh.size()
+        if x.dim() < 2 or x.shape[1] % tp:
+            raise ValueError(f"train.tp.sequence_parallel: the blocks' input has shape {tuple(x.shape)}; its sequence "
+                             f"(dimension 1) must divide into train.tp.size={tp} equal parts. Choose a sequence length "
+                             f"that {tp} divides, or leave sequence_parallel off")
+        part = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(1)])
+        return (part.to_local(), *args[1:])
+
+
+class _WholeSequence:
+    """Forward hook of the last block: the parts of the sequence gathered into the whole."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __call__(self, module, args, output):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        whole = DTensor.from_local(output, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
+        return whole.to_local()
+
+
+def apply(model: nn.Module, tp_mesh, plan_fn=None, sequence_parallel: bool = False) -> nn.Module:
     """Parallelize `model` over `tp_mesh` with the user's plan, else the built-in one."""
     if plan_fn is None:
-        return apply_builtin(model, tp_mesh)
+        return apply_builtin(model, tp_mesh, sequence_parallel)
     out = plan_fn(model, tp_mesh)
     return model if out is None else out
 
