@@ -50,6 +50,24 @@ def test_meta_init_gives_the_same_weights_at_every_layout(tmp_path):
     assert math.isclose(out[0][3], first, rel_tol=1e-6), (out[0][3], first)
 
 
+@pytest.mark.timeout(600)
+def test_a_restore_from_storage_loads_over_an_uninitialised_part(tmp_path):
+    """A rank that restores from storage allocates its part and loads the checkpoint into it: no
+    module is initialised (time), and the state is the saved one, bit for bit, at another layout."""
+    from tests.support.workloads import INIT_LOG_ENV, counting_init
+    init = "tests.support.workloads:counting_init"
+    assert callable(counting_init)
+    src = run_ranks(gpt_job(tmp_path, "fsdp", workers=2, tp=1, name="ms", meta_init=True, init=init),
+                    env={INIT_LOG_ENV: str(tmp_path / "fresh")})
+    assert len(list(tmp_path.glob("fresh.*"))) == 2  # the fresh start initialised every module on each rank
+    step6 = sorted((tmp_path / "ms" / "checkpoints").glob("step_*"))[-1]
+    out = run_ranks(gpt_job(tmp_path, "fsdp", workers=4, tp=2, name="ms", meta_init=True, init=init),
+                    candidates=[f"file://{step6}"], steps=6, env={INIT_LOG_ENV: str(tmp_path / "restored")})
+    assert {(o[4], o[5]) for o in out} == {("storage", 6)}
+    assert {o[2] for o in out} == {src[0][2]}
+    assert list(tmp_path.glob("restored.*")) == []  # nothing initialised on the way
+
+
 # examples/gpt.py at GPT_DIM=1024, GPT_LAYERS=8: 101.1 M parameters, so fp32 weights, gradients and
 # AdamW's two moments are 16 B x 101.1 M = 1,542 MiB. Each of 4 FSDP ranks is capped below that.
 # Measured (2 steps, checkpoint staging included): build peak RSS 490 MiB with meta init against

@@ -62,19 +62,33 @@ def check(model: nn.Module, init_fn) -> None:
             f"one module's own tensors in place")
 
 
-def materialize(model: nn.Module, template: nn.Module, device: torch.device, seed: int, init_fn=None) -> None:
+def materialize(model: nn.Module, template: nn.Module, device: torch.device, seed: int, init_fn=None,
+                fill: bool = True) -> None:
     """Allocate `model`'s tensors (this rank's parts) on `device` and fill them. `template`: the
-    model as built, on meta, before any split (its module names are the model's)."""
+    model as built, on meta, before any split (its module names are the model's). `fill=False`:
+    the state is about to be loaded over them (a restore from storage), so a module whose own
+    tensors all travel in the state dict (parameters, persistent buffers) is not initialised; its
+    floating-point tensors are set to NaN instead, so that one a load missed could not pass for
+    trained values. A module with a non-persistent buffer (not in any checkpoint) is initialised."""
     model.to_empty(device=device)
     with torch.no_grad():
         for name, module in model.named_modules():
             if not _owns_tensors(module):
+                continue
+            if not fill and not _non_persistent(module):
+                for t in (*module._parameters.values(), *module._buffers.values()):
+                    if t is not None and t.is_floating_point():
+                        t.fill_(float("nan"))
                 continue
             full = _full_module(template.get_submodule(name), name, seed, init_fn)
             for kind in ("_parameters", "_buffers"):
                 for key, target in getattr(module, kind).items():
                     if target is not None:
                         _fill(target, getattr(full, kind)[key])
+
+
+def _non_persistent(module: nn.Module) -> bool:
+    return any(module._buffers.get(k) is not None for k in module._non_persistent_buffers_set)
 
 
 def _full_module(src: nn.Module, name: str, seed: int, init_fn) -> nn.Module:

@@ -55,7 +55,7 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
         except Exception as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
             skipped.append((uri, describe_failure(e)))
             continue
-        state.build(w)
+        state.build(w, fill=False)  # DCP's load is strict: every tensor of the state dict is read
         st = state.state_dict(w)
         try:
             # DCP reads each saved shard into the current layout: a checkpoint saved at any

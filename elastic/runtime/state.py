@@ -28,9 +28,11 @@ def default_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def build(w: Worker, sync_init: bool = False) -> None:
+def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
     """Model and optimizer from the seed; once in a group, prepared for the strategy (FSDP
-    shards it over the current mesh, so every world size gets a fresh build)."""
+    shards it over the current mesh, so every world size gets a fresh build). `fill=False`: a
+    checkpoint is loaded over it next, so train.meta_init allocates this rank's part without
+    initialising it (meta_init.materialize)."""
     if w.model is not None:
         # The model being replaced is freed before its successor is built (one model's memory,
         # not two, at the peak); its gradient hooks would otherwise keep it alive for good.
@@ -53,7 +55,7 @@ def build(w: Worker, sync_init: bool = False) -> None:
         # A meta model needs no broadcast: every rank computes the same values from the seed.
         model = w.strategy.prepare(model, sync_init and template is None)
     if template is not None:
-        meta_init.materialize(model, template, w.device, w.job.run.seed, w.fns["init"])
+        meta_init.materialize(model, template, w.device, w.job.run.seed, w.fns["init"], fill)
     if w.strategy:
         model = w.strategy.finish(model)
     w.model = model

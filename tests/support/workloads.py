@@ -75,3 +75,15 @@ def gpt_loss_slower_below_4_ranks(model, batch):
 def _pace_while_shrunk(extra_s: float, below: int = 3) -> None:
     if dist.is_initialized() and dist.get_world_size() < below:
         time.sleep(extra_s)
+
+
+INIT_LOG_ENV = "ELASTIC_TEST_INIT_LOG"
+
+
+def counting_init(name: str, module: nn.Module) -> None:
+    """train.init that initialises as reset_parameters() does and appends the module's name to
+    the file $ELASTIC_TEST_INIT_LOG.<pid>: which builds initialised what, per process."""
+    import os
+    module.reset_parameters()
+    with open(f"{os.environ[INIT_LOG_ENV]}.{os.getpid()}", "a") as f:
+        f.write(name + "\n")
