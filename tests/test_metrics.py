@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.observability import export as ex
 from elastic.observability import metrics as m
 from elastic.controller.states import Finished
 from elastic.protocol import PollReport, RankStatus
@@ -29,7 +30,7 @@ def report(rank: int, **progress) -> PollReport:
 
 
 def feed(events, run="r", backend=None):
-    rm, be = m.RunMetrics(run), backend or m.MemoryBackend()
+    rm, be = m.RunMetrics(run), backend or ex.MemoryBackend()
     for ev in events:
         be.apply(rm.event(ev))
     return rm, be
@@ -248,8 +249,8 @@ class _Broken:
 
 
 def test_a_failing_backend_never_breaks_the_caller_and_is_logged_once(caplog):
-    hook = m.MetricsHook("r", _Broken(), clock=lambda: 0.0)
-    with caplog.at_level(logging.WARNING, logger="elastic.observability.metrics"):
+    hook = ex.MetricsHook("r", _Broken(), clock=lambda: 0.0)
+    with caplog.at_level(logging.WARNING, logger="elastic.observability.export"):
         for ev in started():
             hook.on_event(ev)
         hook.on_progress(3, 1.0, {0: report(0, step=3, step_s=0.1)})
@@ -260,8 +261,8 @@ def test_a_failing_backend_never_breaks_the_caller_and_is_logged_once(caplog):
 
 def test_progress_is_exported_at_most_once_a_second():
     t = [0.0]
-    be = m.MemoryBackend()
-    hook = m.MetricsHook("r", be, clock=lambda: t[0])
+    be = ex.MemoryBackend()
+    hook = ex.MetricsHook("r", be, clock=lambda: t[0])
     hook.on_progress(1, 1.0, {})
     t[0] = 0.5
     hook.on_progress(2, 1.0, {})
@@ -273,7 +274,7 @@ def test_progress_is_exported_at_most_once_a_second():
 
 def test_without_ray_there_is_no_backend_and_nothing_to_do(monkeypatch):
     monkeypatch.setattr("ray.is_initialized", lambda: False)
-    hook = m.for_run("r")
+    hook = ex.for_run("r")
     assert hook.backend is None
     hook.on_event({"kind": "run_started", "num_steps": 3})  # no-op
 
@@ -282,8 +283,8 @@ def test_without_ray_there_is_no_backend_and_nothing_to_do(monkeypatch):
 def test_the_controller_derives_metrics_from_its_events_and_polls(monkeypatch):
     from tests.test_controller import drive, make
 
-    backend = m.MemoryBackend()
-    monkeypatch.setattr(m, "_default_backend", lambda: backend)
+    backend = ex.MemoryBackend()
+    monkeypatch.setattr(ex, "_default_backend", lambda: backend)
     c, g, _ = make(num_steps=40)
     drive(c, lambda c: c.step >= 10)
     g.freeze(1)

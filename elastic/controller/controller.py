@@ -51,7 +51,7 @@ from elastic.controller import lifecycle, recovery, resize, restoring, running
 from elastic.controller.records import Checkpoints, Housekeeping, Progress, RecoveryRecord, ResizeRecord, RunLog
 from elastic.controller.states import (
     TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State, Swapping)
-from elastic.observability import metrics as run_metrics
+from elastic.observability import export as run_metrics
 from elastic.observability.events import EventLog
 from elastic.parallel.strategies import shape_for
 from elastic.policies.restore import FromStorage, RestoreSource
@@ -86,7 +86,7 @@ class Controller:
         self.storage = Storage(ck.storage_uri, ck.storage_options)
         self.run_dir = join(self.storage.uri, self.job.run.name)
         self.root = checkpoints_root(self.storage.uri, self.job.run.name)
-        # Prometheus metrics (elastic.observability.metrics) are derived from every event as it is
+        # Prometheus metrics (elastic.observability.metrics, export) are derived from every event as it is
         # emitted, plus the progress of each poll and each straggler window, which are not events.
         self.metrics = run_metrics.for_run(self.job.run.name, clock=self.now)
         self.secrets = job_secrets(self.job)  # scrubbed from every event and from the run's error

@@ -7,8 +7,9 @@ in from each poll (step, loss and per-rank step times, which are not events), an
 window (whose ratios are events only when some rank is slow). `RunMetrics` turns those into
 `Update`s and is pure apart from a little bookkeeping (which failure a recovery belongs to, the
 step the steps counter last saw): tests feed it events and read the updates. A backend applies
-them: `RayBackend` to `ray.util.metrics` Gauges, Counters and Histograms, created in the
-controller actor, whose node's Ray metrics agent (the head's) exports them for Prometheus.
+them (elastic/observability/export.py): `RayBackend` to `ray.util.metrics` Gauges, Counters and
+Histograms, created in the controller actor, whose node's Ray metrics agent (the head's) exports
+them for Prometheus.
 
 Ray prefixes application metrics with `ray_` and counters end in `_total`: `elastic_step` is
 scraped as `ray_elastic_step`, `elastic_recoveries` as `ray_elastic_recoveries_total`
@@ -20,22 +21,16 @@ Ray's histograms are exported as bucket counts; their `_sum` is rebuilt from buc
 it is approximate. The exact times of the last failure, recovery and persist are gauges beside them
 (`elastic_last_*_seconds`).
 
-Metrics are best effort: no update may raise into the controller. A failing backend is logged
-once and the run goes on without it.
+Metrics are best effort (export.py): no update may raise into the controller.
 """
 from __future__ import annotations
 
-import logging
 import math
-import threading
-import time
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any
 
 from elastic.protocol import LostCause, MemorySample
-
-log = logging.getLogger(__name__)
 
 PROMETHEUS_PREFIX = "ray_"  # what Ray's metrics agent puts before every application metric
 SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -331,123 +326,3 @@ class RunMetrics:
         """A straggler window's ratios (rank -> compute / the others' median), slow or not."""
         ordered = sorted(ratios.items(), key=lambda kv: int(kv[0]))  # event ranks are str keys
         return [self._u("elastic_straggler_ratio", x, rank=r) for r, x in ordered]
-
-
-# ---------------------------------------------------------------------- backends
-class Backend(Protocol):
-    def apply(self, updates: Iterable[Update]) -> None: ...
-
-
-class MemoryBackend:
-    """Keeps what Prometheus would show, by (metric, tags): a gauge's last value, a counter's
-    total, a histogram's observations. For tests and for looking at a run without Ray."""
-
-    def __init__(self):
-        self.values: dict[tuple[str, tuple], Any] = {}
-
-    def apply(self, updates: Iterable[Update]) -> None:
-        for u in updates:
-            key = (u.metric, u.tags)
-            if u.op == "set":
-                self.values[key] = u.value
-            elif u.op == "inc":
-                self.values[key] = self.values.get(key, 0.0) + u.value
-            else:
-                self.values.setdefault(key, []).append(u.value)
-
-    def get(self, metric: str, **tags: Any) -> Any:
-        """The value of the one series of `metric` whose tags include `tags` (None if there is none)."""
-        want = {k: str(v) for k, v in tags.items()}
-        found = [v for (m, t), v in self.values.items() if m == metric and want.items() <= dict(t).items()]
-        assert len(found) <= 1, f"{metric} {tags}: {len(found)} series match"
-        return found[0] if found else None
-
-
-class RayBackend:
-    """`ray.util.metrics` objects, one per catalogue entry, created in the calling process (the
-    controller actor); Ray's metrics agent on its node exports them."""
-
-    def __init__(self):
-        from ray.util.metrics import Counter, Gauge, Histogram
-
-        self._metrics = {}
-        for m in _CATALOGUE:
-            if m.kind == "gauge":
-                self._metrics[m.name] = Gauge(m.name, m.description, tag_keys=m.tags)
-            elif m.kind == "counter":
-                self._metrics[m.name] = Counter(m.name, m.description, tag_keys=m.tags)
-            else:
-                self._metrics[m.name] = Histogram(m.name, m.description, boundaries=list(m.boundaries),
-                                                  tag_keys=m.tags)
-
-    def apply(self, updates: Iterable[Update]) -> None:
-        for u in updates:
-            metric = self._metrics[u.metric]
-            if u.op == "set":
-                metric.set(u.value, tags=u.tag_dict)
-            elif u.op == "inc":
-                if u.value > 0:
-                    metric.inc(u.value, tags=u.tag_dict)
-                elif u.value == 0:
-                    # A counter's series at 0 (ZERO_AT_START): Ray's inc() refuses 0, its record does not.
-                    metric._record(0.0, tags=u.tag_dict)
-            else:
-                metric.observe(u.value, tags=u.tag_dict)
-
-
-def _default_backend() -> Backend | None:
-    """Ray's metrics inside a Ray process; nothing elsewhere (the controller driven by tests)."""
-    import ray
-
-    return RayBackend() if ray.is_initialized() else None
-
-
-class MetricsHook:
-    """What the controller holds: `on_event` (the event log's echo), `on_progress` and
-    `on_window`. Thread-safe (events come from the controller's RPC threads too); never raises."""
-
-    def __init__(self, run: str, backend: Backend | None, clock: Callable[[], float] = time.monotonic):
-        self.mapping = RunMetrics(run)
-        self.backend = backend
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._progress_at: float | None = None
-        self._warned = False
-
-    def _apply(self, make: Callable[[], list[Update]]) -> None:
-        if self.backend is None:
-            return
-        try:
-            with self._lock:
-                self.backend.apply(make())
-        except Exception as e:  # noqa: BLE001 - metrics are best effort; the run must go on
-            if not self._warned:
-                self._warned = True
-                log.warning("metrics not updated (further failures are not logged): %s: %s", type(e).__name__, e)
-
-    def on_event(self, ev: dict) -> None:
-        self._apply(lambda: self.mapping.event(ev))
-
-    def on_progress(self, step: int, loss: float | None, answers: dict, spares_ready: int | None = None) -> None:
-        if self.backend is None:
-            return
-        # Gauges at most once a second (Ray exports no faster); the steps counter on every poll.
-        now = self._clock()
-        if self._progress_at is None or now - self._progress_at >= PROGRESS_EVERY_S:
-            self._progress_at = now
-            self._apply(lambda: self.mapping.progress(step, loss, answers, spares_ready))
-        else:
-            self._apply(lambda: self.mapping.steps(step))
-
-    def on_window(self, ratios: dict) -> None:
-        self._apply(lambda: self.mapping.window(ratios))
-
-
-def for_run(run: str, clock: Callable[[], float] = time.monotonic) -> MetricsHook:
-    """The controller's hook: exporting through Ray when it runs in a Ray process."""
-    try:
-        backend = _default_backend()
-    except Exception as e:  # noqa: BLE001 - a run without metrics is still a run
-        log.warning("metrics disabled: %s: %s", type(e).__name__, e)
-        backend = None
-    return MetricsHook(run, backend, clock)
