@@ -25,7 +25,7 @@ def rendezvous_port() -> int:
     return _STORES[-1].address()[1]
 
 
-def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None):
+def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None, probe=None):
     os.environ.update(env)
     from elastic.runtime.worker import Worker
     if data_limit_mb is not None:
@@ -47,8 +47,19 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
             "lr": w.optimizer.param_groups[0]["lr"],
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "restored_rss_mb": restored_rss,
             "vmdata_mb": _vm_data_mb(), "mesh": w.mesh.mesh_dim_names,
-            "placements": str(getattr(next(w.model.parameters()), "placements", None))}))
+            "placements": str(getattr(next(w.model.parameters()), "placements", None)),
+            "probe": _probe(probe, w.model)}))
     w.leave()
+
+
+def _probe(ref: str | None, model):
+    """What `module:function(model)` says about the rank's model at the end (a set as a frozenset)."""
+    if ref is None:
+        return None
+    import importlib
+    mod, fn = ref.split(":")
+    got = getattr(importlib.import_module(mod), fn)(model)
+    return frozenset(got) if isinstance(got, set) else got
 
 
 def _vm_data_mb() -> float:
@@ -61,10 +72,11 @@ def _vm_data_mb() -> float:
 
 
 def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expect="done",
-              data_limit_mb: int | None = None) -> list[tuple]:
+              data_limit_mb: int | None = None, probe: str | None = None) -> list[tuple]:
     """Every rank of `job` as its own process, trained to `steps` (default run.num_steps).
     Returns per rank (rank, status, digest or error, loss, restore source, restored step, extra).
-    `data_limit_mb`: each rank's RLIMIT_DATA, set before it builds anything."""
+    `data_limit_mb`: each rank's RLIMIT_DATA, set before it builds anything. `probe`:
+    module:function(model) whose answer at the end is extra["probe"]."""
     jc = JobConfig.model_validate(job)
     world = jc.scaling.num_workers
     ctx = torch.multiprocessing.get_context("spawn")
@@ -75,7 +87,7 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     port = rendezvous_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   jc.run.num_steps if steps is None else steps, env or {}, q,
-                                                  data_limit_mb)) for r in range(world)]
+                                                  data_limit_mb, probe)) for r in range(world)]
     for p in procs:
         p.start()
     out = sorted((q.get(timeout=600) for _ in procs), key=lambda o: o[0])

@@ -66,6 +66,7 @@ def test_fsdp_node_kill_restores_from_in_memory_copies(cluster, baseline, tmp_pa
 def test_fsdp_node_kill_with_a_warm_spare_restores_from_in_memory_copies(cluster, baseline, tmp_path):  # noqa: F811
     j = fsdp_job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
                  num_spares=1, wait_for_spares=True)
+    j["train"]["fsdp"] = {"offload": True}  # CPU offload's shards through the copies too: the same state, bit for bit
     result = Trainer(j).fit(progress=False)
     _assert_from_memory(result, baseline, tmp_path, j)
     assert result.events_of("workers_replaced")[0]["how"] == {"1": "warm spare"}

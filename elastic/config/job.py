@@ -73,6 +73,13 @@ class JobConfig(_Strict):
                                  f"scaling.use_gpu: true, or leave it at float32 on CPU")
         if tr.strategy != "fsdp" and fs != FsdpSpec():
             raise ValueError(f"train.fsdp is set but train.strategy={tr.strategy}: set train.strategy: fsdp")
+        if fs.offload and tr.precision == "fp16":
+            raise ValueError("train.fsdp.offload with train.precision: fp16 is not built (the loss scale lives on "
+                             "the device, the offloaded gradients in host memory): use bf16, or leave offload off")
+        if fs.offload and tr.meta_init:
+            raise ValueError("train.fsdp.offload with train.meta_init is not built yet (each rank would allocate its "
+                             "part on the device, then offload it, and buffers must stay there): build eagerly, or "
+                             "leave offload off")
         return self._check_chaos()
 
     @property

@@ -47,6 +47,12 @@ class FsdpSpec(_Strict):
                              "within a group and all-reduced across groups. A lost rank is restored from its peer "
                              "at the same shard in another group's memory; the run grows and shrinks by whole "
                              "groups. 1: plain FSDP.")
+    offload: bool = Field(
+        False, description="CPU offload (FSDP2's CPUOffloadPolicy): the sharded parameters, their gradients and the "
+                           "optimizer state live in host memory (pinned on a GPU), each block's parameters are "
+                           "copied to the device for its all-gather, and the optimizer steps on the CPU. Device "
+                           "memory then holds activations and one gathered block at a time. On a CPU-only run it "
+                           "changes nothing but FSDP's code path. Not with train.precision: fp16 or train.meta_init (yet).")
 
 
 SCHEDULES = Literal["gpipe", "1f1b", "interleaved_1f1b"]

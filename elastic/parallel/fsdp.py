@@ -14,6 +14,9 @@ checkpoint (DCP re-shards on load to whatever the world size is). Planned
 changes (growth, a straggler swapped or dropped) re-shard in memory from every
 old rank's shards (`elastic.parallel.resharding`).
 
+CPU offload (`train.fsdp.offload`): FSDP2's `CPUOffloadPolicy`, so every copy, checkpoint and
+re-shard above reads host tensors where it would read device ones.
+
 HSDP (`train.fsdp.replicate` > 1): a 2-D mesh ("dp", "shard"). Each replica
 group shards the state over its "shard" ranks; the ranks at one shard
 coordinate ("dp") hold the same part, so a lost rank is copied from its peer
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from elastic.parallel.base import Strategy, copy_from_replica
 from elastic.parallel.memory import select
@@ -96,6 +99,8 @@ class FullyShardedDataParallel(Strategy):
         # them over its dp axis makes them 2-D (FSDP2 + TP, as torchtitan composes them).
         # HSDP: the 2-D ("dp", "shard") mesh itself: fully_shard replicates over its first axis.
         kw = dict(mesh=self.mesh["dp"] if self.tp > 1 else self.mesh, mp_policy=mp)
+        if fs.offload:  # shards, gradients and (so) the optimizer's state in host memory
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.mesh.device_type == "cuda")
         for block in select_blocks(model, fs.blocks):
             fully_shard(block, reshard_after_forward=fs.reshard_after_forward, **kw)
         fully_shard(model, **kw)

@@ -291,8 +291,8 @@ class StepRunner:
         self._bad_in_a_row = []
         if tr.clip_grad_norm is not None:
             coef = tr.clip_grad_norm / (grad_norm + 1e-6)
-            if coef < 1:
-                torch._foreach_mul_(grads, coef)
+            if coef < 1 and grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))  # host gradients under train.fsdp.offload
         w.optimizer.step()
         if w.amp:
             w.amp["good_steps"].add_(1)
