@@ -67,6 +67,10 @@ OPTIONS = (
     _opt("--seed", type=int, default=0, help="seed of the fault schedule (rep r uses seed + r)", used_by=("churn",)),
     _opt("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
          help="the schedule every system runs", used_by=("pipeline",)),
+    _opt("--tp", type=int, default=1,
+         help="tensor-parallel ranks per stage in the throughput layouts (the built-in plan in both systems; "
+              "layouts that do not fit the cluster's 4 one-CPU nodes and the stage-loss part are left out)",
+         used_by=("pipeline",)),
     _opt("--gpt", default=None,
          help="GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py, the model every system trains (default 4,64,64 "
               "for pipeline, 4,256,64 for parallel)", used_by=("pipeline", "parallel")),

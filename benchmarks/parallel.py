@@ -21,8 +21,8 @@ real gloo ranks in spawned processes, no Ray), per model size (`--gpt` sizes sep
 eager build against `train.meta_init`, and activation checkpointing off and on: the peak after
 the build and the peak over MEMORY_STEPS steps (one asynchronous checkpoint's staging included).
 
-Not measured here yet: pipeline x tp against a plain script, CPU offload, and recovery of a lost
-tp rank against Ray Train.
+Pipeline x tp is measured by `python -m benchmarks pipeline --tp 2`. Not measured yet: CPU offload
+(on a GPU), and recovery of a lost tp rank against Ray Train.
 """
 from __future__ import annotations
 

@@ -25,6 +25,10 @@ after the second one, so that a checkpoint reported moments before the fault is 
 one a system could resume from (Ray Train registers a report only at its controller's next poll).
 The model's size reaches every Ray worker through the job's runtime env (`env_vars`), and the
 plain processes through theirs.
+
+`--tp T`: every stage split over T tensor-parallel ranks in both systems (elastic's built-in
+plan; the plain pipeline applies the same `ColwiseParallel`/`RowwiseParallel` styles per stage),
+throughput only, in the layouts whose stages x replicas x T ranks fit the cluster's nodes.
 """
 from __future__ import annotations
 
@@ -86,28 +90,29 @@ def split_points(stages: int, schedule: str) -> list[str]:
 
 
 def elastic_job(stages: int, replicas: int, *, schedule: str, num_steps: int, every_steps: int, storage_uri: str,
-                storage_options: dict, chaos: list[dict] = ()) -> dict:
+                storage_options: dict, chaos: list[dict] = (), tp: int = 1) -> dict:
     return {
         "run": {"name": f"bench-pipeline-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
-        "scaling": {"num_workers": stages * replicas},
+        "scaling": {"num_workers": stages * replicas * tp},
         "failure": {"max_failures": 2},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": every_steps},
         "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
                   "optimizer": "benchmarks.plain_pipeline:timed_optimizer", "global_batch_size": GLOBAL_BATCH,
-                  "strategy": "pipeline",
+                  "strategy": "pipeline", "tp": {"size": tp},
                   "pipeline": {"stages": stages, "schedule": schedule, "microbatches": MICROBATCHES,
                                "loss": "examples.gpt:stage_loss"}},
         "chaos": [dict(c) for c in chaos],
     }
 
 
-def plain_command(stages: int, replicas: int, *, schedule: str, split: list[str], num_steps: int) -> list[str]:
+def plain_command(stages: int, replicas: int, *, schedule: str, split: list[str], num_steps: int,
+                  tp: int = 1) -> list[str]:
     """torchrun launching the plain pipeline, as torch's docs launch one."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages * replicas}",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages * replicas * tp}",
             "-m", "benchmarks.plain_pipeline", "--stages", str(stages), "--split", ",".join(split),
             "--schedule", schedule, "--stages-per-rank", str(chunks_per_rank(schedule)),
             "--microbatches", str(MICROBATCHES), "--global-batch", str(GLOBAL_BATCH), "--steps", str(num_steps),
-            "--seed", str(SEED)]
+            "--seed", str(SEED), "--tp", str(tp)]
 
 
 def read_step_log(path: str) -> list[dict]:
@@ -127,21 +132,22 @@ def throughput_figures(lines: list[dict], num_steps: int) -> dict:
 
 # ---------------------------------------------------------------- throughput
 def run_elastic_throughput(stages: int, replicas: int, schedule: str, step_log: str, storage_uri: str,
-                           storage_options: dict) -> dict:
+                           storage_options: dict, tp: int = 1) -> dict:
     from elastic import Trainer
     open(step_log, "w").close()
     job = elastic_job(stages, replicas, schedule=schedule, num_steps=THROUGHPUT_STEPS, every_steps=THROUGHPUT_STEPS,
-                      storage_uri=storage_uri, storage_options=storage_options)
+                      storage_uri=storage_uri, storage_options=storage_options, tp=tp)
     result = Trainer(job).fit(progress=False)
     if result.events_of("recovered") or result.metrics["step"] != THROUGHPUT_STEPS:
         raise RuntimeError(f"elastic's throughput run was not fault-free: {result.summary()}")
     return throughput_figures(read_step_log(step_log), THROUGHPUT_STEPS)
 
 
-def run_plain_throughput(stages: int, replicas: int, schedule: str, step_log: str, env: dict[str, str]) -> dict:
+def run_plain_throughput(stages: int, replicas: int, schedule: str, step_log: str, env: dict[str, str],
+                         tp: int = 1) -> dict:
     open(step_log, "w").close()
     cmd = plain_command(stages, replicas, schedule=schedule, split=split_points(stages, schedule),
-                        num_steps=THROUGHPUT_STEPS)
+                        num_steps=THROUGHPUT_STEPS, tp=tp)
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
     if proc.returncode:
         raise RuntimeError(f"the plain pipeline failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -368,7 +374,11 @@ def main(args) -> int:
         print("python -m benchmarks pipeline: examples.gpt is already imported at another size in this process",
               file=sys.stderr)
         return 2
-    schedule = args.schedule
+    schedule, tp = args.schedule, getattr(args, "tp", None) or 1
+    if tp > 1 and schedule == "interleaved_1f1b":
+        print("python -m benchmarks pipeline: --tp with --schedule interleaved_1f1b is not measured (a tp rank "
+              "holds one stage)", file=sys.stderr)
+        return 2
     work = tempfile.mkdtemp(prefix="elastic-bench-pipeline-")
     step_log = os.path.join(work, "steps.jsonl")
     import examples
@@ -397,18 +407,20 @@ def main(args) -> int:
             if rep % 2:
                 order.reverse()
             for stages, replicas in THROUGHPUT_LAYOUTS:
-                layout = f"{stages}x{replicas}"
+                if stages * replicas * tp > NUM_NODES:
+                    continue  # a rank per one-CPU node
+                layout = f"{stages}x{replicas}" + (f"xtp{tp}" if tp > 1 else "")
                 got = {}
                 for system in order:
                     cluster.ensure_worker_nodes(NUM_NODES)
                     t0 = time.time()
                     if system == "elastic":
                         figs = run_elastic_throughput(stages, replicas, schedule, step_log, storage_uri,
-                                                      storage_options)
+                                                      storage_options, tp)
                     else:
-                        figs = run_plain_throughput(stages, replicas, schedule, step_log, env)
+                        figs = run_plain_throughput(stages, replicas, schedule, step_log, env, tp)
                     got[system] = {**common, "part": "throughput", "system": system, "layout": layout,
-                                   "stages": stages, "replicas": replicas, "rep": rep, "num_steps": THROUGHPUT_STEPS,
+                                   "stages": stages, "replicas": replicas, "tp": tp, "rep": rep, "num_steps": THROUGHPUT_STEPS,
                                    "warmup_steps": WARMUP_STEPS, **figs, "total_s": time.time() - t0}
                 if "elastic" in got and "torch-pipelining" in got:
                     got["elastic"]["pipeline_ratio"] = (got["elastic"]["steps_per_s"]
@@ -416,7 +428,9 @@ def main(args) -> int:
                 for r in got.values():
                     records.append(r)
                     emit(r)
-            # Stage loss.
+            # Stage loss (without tensor parallelism: the Ray Train peer has none).
+            if tp > 1:
+                continue
             at = fault_step(rep)
             for scenario, stages, replicas, fault in RECOVERY_SCENARIOS:
                 for system in [s for s in ("elastic", "ray-train") if s in systems]:

@@ -10,8 +10,9 @@ as elastic's planner balanced them), the data (the example's dataset, `default_c
 indices elastic's global sample order gives each replica, read on the first and last stage
 only), the optimizer, the schedule, the global batch and the micro-batches.
 
-Set up to win, as torch's docs and torchtitan do: one `DeviceMesh` of (dp, pp); with replicas
-each stage module is wrapped in `DistributedDataParallel` over its dp group, which
+Set up to win, as torch's docs and torchtitan do: one `DeviceMesh` of (dp, pp), or (dp, pp, tp)
+with `--tp` (each stage split by `parallelize_module` with elastic's built-in plan's styles); with
+replicas each stage module is wrapped in `DistributedDataParallel` over its dp group, which
 `PipelineStage` drives itself (no_sync on every micro-batch but the last, whose backward
 overlaps DDP's bucketed all-reduce); no loss all-reduce, no `.item()`, no checkpoint.
 
@@ -115,13 +116,18 @@ class PipelineRank:
 def build_pipeline(mesh, model: nn.Sequential, split: list[str], schedule: str, microbatches: int,
                    loss_fn, stages_per_rank: int = 1) -> PipelineRank:
     """Cut `model` (built from the same seed on every rank) at `split`, keep this rank's chunks
-    (chunk s + c x pp on stage s: torch's interleaved layout), wrap each in DDP over the dp group
-    when there are replicas, and make the schedule."""
+    (chunk s + c x pp on stage s: torch's interleaved layout), split each over the mesh's "tp"
+    axis if it has one (the `ColwiseParallel`/`RowwiseParallel` styles on the layers elastic's
+    built-in plan names, as torchtitan applies them per stage), wrap each in DDP over the dp group
+    when there are replicas (with tp: DDP's 2-D mode, `device_mesh=mesh["dp"]`), and make the
+    schedule."""
     from torch.distributed import pipelining as pl
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    names = mesh.mesh_dim_names
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-    pp, dp = mesh.size(1), mesh.size(0)
+    pp, dp = mesh.size(names.index("pp")), mesh.size(names.index("dp"))
+    tp = mesh.size(names.index("tp")) if "tp" in names else 1
     stage, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     chunks = chunks_from_split([n for n, _ in model.named_children()], split)
     if len(chunks) != pp * stages_per_rank:
@@ -129,7 +135,11 @@ def build_pipeline(mesh, model: nn.Sequential, split: list[str], schedule: str, 
     modules: list[nn.Module] = []
     for c in range(stages_per_rank):
         mod = nn.Sequential(OrderedDict((u, getattr(model, u)) for u in chunks[stage + c * pp]))
-        modules.append(DDP(mod, process_group=dp_group) if dp > 1 else mod)
+        if tp > 1:
+            _split_tensors(mod, mesh["tp"])
+            modules.append(DDP(mod, device_mesh=mesh["dp"]) if dp > 1 else mod)
+        else:
+            modules.append(DDP(mod, process_group=dp_group) if dp > 1 else mod)
     stages = [pl.PipelineStage(m, stage + c * pp, pp * stages_per_rank, torch.device("cpu"), group=pp_group)
               for c, m in enumerate(modules)]
     if schedule == "interleaved_1f1b":
@@ -139,6 +149,15 @@ def build_pipeline(mesh, model: nn.Sequential, split: list[str], schedule: str, 
         sched = cls(stages[0], microbatches, loss_fn=loss_fn)
     optimizer = timed_optimizer([p for m in modules for p in m.parameters()])
     return PipelineRank(sched, modules, optimizer, stage, replica, pp, dp)
+
+
+def _split_tensors(stage: nn.Module, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from elastic.parallel.tensor import builtin_plans  # which layers split how (the plan, not a framework)
+    for name, plan in builtin_plans(stage).items():
+        parallelize_module(stage.get_submodule(name), tp_mesh,
+                           {c: ColwiseParallel() if s == "colwise" else RowwiseParallel() for c, s in plan.items()})
 
 
 def run_step(rank: PipelineRank, dataset, order, step: int, global_batch: int) -> torch.Tensor | None:
@@ -171,6 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (the built-in plan)")
     return p.parse_args(argv)
 
 
@@ -184,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous
     world = dist.get_world_size()
-    if world % args.stages:
-        raise SystemExit(f"world size {world} is not a multiple of --stages {args.stages}")
-    mesh = init_device_mesh("cpu", (world // args.stages, args.stages), mesh_dim_names=("dp", "pp"))
+    if world % (args.stages * args.tp):
+        raise SystemExit(f"world size {world} is not a multiple of --stages {args.stages} x --tp {args.tp}")
+    if args.tp > 1:  # elastic's numbering: replica, then stage, then tp index
+        mesh = init_device_mesh("cpu", (world // (args.stages * args.tp), args.stages, args.tp),
+                                mesh_dim_names=("dp", "pp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world // args.stages, args.stages), mesh_dim_names=("dp", "pp"))
     torch.manual_seed(args.seed)  # the same initial weights on every rank, as elastic's replica 0
     model = build_model()
     rank = build_pipeline(mesh, model, args.split.split(","), args.schedule, args.microbatches, stage_loss,

@@ -56,6 +56,9 @@ def test_every_elastic_job_of_the_benchmark_is_valid(schedule, tmp_path):
                 storage_uri=uri, storage_options={},
                 chaos=[{"action": fault, "rank": bench.FAULT_RANK, "at_step": at}]))
             assert job.chaos[0].at_step == at < job.run.num_steps
+    job = parse_job(bench.elastic_job(2, 1, schedule=schedule, num_steps=bench.THROUGHPUT_STEPS, tp=2,
+                                      every_steps=bench.THROUGHPUT_STEPS, storage_uri=uri, storage_options={}))
+    assert job.scaling.num_workers == 4 and job.train.tp.size == 2
     # Faults land at several offsets from the last checkpoint, all before the next one.
     offsets = {bench.fault_step(r) % bench.CKPT_EVERY for r in range(3)}
     assert len(offsets) == 3 and 0 not in offsets
@@ -68,8 +71,27 @@ def test_plain_command_runs_the_same_plan_under_torchrun():
     i = cmd.index("benchmarks.plain_pipeline")
     args = plain.parse_args(cmd[i + 1:])
     assert (args.stages, args.split, args.schedule, args.stages_per_rank) == (2, "2,3,4", "interleaved_1f1b", 2)
-    assert (args.microbatches, args.global_batch, args.steps, args.seed) == (
-        bench.MICROBATCHES, bench.GLOBAL_BATCH, 7, bench.SEED)
+    assert (args.microbatches, args.global_batch, args.steps, args.seed, args.tp) == (
+        bench.MICROBATCHES, bench.GLOBAL_BATCH, 7, bench.SEED, 1)
+    cmd = bench.plain_command(2, 1, schedule="1f1b", split=["3"], num_steps=7, tp=2)
+    assert cmd[4] == "--nproc-per-node=4" and plain.parse_args(cmd[cmd.index("benchmarks.plain_pipeline") + 1:]).tp == 2
+
+
+@pytest.mark.timeout(300)
+def test_plain_pipeline_trains_with_tp_under_torchrun(tmp_path):
+    """The plain peer at 2 stages x tp 2: a (dp, pp, tp) mesh, each stage split by the plan's styles."""
+    import json
+    import os
+    import subprocess
+    import sys
+    log = tmp_path / "steps.jsonl"
+    env = {**os.environ, plain.STEP_LOG_ENV: str(log), "GPT_LAYERS": "2", "GPT_DIM": "64"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+           "benchmarks.plain_pipeline", "--stages", "2", "--split", "2", "--tp", "2", "--steps", "3",
+           "--microbatches", "2", "--global-batch", "8"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len([json.loads(x) for x in log.read_text().splitlines()]) == 3  # one line per optimizer step
 
 
 def test_step_rate_leaves_out_warm_up_and_times_the_rest():
