@@ -30,7 +30,7 @@ from tests.ray_fixtures import assert_exact_once
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
-NUM_STEPS, EVERY, FAULT_STEP, BATCH = 30, 10, 15, 32
+NUM_STEPS, EVERY, FAULT_STEP, BATCH = 22, 10, 15, 32  # 7 steps after the fault
 SHRINK_STEPS = 40  # room to train at 4 ranks again after the grow
 NODES = 5
 
