@@ -136,7 +136,7 @@ def build_pipeline(mesh, model: nn.Sequential, split: list[str], schedule: str, 
     for c in range(stages_per_rank):
         mod = nn.Sequential(OrderedDict((u, getattr(model, u)) for u in chunks[stage + c * pp]))
         if tp > 1:
-            _split_tensors(mod, mesh["tp"])
+            split_tensors(mod, mesh["tp"])
             modules.append(DDP(mod, device_mesh=mesh["dp"]) if dp > 1 else mod)
         else:
             modules.append(DDP(mod, process_group=dp_group) if dp > 1 else mod)
@@ -151,12 +151,13 @@ def build_pipeline(mesh, model: nn.Sequential, split: list[str], schedule: str, 
     return PipelineRank(sched, modules, optimizer, stage, replica, pp, dp)
 
 
-def _split_tensors(stage: nn.Module, tp_mesh) -> None:
+def split_tensors(module: nn.Module, tp_mesh) -> None:
+    """The built-in plan's layers of `module` split with torch's own styles (the plain peers' plan)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from elastic.parallel.tensor import builtin_plans  # which layers split how (the plan, not a framework)
-    for name, plan in builtin_plans(stage).items():
-        parallelize_module(stage.get_submodule(name), tp_mesh,
+    for name, plan in builtin_plans(module).items():
+        parallelize_module(module.get_submodule(name), tp_mesh,
                            {c: ColwiseParallel() if s == "colwise" else RowwiseParallel() for c, s in plan.items()})
 
 

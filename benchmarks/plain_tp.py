@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from benchmarks.plain_pipeline import timed_optimizer
+    from benchmarks.plain_pipeline import split_tensors, timed_optimizer
     from elastic.data.order import GlobalOrder  # the sample order only: a pure function of (len, seed)
     from elastic.parallel.tensor import builtin_plans  # which layers split how (the plan, not a framework)
     from examples.gpt import build_dataset, build_model, loss_fn
@@ -68,14 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     mesh = init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(args.seed)
     model = build_model()
-    if args.tp > 1:
+    if args.tp > 1 and not args.sequence_parallel:
+        split_tensors(model, mesh["tp"])
+    elif args.tp > 1:
         plans = builtin_plans(model)
         for i, (name, plan) in enumerate(plans.items()):
             block = model.get_submodule(name)
-            if not args.sequence_parallel:
-                parallelize_module(block, mesh["tp"], {c: ColwiseParallel() if s == "colwise" else RowwiseParallel()
-                                                       for c, s in plan.items()})
-                continue
             # torchtitan's layout: norms on sequence parts, gathered into the column-wise Linears.
             styles = {c: ColwiseParallel(input_layouts=Shard(1)) if s == "colwise"
                       else RowwiseParallel(output_layouts=Shard(1)) for c, s in plan.items()}

@@ -228,30 +228,30 @@ def apply_builtin(model: nn.Module, tp_mesh, sequence_parallel: bool = False) ->
     input, a row-wise one reduce-scatters its output, the first block takes its part of the whole
     sequence it gets and the last block gathers it back, so what runs between blocks (embeddings,
     head) sees the whole sequence as without it."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    into, out_of = ({"input_layouts": Shard(1)}, {"output_layouts": Shard(1)}) if sequence_parallel else ({}, {})
     plans = builtin_plans(model)
     for i, (name, plan) in enumerate(plans.items()):
         block = model.get_submodule(name)
-        if not sequence_parallel:
-            parallelize_module(block, tp_mesh, {c: (ColwiseParallel() if s == "colwise" else RowwiseParallel())
-                                                for c, s in plan.items()})
-            continue
-        styles = {c: (ColwiseParallel(input_layouts=Shard(1)) if s == "colwise" else RowwiseParallel(output_layouts=Shard(1)))
-                  for c, s in plan.items()}
-        styles.update({n: SequenceParallel(use_local_output=True) for n in _norms(block)})
+        styles = {c: ColwiseParallel(**into) if s == "colwise" else RowwiseParallel(**out_of) for c, s in plan.items()}
+        if sequence_parallel:
+            styles.update({n: SequenceParallel(use_local_output=True) for n in _norms(block)})
         parallelize_module(block, tp_mesh, styles)
-        if i == 0:
+        if sequence_parallel and i == 0:
             block.register_forward_pre_hook(_SequenceParts(tp_mesh))
-        if i == len(plans) - 1:
-            block.register_forward_hook(_WholeSequence(tp_mesh))
+        if sequence_parallel and i == len(plans) - 1:  # the parts gathered into the whole sequence
+            parallelize_module(block, tp_mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                                                   use_local_output=True))
     return model
 
 
 class _SequenceParts:
     """Forward pre-hook of the first block: its input (the whole sequence, the same on every tp
-    rank) becomes this rank's part of the sequence; in backward the parts' gradients are gathered."""
+    rank) becomes this rank's part of the sequence; in backward the parts' gradients are gathered.
+    (torch's PrepareModuleInput would need a layout for each of the block's arguments; this takes
+    the first, and checks that the sequence divides.)"""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -265,18 +265,6 @@ class _SequenceParts:
                              f"that {tp} divides, or leave sequence_parallel off")
         part = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(1)])
         return (part.to_local(), *args[1:])
-
-
-class _WholeSequence:
-    """Forward hook of the last block: the parts of the sequence gathered into the whole."""
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-
-    def __call__(self, module, args, output):
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        whole = DTensor.from_local(output, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
-        return whole.to_local()
 
 
 def apply(model: nn.Module, tp_mesh, plan_fn=None, sequence_parallel: bool = False) -> nn.Module:
