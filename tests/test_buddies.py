@@ -72,7 +72,8 @@ def test_copies_are_taken_where_state_is_held_once():
     assert has_copies(1, sharded=False, pp=3, dp=1, tp=1)  # a pipeline with one replica
     assert not has_copies(1, sharded=False, pp=1, dp=3, tp=1)  # DDP: the replicas are the copies
     assert not has_copies(1, sharded=False, pp=2, dp=2, tp=1)  # a replicated pipeline
-    assert not has_copies(1, sharded=True, pp=1, dp=2, tp=2)  # FSDP x TP: 2-D shards, not yet
+    assert has_copies(1, sharded=True, pp=1, dp=2, tp=2)  # FSDP x TP: 2-D shards
+    assert not has_copies(1, sharded=False, pp=3, dp=1, tp=2)  # a pipeline's tensor slices: not yet
     assert not has_copies(0, sharded=True, pp=1, dp=3, tp=1)  # turned off
 
 

@@ -58,33 +58,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model():
+def _model(tp=1):
     torch.manual_seed(0)
-    # Odd sizes: uneven shards, and a 2-row tensor that leaves part 2 of 3 empty.
-    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 2))
+    # Odd sizes: uneven shards, and a 2-row tensor that leaves part 2 of 3 empty. With tp the
+    # hidden size divides by it (DTensor's row-wise matmul takes even tp slices); the slices'
+    # rows (7) still split unevenly over dp.
+    hidden = 13 if tp == 1 else 7 * tp
+    return torch.nn.Sequential(torch.nn.Linear(7, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
 
 
-def _setup(rank, world, port, tag, strategy="fsdp"):
+def tp_plan(model, tp_mesh):
+    """The first Linear column-wise, the last row-wise: each tp slice's rows then split again over
+    dp (unevenly, and empty for the 2-row layer at dp 3)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _setup(rank, world, port, tag, strategy="fsdp", tp=1):
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic.parallel.strategies import STRATEGIES
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    strat = STRATEGIES[strategy](mesh, SimpleNamespace(fsdp=FsdpSpec(), precision="fp32", tp=TensorParallelSpec(),
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        tp_spec = TensorParallelSpec(size=tp, plan="tests.test_resharding:tp_plan")
+    else:
+        mesh, tp_spec = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), TensorParallelSpec()
+    strat = STRATEGIES[strategy](mesh, SimpleNamespace(fsdp=FsdpSpec(), precision="fp32", tp=tp_spec,
                                                        activation_checkpointing=None))
-    model = strat.prepare(_model(), sync_init=True)
+    model = strat.prepare(_model(tp), sync_init=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return strat, model, opt
 
 
 def _train(model, opt, strat, rank, world, steps):
+    dp, d = world // strat.tp, rank // strat.tp  # the ranks of a tp group take the same samples
     for s in range(steps):
         g = torch.Generator().manual_seed(100 + s)
         x, y = torch.randn(12, 7, generator=g), torch.randn(12, 2, generator=g)
-        per = 12 // world
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        per = 12 // dp
+        xs, ys = x[d * per:(d + 1) * per], y[d * per:(d + 1) * per]
         opt.zero_grad(set_to_none=True)
         strat.set_gradient_sync(model, True)
         torch.nn.functional.mse_loss(model(xs), ys).backward()
@@ -97,10 +112,10 @@ def _full(strat, model, opt):
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in resharding.flatten(state)}
 
 
-def _old_world(rank, world, port, out_dir, ckpt_uri):
-    strat, model, opt = _setup(rank, world, port, "old")
+def _old_world(rank, world, port, out_dir, ckpt_uri, tp=1):
+    strat, model, opt = _setup(rank, world, port, "old", tp=tp)
     _train(model, opt, strat, rank, world, steps=3)
-    offer = resharding.offer(strat.state_dict(model, opt), rank, world, step=3)
+    offer = resharding.offer(strat.state_dict(model, opt), rank, world, step=3, tp=tp)
     with open(f"{out_dir}/offer_{rank}.pkl", "wb") as f:
         pickle.dump(offer, f)
     full = _full(strat, model, opt)
@@ -112,7 +127,7 @@ def _old_world(rank, world, port, out_dir, ckpt_uri):
     dist.destroy_process_group()
 
 
-def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop):
+def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
     from elastic.checkpoint.dcp_io import load_shards
 
     # 1. In memory, from every old part's offer.
@@ -120,42 +135,44 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop):
     for p in range(old_world):
         with open(f"{out_dir}/offer_{p}.pkl", "rb") as f:
             offers[p] = pickle.load(f)
-    strat, model, opt = _setup(rank, world, port, "new")
+    strat, model, opt = _setup(rank, world, port, "new", tp=tp)
     state = strat.state_dict(model, opt)
-    parts = resharding.needed_parts(state, old_world, world, rank)
-    assert resharding.exchange(state, None, {p: offers[p] for p in parts}, {}, old_world, world, rank, None) == 3
+    parts = resharding.needed_parts(state, old_world, world, rank, tp=tp)
+    assert all(p == 0 or p % tp == rank % tp for p in parts), parts  # a tp slice reads its own index's rows
+    assert resharding.exchange(state, None, {p: offers[p] for p in parts}, {}, old_world, world, rank, None,
+                               tp) == 3
     strat.load_state_dict(model, opt, state)
     full = _full(strat, model, opt)
     # Training goes on at the new size: one more step must work on the re-sharded state.
     _train(model, opt, strat, rank, world, steps=1)
     # 2. From the checkpoint the old world saved: DCP re-shards on load.
-    _, model2, opt2 = strat, strat.prepare(_model(), sync_init=False), None
+    _, model2, opt2 = strat, strat.prepare(_model(strat.tp), sync_init=False), None
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     state2 = strat.state_dict(model2, opt2)
     load_shards(state2, ckpt_uri, {}, None)
     strat.load_state_dict(model2, opt2, state2)
     full_ckpt = _full(strat, model2, opt2)
     # 3. A part is gone (its node died): the in-memory path must say so, not guess.
-    model3 = strat.prepare(_model(), sync_init=False)
+    model3 = strat.prepare(_model(strat.tp), sync_init=False)
     opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-2)
     state3 = strat.state_dict(model3, opt3)
     try:
         resharding.exchange(state3, None, {p: offers[p] for p in parts if p not in drop}, {}, old_world, world, rank,
-                            None)
+                            None, tp)
         error = None
     except ReshardError as e:
         error = str(e)
     # 4. Rank to rank: the new ranks that were old ranks keep their own part and send its rows over
     # the group; a part whose rank left (3 -> 2: part 2) is read from its offer as before.
     holders = {p: p for p in range(min(old_world, world))}
-    model4 = strat.prepare(_model(), sync_init=False)
+    model4 = strat.prepare(_model(strat.tp), sync_init=False)
     opt4 = torch.optim.AdamW(model4.parameters(), lr=1e-2)
     state4 = strat.state_dict(model4, opt4)
-    remote = resharding.needed_parts(state4, old_world, world, rank, frozenset(holders))
+    remote = resharding.needed_parts(state4, old_world, world, rank, frozenset(holders), tp)
     assert not set(remote) & set(holders)
     own = offers[rank] if rank in holders else None
     assert resharding.exchange(state4, own, {p: offers[p] for p in remote}, holders, old_world, world, rank,
-                               dist.group.WORLD) == 3
+                               dist.group.WORLD, tp) == 3
     strat.load_state_dict(model4, opt4, state4)
     full_direct = _full(strat, model4, opt4)
     if rank == 0:
@@ -178,24 +195,38 @@ def _assert_same_state(a: dict, b: dict):
             assert a[k] == b[k], k
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("old,new", [(3, 2), (2, 3)])
-def test_fsdp_reshards_exactly_in_memory_rank_to_rank_and_from_a_checkpoint(tmp_path, old, new):
+def _reshard_and_check(tmp_path, old: int, new: int, refused: set[int], tp: int = 1) -> None:
+    """Train at `old` ranks, re-shard to `new` in memory (from the object store, and rank to rank)
+    and through a DCP checkpoint: every way ends bit-identical to the old state. Without old part
+    1 (its node died), exactly the new ranks in `refused` refuse, naming it."""
     uri = f"file://{tmp_path}/ckpt"
-    _spawn(_old_world, old, str(tmp_path), uri)
-    _spawn(_new_world, new, str(tmp_path), old, uri, (1,))
+    _spawn(_old_world, old, str(tmp_path), uri, tp)
+    _spawn(_new_world, new, str(tmp_path), old, uri, (1,), tp)
     full_old, full_new = torch.load(tmp_path / "full_old.pt"), torch.load(tmp_path / "full_new.pt")
     assert any(k[0] == "optim" and k[-1] == "exp_avg_sq" for k in full_old), "optimizer moments are compared too"
     _assert_same_state(full_old, full_new["memory"])
     _assert_same_state(full_old, full_new["storage"])
     _assert_same_state(full_old, full_new["direct"])
-    # Without old part 1 (its node died), every new part that overlaps its rows refuses; a new
-    # part that lies within other old parts (part 0 of 3 within part 0 of 2) does not need it.
     errors = {int(p.stem.split("_")[1]): p.read_text() for p in tmp_path.glob("error_*.txt")}
     assert len(errors) == new
-    refused = {r for r, e in errors.items() if e != "None"}
-    assert refused == ({0, 1} if new == 2 else {1, 2}), errors
+    assert {r for r, e in errors.items() if e != "None"} == refused, errors
     assert all("held only by old part 1" in errors[r] for r in refused), errors
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("old,new", [(3, 2), (2, 3)])
+def test_fsdp_reshards_exactly_in_memory_rank_to_rank_and_from_a_checkpoint(tmp_path, old, new):
+    # Every new part that overlaps old part 1's rows refuses without it; a new part that lies
+    # within other old parts (part 0 of 3 within part 0 of 2) does not need it.
+    _reshard_and_check(tmp_path, old, new, {0, 1} if new == 2 else {1, 2})
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_x_tp_reshards_each_tp_slice_over_dp_exactly(tmp_path):
+    """FSDP x TP (2-D shards, dp x tp 2): dp 2 -> 1, each tp slice's rows re-sharded among the
+    ranks of its own tp index, exactly as above. Old rank 1 (tp index 1) gone: only the new rank
+    of tp index 1 refuses. (The grow, dp 1 -> 2, runs in tests/test_tp_chaos.py.)"""
+    _reshard_and_check(tmp_path, 4, 2, {1}, tp=2)
 
 
 def _renumbered(proc, nproc, port1, port2, out_dir):

@@ -15,7 +15,7 @@ from elastic.parallel.shape import Shape
 from elastic.parallel.strategies import STRATEGIES
 from elastic.parallel.tensor import TensorPlanError, builtin_plans, check_builtin
 from elastic.parallel.topology import Layout, chain, reassign, slot_sources
-from elastic.policies.restore import FromPeer, FromStorage, choose_restore, planned_restore, restore_after_shrink
+from elastic.policies.restore import FromPeer, FromShards, FromStorage, choose_restore, planned_restore, restore_after_shrink
 from tests.spawn_ranks import run_ranks
 
 
@@ -71,10 +71,13 @@ def test_planned_changes_copy_slots_from_a_replica_other_than_the_swapped_rank()
     shape, lay = Shape(tp=2), Layout(1, 2, 2)
     assert planned_restore(shape, True, 5, {}, 4, old_layout=lay, new_layout=Layout(1, 3, 2)) == FromPeer(0, 5, (0, 1))
     assert planned_restore(shape, True, 5, {}, 4, old_layout=lay, new_layout=lay, swapped=1) == FromPeer(0, 5, (0, 3))
-    # FSDP x TP: 2-D shards move through the checkpoint taken at the stop (DCP re-shards them).
+    # FSDP x TP: every rank's 2-D shards are re-sharded in memory (each tp slice over dp); the
+    # ranks that stay keep theirs (and their numbers, so their tp index), the leaving one publishes.
     fsdp_tp = Shape(sharded=True, tp=2)
-    assert fsdp_tp.via_storage and fsdp_tp.offer_keepers([0, 1, 2, 3], None) is None
-    assert planned_restore(fsdp_tp, True, 5, {}, 4, old_layout=lay, new_layout=Layout(1, 1, 2)) == FromStorage()
+    assert fsdp_tp.offer_keepers([0, 1, 2, 3], None) == {0, 1, 2, 3}
+    assert fsdp_tp.offer_keepers([0, 1, 2, 3], 1) == {0, 2, 3}
+    assert planned_restore(fsdp_tp, True, 5, {}, 4, old_layout=lay, new_layout=Layout(1, 1, 2)) == FromShards({}, 4, 5)
+    assert planned_restore(fsdp_tp, False, 5, {}, 4, old_layout=lay, new_layout=lay) == FromStorage()
 
 
 def _failure():

@@ -13,8 +13,12 @@ node, and the fifth node has room for a lost node's replacements).
   re-bound to each new mesh, the replicas end equal and every sample is seen once. (At 8 ranks,
   dp x pp x tp, this drill took 55 to 94 s of a 2-core machine; the slots along pp are the
   pipeline drills' business.)
-* fsdp x tp (2-D shards), a rank's process killed: no single survivor holds its shards, so the
-  group restores the newest committed checkpoint, re-sharded by DCP, and ends bit-identical.
+* fsdp x tp (2-D shards, copies every step), rank 0's node killed with replacements too slow to
+  wait for: no survivor holds the lost tp group's shards, but their copies at the buddies on
+  another node do. The group shrinks to one replica, each tp slice re-sharded over dp from the
+  copies (no storage read), then grows back with every kept part moved rank to rank; every sample
+  is seen once. (The fixed-layout restore from copies ending bit-identical is test_sharded_chaos's;
+  the 2-D re-shard's exactness is test_resharding's.)
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from tests.ray_fixtures import assert_exact_once
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
-NUM_STEPS, EVERY, FAULT_STEP, BATCH = 22, 10, 15, 32  # 7 steps after the fault
+NUM_STEPS, EVERY, FAULT_STEP, BATCH = 14, 5, 9, 32  # 5 steps after the fault, between checkpoints
 SHRINK_STEPS = 40  # room to train at 4 ranks again after the grow
 NODES = 5
 
@@ -54,13 +58,6 @@ def gpt_3d(tmp_path, chaos=(), steps=NUM_STEPS, **train) -> dict:
     j["failure"]["hang_floor_s"] = 10
     j["train"].update(train)
     j["chaos"] = [dict(c) for c in chaos]
-    return j
-
-
-def fsdp_tp(tmp_path, chaos=()) -> dict:
-    # 20 steps: the fault at step 15 falls between the checkpoints of steps 10 and 20.
-    j = gpt_3d(tmp_path, chaos, steps=20, strategy="fsdp", loss="examples.gpt:loss_fn", pipeline=None)
-    j["scaling"].update(num_workers=4, min_workers=4)
     return j
 
 
@@ -107,15 +104,24 @@ def test_ddp_tp_shrinks_to_one_replica_from_memory_and_grows_back(cluster, tmp_p
                       seed=0, lost_rank_upto=(0, FAULT_STEP))
 
 
-def test_fsdp_tp_process_kill_restores_2d_shards_from_storage(cluster, tmp_path_factory, tmp_path):
-    base = Trainer(fsdp_tp(tmp_path_factory.mktemp("bft"))).fit(progress=False).digests
-    result = Trainer(fsdp_tp(tmp_path, [{"action": "kill_process", "rank": 1, "at_step": FAULT_STEP}])).fit(
-        progress=False)
-    assert result.digests == base
+def test_fsdp_tp_node_kill_shrinks_and_grows_back_from_memory_copies(cluster, tmp_path):
+    j = gpt_3d(tmp_path, [{"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}], steps=SHRINK_STEPS,
+               strategy="fsdp", pipeline=None, loss="tests.support.workloads:gpt_loss_slower_below_4_ranks")
+    j["scaling"].update(num_workers=4, min_workers=2, shrink_after_s=1, grow_check_s=1)
+    j["checkpoint"].update(memory_every_steps=1, memory_max_overhead=1.0)  # a copy every step, whatever it costs
+    result = Trainer(j).fit(progress=False)
+    assert result.metrics["step"] == SHRINK_STEPS
     (plan,) = result.events_of("restore_plan")
-    assert plan["source"] == "FromStorage" and "fully sharded" in plan["reason"]
-    restored = result.events_of("restored")[-1]
-    assert restored["source"] == "storage" and restored["step"] == 10
+    assert plan["source"] == "FromShards", (plan, result.events_of("buddies"))
+    resized = result.events_of("resized")
+    assert [(r["old_world_size"], r["new_world_size"], r["path"]) for r in resized] == [(4, 2, "memory"),
+                                                                                        (2, 4, "memory")], resized
+    restored = result.events_of("restored")[1:]  # after the first start's
+    assert [e["uri"] for e in restored] == [None, None], restored  # no storage read, either way
+    assert "re-sharded in memory from 4 ranks" in restored[0]["source"], restored
+    assert "rank to rank" in restored[1]["source"], restored  # the grow: kept parts sent over the group
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", SHRINK_STEPS, BATCH, _num_samples(),
+                      seed=0, lost_rank_upto=(0, FAULT_STEP))
 
 
 def _num_samples() -> int:

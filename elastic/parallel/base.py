@@ -139,7 +139,7 @@ class Strategy(ABC):
     def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:
         """This rank's part of the state for a re-shard in memory at a planned resize."""
         from elastic.parallel import resharding
-        return resharding.offer(state, rank, world, step)
+        return resharding.offer(state, rank, world, step, self.tp)
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
         """Wrap a freshly built model for this strategy. `sync_init`: make every rank's initial

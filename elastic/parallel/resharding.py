@@ -11,7 +11,10 @@ param groups); `exchange` fills a freshly sharded state from the offers.
 
 An old rank that stays in the new group keeps its offer in its own memory, and
 `exchange` moves the rows rank to rank over the new group (gloo send/recv, the
-process group's transport). An old rank that leaves (a dropped or swapped rank,
+process group's transport). With tensor parallelism (FSDP x TP: 2-D DTensors on a
+("dp", "tp") mesh) each tp slice is re-sharded on its own: the rows the dp parts split are those
+of the slice's local tensor, and rows move only between ranks of the same tp index (rank =
+dp index x tp + tp index; tp is fixed for a run). An old rank that leaves (a dropped or swapped rank,
 killed right after) returns its offer from a task instead, so the object lives
 in its node's shared memory, owned by the controller, and outlives the rank's
 process; a receiver reads only the parts it needs. If a part is missing (its
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 class ReshardError(RuntimeError):
@@ -81,24 +85,60 @@ def _set(tree, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def _is_row_sharded(t) -> bool:
-    return isinstance(t, DTensor) and t.ndim > 0 and tuple(t.placements) == (Shard(0),)
+@dataclass(frozen=True)
+class Rows:
+    """How the dp axis splits one DTensor: `n` rows (of this rank's tp slice: with a tp split
+    along dim 0, the slice's rows), in `parts` parts by the chunk rule; this rank holds `part`."""
+    n: int
+    parts: int
+    part: int
 
 
-def offer(state: dict, part: int, world: int, step: int) -> dict:
-    """What old rank `part` of `world` hands over: its local rows of every row-sharded tensor
-    (checked against the chunk rule), every other tensor and every plain value. CPU copies."""
+def rows(v) -> Rows | None:
+    """The dp split of `v` when it is a DTensor sharded along dim 0 over the mesh's "dp" axis
+    (FSDP2's shards, 1-D or with a tp axis beside it); None for anything else that is not a
+    DTensor or is a scalar. ReshardError for a DTensor laid out some other way."""
+    if not isinstance(v, DTensor) or v.ndim == 0:
+        return None
+    mesh, placements = v.device_mesh, tuple(v.placements)
+    names = mesh.mesh_dim_names or ()
+    coord = mesh.get_coordinate()
+    by = dict(zip(names, zip(placements, coord, mesh.shape)))
+    dp, tp = by.get("dp"), by.get("tp")
+    if dp is None or set(names) - {"dp", "tp"}:
+        raise ReshardError(f"placement {placements} on mesh {names}: not sharded over a dp axis")
+    n = v.shape[0]
+    row_split_by_tp = tp is not None and isinstance(tp[0], Shard) and tp[0].dim == 0
+    if tp is not None and not isinstance(tp[0], (Shard, Replicate)):
+        raise ReshardError(f"placement {placements}: tp placement {tp[0]} is not Shard or Replicate")
+    if row_split_by_tp:
+        # FSDP2 shards a tp slice's local rows: dp's placement says so (a strided shard, split by tp).
+        if not (isinstance(dp[0], _StridedShard) and dp[0].dim == 0 and dp[0].split_factor == tp[2]):
+            raise ReshardError(f"placement {placements}: rows split by tp but not by a strided dp shard")
+        a, b = part_rows(n, tp[2], tp[1])
+        n = b - a
+    elif type(dp[0]) is not Shard or dp[0].dim != 0:
+        raise ReshardError(f"placement {placements}: dp placement {dp[0]} is not Shard(0)")
+    return Rows(n, dp[2], dp[1])
+
+
+def offer(state: dict, part: int, world: int, step: int, tp: int = 1) -> dict:
+    """What old rank `part` of `world` hands over: its local rows of every dp-sharded tensor
+    (checked against the chunk rule and the rank order dp index x `tp` + tp index), every other
+    tensor and every plain value. CPU copies."""
     sharded, other = {}, {}
     for path, v in flatten(state):
-        if _is_row_sharded(v):
+        r = rows(v)
+        if r is not None:
             local = v.to_local()
-            a, b = part_rows(v.shape[0], world, part)
-            if local.shape[0] != b - a:
-                raise ReshardError(f"{'.'.join(map(str, path))}: local rows {local.shape[0]} on part {part}/{world} "
-                                   f"do not follow the chunk layout ({b - a} expected)")
+            a, b = part_rows(r.n, r.parts, r.part)
+            if local.shape[0] != b - a or r.parts * tp != world or r.part != part // tp:
+                raise ReshardError(f"{'.'.join(map(str, path))}: local rows {local.shape[0]} on dp part "
+                                   f"{r.part}/{r.parts} (rank {part}/{world}, tp {tp}) do not follow the chunk "
+                                   f"layout ({b - a} expected)")
             sharded[path] = local.detach().to("cpu", copy=True)
         elif isinstance(v, DTensor):
-            raise ReshardError(f"{'.'.join(map(str, path))}: placement {v.placements} is not Shard(0)")
+            raise ReshardError(f"{'.'.join(map(str, path))}: a DTensor scalar ({v.placements}) is not re-sharded")
         elif isinstance(v, torch.Tensor):
             other[path] = v.detach().to("cpu", copy=True)
         else:
@@ -106,30 +146,37 @@ def offer(state: dict, part: int, world: int, step: int) -> dict:
     return {"part": part, "world": world, "step": step, "sharded": sharded, "other": other}
 
 
-def needed_parts(state: dict, old_world: int, new_world: int, new_part: int, held: frozenset = frozenset()) -> list[int]:
-    """Which old parts new part `new_part` reads from the object store, for the row-sharded
-    tensors of `state`: those its rows overlap, less the `held` ones (moved rank to rank)."""
+def needed_parts(state: dict, old_world: int, new_world: int, new_part: int, held: frozenset = frozenset(),
+                 tp: int = 1) -> list[int]:
+    """Which old parts (old ranks) new part `new_part` reads from the object store, for the
+    dp-sharded tensors of `state`: those of its tp index whose rows overlap its own, less the
+    `held` ones (moved rank to rank)."""
     parts = {0}  # part 0 also carries the replicated tensors and plain values
+    t = new_part % tp
     for _, v in flatten(state):
-        if _is_row_sharded(v):
-            parts.update(p.old_part for p in pieces(v.shape[0], old_world, new_world, new_part))
+        r = rows(v)
+        if r is not None:
+            parts.update(p.old_part * tp + t for p in pieces(r.n, old_world // tp, new_world // tp, r.part))
     return sorted(parts - set(held))
 
 
 def exchange(state: dict, own: dict | None, fetched: dict[int, dict], holders: dict[int, int], old_world: int,
-             new_world: int, new_part: int, group) -> int:
+             new_world: int, new_part: int, group, tp: int = 1) -> int:
     """Fill `state` (this rank's freshly sharded state at `new_world`, same keys as the offers')
     in place. The parts in `holders` (old part -> the new rank that kept it in memory) move rank
     to rank over `group` (gloo: CPU tensors, whatever the training backend); `own` is this rank's
     kept offer, if it holds one. The other needed parts are in `fetched` (old part -> offer, read
     from the object store); with no holders, `group` is not used. Collective: every rank of the
     new group calls it with the same holders, and walks the same tensors and pieces in the same
-    order, so each send meets its receive. Returns the step the offers were taken at."""
+    order, so each send meets its receive. With `tp` > 1, rows move between ranks of the same tp
+    index only (a holder keeps its tp index). Returns the step the offers were taken at."""
     held = set(holders)
     if 0 not in held and 0 not in fetched:
         raise ReshardError("no offer of part 0 (it carries the replicated tensors and the step)")
     if own is not None and holders.get(own["part"]) != new_part:
         raise ReshardError(f"rank {new_part} holds old part {own['part']}, but holders say {holders}")
+    if any(old % tp != new % tp for old, new in holders.items()):
+        raise ReshardError(f"holders {holders} move rows across tp indices (tp {tp})")
     # The replicated tensors, plain values and step travel with part 0.
     if 0 in held:
         box = [(own["other"], own["step"], own["world"]) if holders[0] == new_part else None]
@@ -141,10 +188,12 @@ def exchange(state: dict, own: dict | None, fetched: dict[int, dict], holders: d
             own is not None and own["step"] != step):
         raise ReshardError(f"offers from different layouts or steps: world {world}/{old_world}, step {step}, "
                            f"fetched {sorted((o['part'], o['world'], o['step']) for o in fetched.values())}")
+    t, old_dp, new_dp = new_part % tp, old_world // tp, new_world // tp
     with torch.no_grad():
         for path, v in flatten(state):
             name = ".".join(map(str, path))
-            if not _is_row_sharded(v):
+            r = rows(v)
+            if r is None:
                 if path not in other:
                     raise ReshardError(f"{name}: not in the offers")
                 if isinstance(v, torch.Tensor):
@@ -152,20 +201,23 @@ def exchange(state: dict, own: dict | None, fetched: dict[int, dict], holders: d
                 else:
                     _set(state, path, other[path])
                 continue
-            n = v.shape[0]
+            if r.parts != new_dp or r.part != new_part // tp:
+                raise ReshardError(f"{name}: dp part {r.part}/{r.parts} at rank {new_part}/{new_world}, tp {tp}")
             local = v.to_local()
-            lo, _ = part_rows(n, new_world, new_part)
+            lo, _ = part_rows(r.n, new_dp, r.part)
             pending, landing = [], []
-            for dst in range(new_world):
-                for pc in pieces(n, old_world, new_world, dst):
-                    a, _ = part_rows(n, old_world, pc.old_part)
-                    holder = holders.get(pc.old_part)
+            for dst_dp in range(new_dp):
+                dst = dst_dp * tp + t
+                for pc in pieces(r.n, old_dp, new_dp, dst_dp):
+                    src = pc.old_part * tp + t  # the old rank: same tp index
+                    a, _ = part_rows(r.n, old_dp, pc.old_part)
+                    holder = holders.get(src)
                     if holder is None:  # from the object store, read by the receiver alone
                         if dst == new_part:
-                            if pc.old_part not in fetched:
+                            if src not in fetched:
                                 raise ReshardError(f"{name}: rows {pc.start}:{pc.stop} were held only by old part "
-                                                   f"{pc.old_part}, which is gone")
-                            local[pc.start - lo:pc.stop - lo].copy_(fetched[pc.old_part]["sharded"][path][
+                                                   f"{src}, which is gone")
+                            local[pc.start - lo:pc.stop - lo].copy_(fetched[src]["sharded"][path][
                                 pc.start - a:pc.stop - a])
                     elif holder == new_part and dst == new_part:
                         local[pc.start - lo:pc.stop - lo].copy_(own["sharded"][path][pc.start - a:pc.stop - a])

@@ -12,9 +12,8 @@ re-plans through it and never tests a strategy's name:
     rank a slot (its shard), restored like a pipeline's stage from another group's rank at the
     same slot.
 `sharded` says whether one rank holds the only copy of its part of the state (fsdp): then no
-single survivor holds it all, and a planned change moves every rank's part. `via_storage`: a planned
-change moves the state through the checkpoint taken at the stop (fsdp x tp: 2-D shards, which
-DCP re-shards on load; the in-memory re-shard knows 1-D shards only).
+single survivor holds it all, and a planned change moves every rank's part (fsdp x tp too: each
+tp slice is re-sharded over dp, elastic.parallel.resharding).
 """
 from __future__ import annotations
 
@@ -34,10 +33,6 @@ class Shape:
     def __post_init__(self):
         if self.tp > 1 or self.shards > 1:
             object.__setattr__(self, "staged", True)  # whole replicas of stages x shards x tp ranks
-
-    @property
-    def via_storage(self) -> bool:
-        return self.sharded and self.tp > 1
 
     @property
     def unit(self) -> int:
@@ -66,11 +61,13 @@ class Shape:
         """At a planned change, the ranks that keep their part of the state in memory (moved rank to
         rank later); the others publish theirs. None: nothing is offered (a replica holds it all).
         A pipeline's parts are published by every rank: a re-partition moves them by name (with
-        tensor parallelism a pipeline keeps its stages: config/job.py)."""
-        if self.tp > 1 or self.shards > 1:  # replicas of each slot hold it (ddp, pipeline, HSDP), or storage (fsdp x tp)
+        tensor parallelism a pipeline keeps its stages: config/job.py). fsdp x tp: as fsdp (a rank
+        that stays keeps its number, so its tp index)."""
+        if self.sharded:
+            return frozenset(r for r in members if r != leaving)
+        if self.tp > 1 or self.shards > 1:  # replicas of each slot hold it (ddp, pipeline, HSDP)
             return None
         if self.staged:
             return frozenset()
-        if self.sharded:
-            return frozenset(r for r in members if r != leaving)
         return None
+

@@ -78,16 +78,16 @@ def planned_restore(shape: Shape, peer_restore: bool, step: int, offers: dict, o
     keep their numbers); one re-partitioned moves every unit's state by name (without tensor
     parallelism: with it, from the checkpoint taken at the stop). A swap (`swapped`: the rank
     replaced, every other rank alive) copies each slot from a replica other than that rank."""
-    if not peer_restore or shape.via_storage:
+    if not peer_restore:
         return FromStorage()
+    if shape.sharded:  # every old rank's part, re-sharded (fsdp x tp: each tp slice over dp)
+        return FromShards(offers, old_world, step)
     if shape.staged and old_layout is not None:
         if old_layout.slots == new_layout.slots:
             sources = tuple(next(new_layout.rank_of(d, s) for d in range(new_layout.dp)
                                  if new_layout.rank_of(d, s) != swapped) for s in range(new_layout.slots))
             return FromPeer(sources[0], step, sources)
         return FromShards(offers, old_world, step, old_layout.pp)
-    if shape.sharded:
-        return FromShards(offers, old_world, step)
     return FromPeer(src_rank, step)
 
 

@@ -145,13 +145,14 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
     if pipeline:
         parts = w.strategy.needed_stages(old_pp)
     else:
-        parts = resharding.needed_parts(st, old_world, w.world_size, w.rank, frozenset(holders))
+        parts = resharding.needed_parts(st, old_world, w.world_size, w.rank, frozenset(holders), w.strategy.tp)
     got = dict(zip(parts, ray.get([offers[p] for p in parts])))
     t = phase("fetch", t)
     if pipeline:
         w.step = w.strategy.assemble(st, got)
     else:
-        w.step = resharding.exchange(st, own, got, holders, old_world, w.world_size, w.rank, w.ckpt_pg)
+        w.step = resharding.exchange(st, own, got, holders, old_world, w.world_size, w.rank, w.ckpt_pg,
+                                     w.strategy.tp)
     del got, own
     t = phase("assemble", t)
     state.load_state(w, st)
