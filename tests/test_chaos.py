@@ -311,20 +311,6 @@ def test_corrupt_latest_checkpoint_is_skipped_and_resume_is_exact(cluster, basel
     assert log.count('"kind": "run_started"') == 2  # the resumed run appended to the first run's log
 
 
-@pytest.mark.s3
-def test_node_kill_with_checkpoints_on_s3(cluster, baseline, tmp_path, s3_server):  # noqa: F811
-    uri = f"{s3_server.uri}/chaos-{uuid.uuid4().hex[:6]}"
-    # At step 25, once rank 1's persist in flight has ended (a first persist to S3 here took longer
-    # than the 15 steps after it): a checkpoint is committed before the kill, and read back from S3.
-    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": 25, "after_persist": True}], storage_uri=uri,
-            storage_options=s3_server.storage_options, failure={"peer_restore": False})
-    result = Trainer(j).fit(progress=False)
-    assert_recovered_bit_identical(result, baseline, "kill_node", source="storage", fault_step=25)
-    assert result.events_of("restored")[-1]["step"] in (10, 20)
-    assert result.checkpoint.startswith("s3://") and result.checkpoint.endswith("step_000000030")
-    assert result.events_of("restored")[-1]["uri"].startswith("s3://")  # read back from S3
-
-
 def test_straggler_is_swapped_for_a_spare_and_the_run_stays_exact(cluster, baseline, tmp_path):  # noqa: F811
     """Rank 1 computes 5x slower from step 5: flagged once slow in 6 of its last 10 steps (a
     window sliding by one step), swapped for the warm spare at a step boundary, nothing redone,
@@ -613,19 +599,33 @@ def test_bad_steps_roll_back_to_the_last_checkpoint_and_skip_their_batches(clust
 
 
 @pytest.mark.s3
-def test_parquet_on_s3_stays_exact_once_through_a_node_kill(cluster, tmp_path, s3_server):  # noqa: F811
+def test_parquet_and_checkpoints_on_s3_stay_exact_once_through_a_node_kill(cluster, tmp_path, s3_server):  # noqa: F811
+    """Everything in S3 (SeaweedFS over HTTP): the Parquet shards the run reads and its checkpoints.
+    Rank 1's node is killed at step 25 with peer restore off, once its persist in flight has ended
+    (a first persist to S3 here took longer than the 15 steps after it): the group reads back a
+    committed checkpoint from S3, and the Parquet reader resumes from its cursor, every sample once."""
     from examples.parquet_corpus import write_shards
     data_uri = f"{s3_server.uri}/corpus-{uuid.uuid4().hex[:6]}"
     write_shards(data_uri, 4, storage_options=s3_server.storage_options, row_group_size=512)
-    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
+    fault_step, storage_uri = 25, f"{s3_server.uri}/chaos-{uuid.uuid4().hex[:6]}"
+    j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": fault_step, "after_persist": True}],
+            storage_uri=storage_uri, storage_options=s3_server.storage_options,
+            failure={"peer_restore": False},
             train={"model": "examples.charlm:build_model", "loss": "examples.charlm:loss_fn", "dataset": None,
                    "data": {"format": "parquet", "uri": data_uri, "columns": ["x", "y"],
                             "storage_options": s3_server.storage_options}})
     j["run"]["sample_ledger"] = True
     result = Trainer(j).fit(progress=False)
     assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
-    assert result.events_of("restored")[-1]["source"] == "peer rank 0"
+    restored = result.events_of("restored")[-1]
+    assert restored["source"] == "storage" and restored["step"] in (10, 20), restored
+    assert restored["uri"].startswith("s3://")  # read back from S3
+    (rec,) = result.events_of("recovered")
+    assert rec["lost_steps"] == fault_step - restored["step"], rec
+    assert result.checkpoint.startswith("s3://") and result.checkpoint.endswith("step_000000030")
     from elastic.data.parquet import ParquetDataset
     n = len(ParquetDataset(data_uri, ["x", "y"], s3_server.storage_options))
-    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, n, seed=7,
-                      lost_rank_upto=(1, FAULT_STEP))
+    ledger = tmp_path / "ledger.json"  # the run folder, ledger included, is in S3
+    ledger.write_bytes(Storage(storage_uri, s3_server.storage_options).read_bytes(
+        join(storage_uri, j["run"]["name"], "ledger.json")))
+    assert_exact_once(ledger, NUM_STEPS, 48, n, seed=7, lost_rank_upto=(1, fault_step))

@@ -724,3 +724,22 @@ def test_a_lapsed_lease_is_said_and_the_run_trains_on_until_a_renewal_lands():
     (lapsed,) = kinds(c, "lease_lapsed")
     assert lapsed["since_s"] == 31.0 and "StorageTimeout" in lapsed["error"]
     assert len(kinds(c, "lease_renewed")) == 1
+
+
+def test_the_controller_starts_workers_without_importing_torch():
+    """The controller never trains: importing torch cost every run's start about 4 s before its
+    first event. Its actor class is a torch-free shim (elastic/runtime/actor.py) that forwards
+    every remote method of the worker, checked here against the Worker class."""
+    import subprocess
+    import sys
+    code = ("import sys, elastic.controller.controller, elastic.group.worker_group; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout[-500:], out.stderr[-2000:])
+
+    from elastic.runtime.actor import REMOTE_METHODS, WorkerActor
+    from elastic.runtime.worker import Worker
+    public = {n for n in dir(Worker) if not n.startswith("_") and callable(getattr(Worker, n))}
+    local_only = {"set_progress", "forget_old_meshes"}  # called by the worker itself, never through a handle
+    assert set(REMOTE_METHODS) == public - local_only
+    assert all(callable(getattr(WorkerActor, n)) for n in REMOTE_METHODS)

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from elastic.config import JobConfig
-from elastic.parallel.strategies import shape_for
+from elastic.parallel.shape import shape_for
 from elastic.parallel.topology import Layout, chain
 from elastic.policies.restore import FromPeer, choose_restore, restore_after_shrink
 from elastic.config import FailureConfig

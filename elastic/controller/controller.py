@@ -53,7 +53,7 @@ from elastic.controller.states import (
     TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State, Swapping)
 from elastic.observability import export as run_metrics
 from elastic.observability.events import EventLog
-from elastic.parallel.strategies import shape_for
+from elastic.parallel.shape import shape_for
 from elastic.policies.restore import FromStorage, RestoreSource
 from elastic.policies.straggler import StragglerState
 from elastic.protocol import WorkerGroupProtocol

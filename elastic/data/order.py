@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
 
 @dataclass(frozen=True)
 class GlobalOrder:
@@ -45,6 +43,7 @@ class GlobalOrder:
 
 @lru_cache(maxsize=4)
 def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+    import torch  # here, not at import: the controller keeps the ledger and imports no torch until then
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ray
 
 from elastic.config import ConfigError, JobConfig
-from elastic.parallel.strategies import shape_for
+from elastic.parallel.shape import shape_for
 from elastic.parallel.topology import chain
 from elastic.policies.buddies import NodeRoom, copies_room, has_copies
 

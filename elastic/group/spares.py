@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.group.member import GroupError, Member, gather, kill_member
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
-from elastic.runtime.worker import Worker
+from elastic.runtime.actor import WorkerActor
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -51,7 +51,7 @@ class SparePool:
         self.job, self.job_json, self.root = job, job_json, checkpoints_root
         self.controller = controller
         sc = job.scaling
-        self._remote_worker = ray.remote(Worker)
+        self._remote_worker = ray.remote(WorkerActor)
         self._actor_opts = dict(
             num_cpus=sc.cpus_per_worker, num_gpus=1 if sc.use_gpu else 0,
             max_concurrency=6,  # run() on one thread; poll, ping, abort and a buddy's copy on others

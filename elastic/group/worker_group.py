@@ -34,6 +34,7 @@ class WorkerGroup(SparePool):
         self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
         self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
         self.rendezvous = Rendezvous(ray.util.get_node_ip_address(), job.failure.rendezvous_timeout_s)
+        self.rendezvous.start_in_background()
         self.placement: Placement | None = None  # of the first start, with tensor parallelism
 
     # ---------------------------------------------------------------- start

@@ -11,7 +11,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from elastic.parallel import memory, meta_init, tensor
 from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
-from elastic.parallel.shape import Shape
 
 _cleared = threading.local()
 
@@ -81,13 +80,6 @@ class Strategy(ABC):
             tensor.check_builtin(model, tr.tp.size, tr.tp.sequence_parallel)
         if tr.meta_init and tr.init is None:
             meta_init.check(model, None)
-
-    @classmethod
-    def shape(cls, spec, shards: int = 1) -> Shape:
-        """How this strategy's layout grows and shrinks (the controller asks this, never the name):
-        flat by default, every rank a data-parallel replica; with tensor parallelism, whole
-        replicas of tp ranks. `shards`: HSDP's group size (JobConfig.hsdp_shards)."""
-        return Shape(sharded=cls.sharded, tp=spec.tp.size)
 
     @property
     def world_size(self) -> int:

@@ -31,7 +31,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from elastic.parallel.base import Strategy, copy_from_replica
 from elastic.parallel.memory import select
-from elastic.parallel.shape import Shape
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -60,14 +59,6 @@ class FullyShardedDataParallel(Strategy):
             model = model_fn()
         cls.check_model(job, model)
         select_blocks(model, job.train.fsdp.blocks)
-
-    @classmethod
-    def shape(cls, spec, shards: int = 1) -> Shape:
-        """Flat; HSDP: whole replica groups of `shards` ranks, each slot held by every group (not
-        `sharded`: a lost rank's part survives in its peers at the same shard)."""
-        if shards > 1:
-            return Shape(shards=shards)
-        return super().shape(spec)
 
     @property
     def hybrid(self) -> bool:

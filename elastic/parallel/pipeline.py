@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from elastic.parallel.ddp import DataParallel
-from elastic.parallel.shape import Shape
 from elastic.parallel.topology import Layout, chain
 
 
@@ -118,11 +117,6 @@ class Pipeline(DataParallel):
                 plan_chunks(units, pp * pl.chunks_per_rank, pl.split if pp == pl.stages else None)
             except PlanError as e:
                 raise PlanError(f"train.pipeline: {pp} stage(s) x {pl.chunks_per_rank} chunk(s) per rank: {e}") from None
-
-    @classmethod
-    def shape(cls, spec, shards: int = 1) -> Shape:
-        """Whole layouts of the topology's chain: replicas come and go first, then stages."""
-        return Shape(stages=spec.pipeline.stages, sharded=cls.sharded, staged=True, tp=spec.tp.size)
 
     def __init__(self, mesh, spec, layout: Layout, rank: int):
         super().__init__(mesh, spec)

@@ -1,8 +1,9 @@
 """How a strategy's layout grows and shrinks: what the controller asks instead of naming a strategy.
 
-A `Shape` is pure data plus pure functions over `elastic.parallel.topology`. Each strategy class
-says which shape it has (`Strategy.shape(spec)`); the controller sizes, grows, shrinks and
-re-plans through it and never tests a strategy's name:
+A `Shape` is pure data plus pure functions over `elastic.parallel.topology`. `shape_for(job)`
+says which shape a job's strategy has, from its configuration alone (no torch: the controller
+imports this); the controller sizes, grows, shrinks and re-plans through it and never tests a
+strategy's name:
   * flat (ddp, fsdp): every rank is a data-parallel replica (pp = 1); any world size between
     scaling.min_workers and max_workers; a shrink renumbers the survivors 0..k-1;
   * staged (pipeline, or any strategy with tensor parallelism): ranks come and go in whole
@@ -71,3 +72,15 @@ class Shape:
             return frozenset()
         return None
 
+
+def shape_for(job) -> Shape:
+    """The job's strategy's `Shape`: flat (ddp; fsdp, `sharded`); staged with tensor parallelism;
+    a pipeline's whole layouts of the topology's chain (replicas come and go first, then stages);
+    HSDP's whole replica groups of `shards` ranks, each slot held by every group (not `sharded`:
+    a lost rank's part survives in its peers at the same shard)."""
+    tr = job.train
+    if tr.strategy == "pipeline":
+        return Shape(stages=tr.pipeline.stages, staged=True, tp=tr.tp.size)
+    if tr.strategy == "fsdp" and job.hsdp_shards > 1:
+        return Shape(shards=job.hsdp_shards)
+    return Shape(sharded=tr.strategy == "fsdp", tp=tr.tp.size)

@@ -3,7 +3,6 @@
 Strategies know nothing about failures; the worker and controller own that.
 """
 from elastic.parallel.base import Strategy
-from elastic.parallel.shape import Shape
 from elastic.parallel.ddp import DataParallel
 from elastic.parallel.fsdp import FullyShardedDataParallel
 from elastic.parallel.pipeline import Pipeline
@@ -18,7 +17,3 @@ def make_strategy(spec, mesh, layout, rank: int) -> Strategy:
         return Pipeline(mesh, spec, layout, rank)
     return STRATEGIES[spec.strategy](mesh, spec)
 
-
-def shape_for(job) -> Shape:
-    """The job's strategy's `Shape`: how its layout grows and shrinks (elastic/parallel/shape.py)."""
-    return STRATEGIES[job.train.strategy].shape(job.train, job.hsdp_shards)
