@@ -33,8 +33,8 @@ build_smooth_model): no kink, no branch to flip, and the runs stay at rounding
 level. TOL = 1e-3 is far above that, while a wrong shard, a lost optimizer
 moment or a repeated batch moves the weights by the size of a training step or
 more. The test also checks that training moved the weights
-by far more than TOL, so agreement is not just both runs staying near the
-initial weights, and the loss curves agree to 1e-5 (measured: < 1e-6).
+by far more than TOL (0.018 in 200 steps, measured), so agreement is not just
+both runs staying near the initial weights, and the loss curves agree to 1e-5 (measured: < 1e-6).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ from tests.test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
-NUM_STEPS, EVERY, FAULT_STEP, BATCH = 300, 10, 20, 48
+NUM_STEPS, EVERY, FAULT_STEP, BATCH = 200, 10, 20, 48
 TOL, LOSS_TOL = 1e-3, 1e-5
 
 
