@@ -88,14 +88,19 @@ def _expect(ds_row, g: int, columns=("g", "v", "f", "r", "s", "b")):
 
 
 class _Spy:
-    """Records the byte ranges read from the memory filesystem."""
+    """Records the byte ranges read from the memory filesystem under `root` (the test's own folder:
+    the filesystem is process-wide, and a thread an earlier test left behind, a controller's lease
+    renewal, reads its own files there; CI once counted two such reads here)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, root: str):
         self.reads: list[tuple[str, int | None, int | None]] = []
         original = MemoryFileSystem.cat_file
+        mine = MemoryFileSystem._strip_protocol(root).rstrip("/") + "/"
 
         def cat_file(fs, path, start=None, end=None, **kw):
-            self.reads.append((fs._strip_protocol(path), start, end))
+            stripped = fs._strip_protocol(path)
+            if stripped.startswith(mine):
+                self.reads.append((stripped, start, end))
             return original(fs, path, start=start, end=end, **kw)
 
         monkeypatch.setattr(MemoryFileSystem, "cat_file", cat_file)
@@ -163,7 +168,7 @@ def test_len_reads_footers_only(mem, monkeypatch):
     data = bytearray(fs.cat_file(path))
     data[4:30_000] = b"\xff" * 29_996
     fs.pipe_file(path, bytes(data))
-    spy = _Spy(monkeypatch)
+    spy = _Spy(monkeypatch, mem)
 
     ds = ParquetDataset(mem, columns=["g", "f"])
     assert len(ds) == 40_000 and ds.num_row_groups == 8
@@ -178,7 +183,7 @@ def test_len_reads_footers_only(mem, monkeypatch):
 def test_getitem_reads_only_its_row_group_and_caches_it(mem, monkeypatch):
     _shards(mem, sizes=(10, 7, 13))
     ds = ParquetDataset(mem, columns=["g", "v"])
-    spy = _Spy(monkeypatch)
+    spy = _Spy(monkeypatch, mem)
     ds[19]  # file 2, its first row group (rows 17..20)
     assert len(spy.reads) == 1
     path, start, end = spy.reads[0]
@@ -211,7 +216,7 @@ def test_cache_is_bounded_and_rows_are_copies(mem):
 def test_prefetch_reads_ahead_and_a_failed_prefetch_is_retried(mem, monkeypatch):
     _shards(mem, sizes=(10, 7, 13))
     ds = ParquetDataset(mem, columns=["g"])
-    spy = _Spy(monkeypatch)
+    spy = _Spy(monkeypatch, mem)
     assert ds.prefetch([0, 1, 12, 29]).result(timeout=30) is None
     assert len(spy.reads) == 3  # three row groups
     assert [ds[i][0].item() for i in (0, 1, 12, 29, 2)] == [0, 1, 12, 29, 2]
@@ -297,7 +302,7 @@ def test_fingerprint_follows_the_files_content_not_their_folder(mem, monkeypatch
     (no read of its own), the same for a copy of the files elsewhere, another for a shard
     rewritten with other values of the same length and row groups, or other columns."""
     _shards(mem, sizes=(10, 7, 13))
-    spy = _Spy(monkeypatch)
+    spy = _Spy(monkeypatch, mem)
     ds = ParquetDataset(mem, columns=["g", "v"])
     reads = len(spy.reads)
     fp = ds.fingerprint()
