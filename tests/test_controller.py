@@ -15,6 +15,24 @@ from tests.support.fake_group import FakeClock, FakeGroup
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture(autouse=True)
+def _release_leases(monkeypatch):
+    """A controller driven by `step_once` until some state, not to its end, never reaches the
+    release in run(): its lease renewal thread would go on reading the process-wide memory
+    filesystem under later tests (tests/test_parquet.py once counted its reads). Released here."""
+    from elastic.checkpoint.lease import Lease
+    started, original = [], Lease.start_renewing
+
+    def start(self):
+        started.append(self)
+        original(self)
+
+    monkeypatch.setattr(Lease, "start_renewing", start)
+    yield
+    for lease in started:
+        lease.release()
+
+
 def make(num_steps=40, scaling=None, failure=None, stragglers=None, checkpoint=None, **group_kw):
     clock = FakeClock()
     job = JobConfig.model_validate({
