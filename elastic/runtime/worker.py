@@ -47,6 +47,8 @@ class Worker(GroupMembership):
         torch.set_num_threads(max(1, int(self.job.scaling.cpus_per_worker)))
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
         self.device = torch.device("cuda", 0) if self.job.scaling.use_gpu else torch.device("cpu")
+        if self.device.type == "cuda":  # before any mesh: NCCL and DeviceMesh take the current device
+            torch.cuda.set_device(self.device)
         if self.job.train.deterministic:  # before the job's modules are imported: they may start CUDA
             determinism.make_deterministic(self.device)
         self.fns = self.job.train.resolve()
