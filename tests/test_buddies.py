@@ -73,7 +73,7 @@ def test_copies_are_taken_where_state_is_held_once():
     assert not has_copies(1, sharded=False, pp=1, dp=3, tp=1)  # DDP: the replicas are the copies
     assert not has_copies(1, sharded=False, pp=2, dp=2, tp=1)  # a replicated pipeline
     assert has_copies(1, sharded=True, pp=1, dp=2, tp=2)  # FSDP x TP: 2-D shards
-    assert not has_copies(1, sharded=False, pp=3, dp=1, tp=2)  # a pipeline's tensor slices: not yet
+    assert has_copies(1, sharded=False, pp=3, dp=1, tp=2)  # a one-replica pipeline's tensor slices
     assert not has_copies(0, sharded=True, pp=1, dp=3, tp=1)  # turned off
 
 

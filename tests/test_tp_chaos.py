@@ -13,6 +13,8 @@ node, and the fifth node has room for a lost node's replacements).
   re-bound to each new mesh, the replicas end equal and every sample is seen once. (At 8 ranks,
   dp x pp x tp, this drill took 55 to 94 s of a 2-core machine; the slots along pp are the
   pipeline drills' business.)
+* pp 2 x tp 2 with one replica (copies every step), rank 0's node killed: stage 0's tp group
+  comes back from its copies at the buddies, no storage read, bit-identical.
 * fsdp x tp (2-D shards, copies every step), rank 0's node killed with replacements too slow to
   wait for: no survivor holds the lost tp group's shards, but their copies at the buddies on
   another node do. The group shrinks to one replica, each tp slice re-sharded over dp from the
@@ -87,6 +89,29 @@ def test_node_kill_in_3d_copies_the_lost_tp_group_from_the_other_replica(cluster
     assert rec["resumed_step"] == FAULT_STEP and rec["lost_steps"] == 0
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH,
                       _num_samples(), seed=0, lost_rank_upto=(0, FAULT_STEP))  # replica 0's unpolled steps
+
+
+def test_one_replica_pipeline_x_tp_node_kill_restores_the_lost_tp_group_from_memory_copies(cluster, tmp_path):
+    """pp 2 x tp 2 with one replica: the lost node held stage 0's whole tp group, and no replica
+    exists; the copies of its two slices at their buddies on another node bring it back, each
+    slice to the replacement at its own tp index, with no storage read, bit-identical."""
+    def one_replica(chaos=()):
+        j = gpt_3d(tmp_path / f"r{len(chaos)}", chaos)
+        j["scaling"].update(num_workers=4, min_workers=4)
+        j["checkpoint"].update(memory_every_steps=1, memory_max_overhead=1.0)  # a copy every step
+        return j
+    base = Trainer(one_replica()).fit(progress=False).digests
+    j = one_replica([{"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}])
+    result = Trainer(j).fit(progress=False)
+    assert result.digests == base
+    (plan,) = result.events_of("restore_plan")
+    assert plan["source"] == "FromShards", (plan, result.events_of("buddies"))
+    restored = result.events_of("restored")[-1]
+    assert restored["uri"] is None and "in memory" in restored["source"], restored
+    (rec,) = result.events_of("recovered")
+    assert rec["lost_steps"] <= 1, rec  # a copy every step: back at most the one in flight
+    assert_exact_once(tmp_path / "r1" / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH,
+                      _num_samples(), seed=0, lost_rank_upto=(0, FAULT_STEP))
 
 
 def test_ddp_tp_shrinks_to_one_replica_from_memory_and_grows_back(cluster, tmp_path):

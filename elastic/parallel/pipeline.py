@@ -248,18 +248,28 @@ class Pipeline(DataParallel):
     def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:
         """This stage's state by name, as CPU copies (replica 0 only; the other replicas hold the
         same): for a planned re-partition, and as the in-memory copy of a pipeline with one
-        replica (elastic/runtime/memory_copies.py), which training goes on past."""
+        replica (elastic/runtime/memory_copies.py), which training goes on past. With tensor
+        parallelism, this rank's tensor slice of each tensor (its local part)."""
         if self.replica != 0:
             return None
         from elastic.parallel.resharding import flatten
-        return {"step": step, "stage": self.stage, "tensors": {k: v.detach().to("cpu", copy=True) for k, v in
-                                                                flatten(state) if isinstance(v, torch.Tensor)}}
+        from elastic.parallel.tensor import local
+        return {"step": step, "stage": self.stage, "tp_index": self.tp_index,
+                "tensors": {k: local(v).detach().to("cpu", copy=True) for k, v in flatten(state)
+                            if isinstance(v, torch.Tensor)}}
 
     def needed_stages(self, old_pp: int) -> list[int]:
-        """Old stages (= old ranks of replica 0) holding the units this rank's new state needs."""
+        """Old ranks of replica 0 holding the units this rank's new state needs: the old stages,
+        each at this rank's tp index (rank = stage x tp + tp index). With tp, only at the same
+        stage count (a slice's local part is the same shape only in the same layout)."""
+        from elastic.parallel.resharding import ReshardError
+        tp = self.layout.tp
+        if tp > 1 and old_pp != self.layout.pp:
+            raise ReshardError(f"a pipeline with tp={tp} re-partitioned from {old_pp} to {self.layout.pp} stages in "
+                               f"memory: not supported (restore from storage)")
         where = stage_of_unit(self.plan(old_pp), old_pp)
         units = {u for chunk in self.chunks for u in chunk}
-        return sorted({where[u] for u in units})
+        return sorted({where[u] * tp + self.tp_index for u in units})
 
     def assemble(self, state: dict, offers: dict[int, dict]) -> int:
         """Fill this rank's fresh state (keyed by name) from old stages' offers. Returns the step."""
@@ -267,18 +277,24 @@ class Pipeline(DataParallel):
         steps = {o["step"] for o in offers.values()}
         if len(steps) != 1:
             raise ReshardError(f"offers from different steps: {sorted(steps)}")
+        from elastic.parallel.tensor import local
         have: dict = {}
         for o in offers.values():
+            if o.get("tp_index", 0) != self.tp_index:
+                raise ReshardError(f"rank at tp index {self.tp_index} offered tp index {o.get('tp_index')}'s slice")
             have.update(o["tensors"])
         for path, v in flatten(state):
             if not isinstance(v, torch.Tensor):
                 continue
             if path not in have:
                 raise ReshardError(f"no old stage offered {'.'.join(map(str, path))}")
-            src = have[path]
-            if isinstance(v, torch.Tensor) and v.shape == src.shape:
+            src, dst = have[path], local(v)
+            if dst.shape == src.shape:
                 with torch.no_grad():
-                    v.copy_(src)
-            else:
+                    dst.copy_(src)
+            elif dst is v:
                 _set(state, path, src.clone())
+            else:
+                raise ReshardError(f"{'.'.join(map(str, path))}: a tensor slice of shape {tuple(dst.shape)} offered "
+                                   f"as {tuple(src.shape)}")
         return steps.pop()

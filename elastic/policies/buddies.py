@@ -22,9 +22,9 @@ class NodeRoom:
 
 def has_copies(every_steps: int, sharded: bool, pp: int, dp: int, tp: int) -> bool:
     """Whether a layout's state needs in-memory copies: it is held once (FSDP's shards, with or
-    without tensor slices; the stages of a pipeline with one replica) and copies can be taken of
-    it (a pipeline's tensor slices: not yet). Replicated state has its copy already, in the replica."""
-    return bool(every_steps) and ((sharded and pp == 1) or (pp > 1 and dp == 1 and not sharded and tp == 1))
+    without tensor slices; the stages of a pipeline with one replica, with or without tensor
+    slices). Replicated state has its copy already, in the replica."""
+    return bool(every_steps) and ((sharded and pp == 1) or (pp > 1 and dp == 1 and not sharded))
 
 
 def choose_buddies(nodes: dict[int, str]) -> tuple[dict[int, int], list[int]]:
