@@ -89,7 +89,7 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None) -
     t0 = time.monotonic()
     w.kept_offer = None
     if w.model is None or w.built_for != w.strategy.layout_key:
-        state.build(w)
+        state.build(w, fill=False)  # every tensor of the state comes from the source next
     elif (w.strategy.tp > 1 or w.strategy.sharded) and w.built_generation != w.generation:
         state.rebind(w)  # its DTensors (HSDP: its FSDP groups) are bound to the old group's mesh
     step = torch.tensor([w.step], dtype=torch.int64, device=w.device)
@@ -136,7 +136,7 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
         return now
 
     w.forget_old_meshes()
-    state.build(w)
+    state.build(w, fill=False)  # every tensor is filled from the offers next (assembly checks it)
     st = state.state_dict(w)
     t = phase("build", t0)
     holders = holders or {}

@@ -78,7 +78,7 @@ def rebind(w: Worker) -> None:
     w.forget_old_meshes()
     held = {path: local(t) for path, t in flatten(state_dict(w)) if isinstance(t, torch.Tensor)}
     amp = w.amp
-    build(w)
+    build(w, fill=False)  # every tensor is moved in from the old build next
     fresh = state_dict(w)
     with torch.no_grad():
         for path, t in flatten(fresh):
