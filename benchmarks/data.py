@@ -120,11 +120,12 @@ def build_batched_dataset() -> BatchedObjectStoreDataset:
     return build_dataset(BatchedObjectStoreDataset)
 
 
-def write_samples(fs, root: str) -> int:
-    """Every sample of the common workload as its own object under root; returns their number."""
+def write_samples(fs, root: str, ids=None) -> int:
+    """Every sample of the common workload (or those of `ids`) as its own object under root;
+    returns the dataset's length."""
     from elastic.workload import TeacherDataset
     ds = TeacherDataset()
-    fs.pipe({sample_path(root, i): encode(*ds[i]) for i in range(len(ds))})
+    fs.pipe({sample_path(root, i): encode(*ds[i]) for i in (range(len(ds)) if ids is None else ids)})
     return len(ds)
 
 
