@@ -387,7 +387,7 @@ def _ray_train_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     per_rank_batch = config["global_batch_size"] // world_size
-    model, optimizer, step, _ = resume_workload(config["seed"])
+    model, optimizer, step, _, _ = resume_workload(config["seed"])
     dataset = workload.build_dataset()
     stop_file, num_steps = config["stop_file"], config["num_steps"]
     stop_at = None

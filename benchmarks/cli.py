@@ -68,12 +68,13 @@ OPTIONS = (
     _opt("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
          help="the schedule every system runs", used_by=("pipeline",)),
     _opt("--tp", type=int, default=1,
-         help="tensor-parallel ranks per stage in the throughput layouts (the built-in plan in both systems; "
-              "layouts that do not fit the cluster's 4 one-CPU nodes and the stage-loss part are left out)",
-         used_by=("pipeline",)),
+         help="pipeline: tensor-parallel ranks per stage in the throughput layouts (the built-in plan in both "
+              "systems; layouts that do not fit the cluster's 4 one-CPU nodes and the stage-loss part are left out); "
+              "recovery: 2 trains examples/gpt.py at dp 2 x tp 2 and kills the node of a whole tp group",
+         used_by=("pipeline", "recovery")),
     _opt("--gpt", default=None,
          help="GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py, the model every system trains (default 4,64,64 "
-              "for pipeline, 4,256,64 for parallel)", used_by=("pipeline", "parallel")),
+              "for pipeline, 4,256,64 for parallel and recovery --tp)", used_by=("pipeline", "parallel", "recovery")),
     _opt("--memory", action="store_true",
          help="peak memory per rank per layout (eager vs meta init, activation checkpointing off/on) instead of "
               "throughput",

@@ -123,7 +123,7 @@ def _train_loop(config: dict) -> None:
     global_batch = config["global_batch_size"]
     per_rank_batch = global_batch // world_size
 
-    model, optimizer, step, checkpoint = resume_workload(config["seed"])
+    model, optimizer, step, checkpoint, _ = resume_workload(config["seed"])
     _log_event(timeline_dir, "train_fn_start", rank=rank, world_size=world_size, resume_step=step,
                checkpoint=checkpoint.path if checkpoint is not None else None)
 

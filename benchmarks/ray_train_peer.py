@@ -85,21 +85,15 @@ class _TimelineCallback(ray.train.UserCallback):
                    step=metrics[0].get("step"), checkpoint=checkpoint is not None)
 
 
-def resume_workload(seed: int, strategy: str = "ddp", use_gpu: bool = False):
+def resume_workload(seed: int, strategy: str = "ddp", use_gpu: bool = False, tp: int = 1):
     """The common workload's model and optimizer from the seed, then Ray Train's latest checkpoint
-    if there is one, the model wrapped for DDP (or sharded with FSDP2: benchmarks/ray_train_fsdp.py):
-    (model, optimizer, completed steps, checkpoint or None)."""
+    if there is one, the model wrapped for DDP (or sharded with FSDP2: benchmarks/ray_train_fsdp.py;
+    tp > 1: examples/gpt.py split over tp, benchmarks/ray_train_tp.py):
+    (model, optimizer, completed steps, checkpoint or None, the (dp, tp) mesh or None)."""
+    if strategy == "fsdp" or tp > 1:
+        return _resume_distributed(seed, strategy, use_gpu, tp)
     torch.manual_seed(seed)  # same initial weights on every rank, before any checkpoint overrides them
     model = workload.build_model()
-    if strategy == "fsdp":
-        from benchmarks import ray_train_fsdp
-        model = ray_train_fsdp.shard(model, ray.train.get_context().get_world_size(), use_gpu)
-        optimizer = workload.build_optimizer(model.parameters())
-        step, checkpoint = 0, ray.train.get_checkpoint()
-        if checkpoint is not None:
-            with checkpoint.as_directory() as ckpt_dir:
-                step = ray_train_fsdp.load(model, optimizer, ckpt_dir)
-        return model, optimizer, step, checkpoint
     optimizer_state = None
     step = 0  # completed optimizer steps
     checkpoint = ray.train.get_checkpoint()
@@ -113,7 +107,26 @@ def resume_workload(seed: int, strategy: str = "ddp", use_gpu: bool = False):
     optimizer = workload.build_optimizer(model.parameters())
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)  # every rank: optimizer state is not synchronised by DDP
-    return model, optimizer, step, checkpoint
+    return model, optimizer, step, checkpoint, None
+
+
+def _resume_distributed(seed: int, strategy: str, use_gpu: bool, tp: int):
+    """FSDP2 or tensor parallelism: every rank builds its own part, then reads it from the merged
+    distributed checkpoint (resume_workload's return)."""
+    from benchmarks import ray_train_fsdp
+    world, mesh = ray.train.get_context().get_world_size(), None
+    if tp > 1:
+        from benchmarks import ray_train_tp
+        model, optimizer, mesh = ray_train_tp.build(seed, strategy, tp, world, use_gpu)
+    else:
+        torch.manual_seed(seed)
+        model = ray_train_fsdp.shard(workload.build_model(), world, use_gpu)
+        optimizer = workload.build_optimizer(model.parameters())
+    step, checkpoint = 0, ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as ckpt_dir:
+            step = ray_train_fsdp.load(model, optimizer, ckpt_dir)
+    return model, optimizer, step, checkpoint, mesh
 
 
 def train_step(model, optimizer, dataset, step: int, global_batch: int, rank: int, per_rank_batch: int):
@@ -140,8 +153,8 @@ def report_step(model, optimizer, step: int, metrics: dict, rank: int, ckpt_ever
     """Ray Train's documented pattern: every `ckpt_every` steps rank 0 writes the (replicated) DDP
     state and every rank calls report, so the controller can pair them up; the checkpoint counts
     once all ranks' reports are polled. The final step is reported too, for Result.metrics. FSDP:
-    every rank writes and reports its own shards (distributed checkpointing)."""
-    if step % ckpt_every == 0 and strategy == "fsdp":
+    every rank writes and reports its own shards (distributed checkpointing), as with tp."""
+    if step % ckpt_every == 0 and strategy in ("fsdp", "tp"):
         from benchmarks import ray_train_fsdp
         with tempfile.TemporaryDirectory() as tmp:
             ray_train_fsdp.save(model, optimizer, step, tmp, rank)
@@ -172,12 +185,20 @@ def _train_loop(config: dict) -> None:
     fault_marker = os.path.join(timeline_dir, FAULT_MARKER)
     is_recovery = os.path.exists(fault_marker)
 
-    strategy = config.get("strategy", "ddp")
-    model, optimizer, step, checkpoint = resume_workload(config["seed"], strategy, config.get("use_gpu", False))
+    strategy, tp = config.get("strategy", "ddp"), config.get("tp", 1)
+    model, optimizer, step, checkpoint, mesh = resume_workload(config["seed"], strategy, config.get("use_gpu", False),
+                                                               tp)
     _log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery,
                checkpoint=checkpoint.path if checkpoint is not None else None)
 
-    dataset = workload.build_dataset()
+    if tp > 1:
+        from benchmarks import ray_train_tp
+        from elastic.data.order import GlobalOrder
+        from examples import gpt
+        dataset = gpt.build_dataset()
+        order = GlobalOrder(len(dataset), config["seed"])
+    else:
+        dataset = workload.build_dataset()
     global_batch = config["global_batch_size"]
 
     first_step_logged = False
@@ -197,7 +218,10 @@ def _train_loop(config: dict) -> None:
                 _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=fault_t)
                 chaos.inject(config.get("fault", "kill_node"))
 
-        loss = train_step(model, optimizer, dataset, step, global_batch, rank, per_rank_batch)
+        if tp > 1:
+            loss = ray_train_tp.train_step(model, optimizer, dataset, order, step, global_batch, mesh, strategy)
+        else:
+            loss = train_step(model, optimizer, dataset, step, global_batch, rank, per_rank_batch)
         step += 1
 
         if rank == 0 and is_recovery and not first_step_logged:
@@ -205,7 +229,8 @@ def _train_loop(config: dict) -> None:
             first_step_logged = True
 
         metrics = {"step": step, "loss": float(loss.detach())}
-        report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir, strategy)
+        report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir,
+                    "tp" if tp > 1 else strategy)
     if rank == 0:
         _log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
 
@@ -290,11 +315,15 @@ def run_ray_train_recovery(
     fault_rank: int = 1,
     use_gpu: bool = False,
     strategy: str = "ddp",
+    tp: int = 1,
+    cpus_per_worker: float = 1,
 ) -> dict:
     """Train the common workload with Ray Train, fault rank `fault_rank`'s node after `fault_step` steps
     (kill it, or freeze it: `elastic.runtime.chaos` actions; or `kill_process`, its process alone), measure the
     recovery. `use_gpu`: one GPU per worker, NCCL (`ScalingConfig(use_gpu=True)`). `strategy`: "ddp"
     (prepare_model) or "fsdp" (FSDP2 and distributed checkpointing: benchmarks/ray_train_fsdp.py).
+    `tp` > 1: examples/gpt.py split over tp ranks, ddp or fsdp over the rest (benchmarks/ray_train_tp.py),
+    `cpus_per_worker` CPUs each.
 
     Needs `ray.init` done (on a cluster with a spare node). Returns one
     benchmark record (see shared/BENCHMARKS.md), plus `restart_s` and the
@@ -318,10 +347,11 @@ def run_ray_train_recovery(
         train_loop_config={
             "timeline_dir": timeline_dir, "num_steps": num_steps, "fault_step": fault_step,
             "ckpt_every": ckpt_every, "global_batch_size": global_batch_size, "seed": seed, "fault": fault,
-            "fault_rank": fault_rank, "strategy": strategy, "use_gpu": use_gpu,
+            "fault_rank": fault_rank, "strategy": strategy, "use_gpu": use_gpu, "tp": tp,
         },
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
-                                               resources_per_worker={"CPU": 1, **({"GPU": 1} if use_gpu else {})}),
+                                               resources_per_worker={"CPU": cpus_per_worker,
+                                                                     **({"GPU": 1} if use_gpu else {})}),
         run_config=ray.train.RunConfig(
             **_storage(storage_dir, s3),
             name=name,
@@ -342,6 +372,7 @@ def run_ray_train_recovery(
         "bench": "recovery",
         "system": "ray-train",
         "strategy": strategy,
+        "tp": tp,
         "storage": "s3" if s3 is not None else "file",
         "fault": fault,
         **_summarise(events, fault_step=fault_step),

@@ -30,8 +30,10 @@ import time
 import uuid
 
 from benchmarks.output import emit, medians, parse_systems, report_against_peer
+from benchmarks.pipeline import gpt_env
 
 NUM_WORKERS, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 10, 96
+TP_GLOBAL_BATCH = 32  # --tp: examples/gpt.py's sequences (examples/gpt_3d.yaml's batch)
 # The fault lands at a different offset from the last checkpoint (step 20) in each repetition, so
 # that no peer's report lag at one offset alone decides lost_steps.
 FAULT_STEPS = (25, 22, 28)
@@ -108,41 +110,78 @@ TORCHFT = "ray-train-torchft"
 TORCHFT_TIMEOUT_S = 300.0  # a torchft run that has not finished by then is reported as hung, with its timeline
 
 
+TP_GPT = "4,256,64"  # --tp: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (parallel's default)
+
+
+def gpt_setup(size: str) -> tuple[dict[str, str], int]:
+    """`--gpt LAYERS,DIM,CONTEXT` for --tp: the environment every process of every system builds
+    examples/gpt.py with (its sizes, and the repository on PYTHONPATH for `examples`), and the
+    model's parameter count. Sets the environment here too: the model reads its sizes at import."""
+    import examples
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))
+    paths = [repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**gpt_env(size), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    os.environ.update(env)
+    from examples.gpt import build_model
+    return env, sum(p.numel() for p in build_model().parameters())
+
+
+def tp_layout(tp: int) -> dict:
+    """`--tp T`: examples/gpt.py on dp 2 x tp T ranks of half a CPU (a tp group of 2 fits one
+    one-CPU node, as examples/gpt_3d.yaml asks), rank 1's node (its whole tp group, replica 0)
+    lost; a warm spare per lost rank."""
+    return {"num_workers": 2 * tp, "fault_rank": 1, "cpus_per_worker": 0.5, "spares": tp}
+
+
 def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str = "kill_node",
                 at_step: int = FAULT_STEPS[0], num_workers: int = NUM_WORKERS, fault_rank: int = 1,
-                gpu: bool = False, strategy: str = "ddp") -> dict:
+                gpu: bool = False, strategy: str = "ddp", tp: int = 1) -> dict:
     """The job of one elastic system. `strategy` fsdp: the state is sharded, and a fault restores
-    from the in-memory copies at their default budget (elastic-storage: from the checkpoint)."""
+    from the in-memory copies at their default budget (elastic-storage: from the checkpoint).
+    `tp` > 1: examples/gpt.py split over tp ranks by the built-in plan (tp_layout)."""
     scaling, failure = ELASTIC_SYSTEMS[system]
+    train = {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+             "loss": "elastic.workload:loss_fn", "optimizer": "elastic.workload:build_optimizer",
+             "global_batch_size": GLOBAL_BATCH, "strategy": strategy}
+    if tp > 1:
+        lay = tp_layout(tp)
+        scaling = {**scaling, "cpus_per_worker": lay["cpus_per_worker"]}
+        if scaling.get("num_spares"):
+            scaling["num_spares"] = lay["spares"]
+        train.update(model="examples.gpt:build_model", dataset="examples.gpt:build_dataset",
+                     loss="examples.gpt:loss_fn", optimizer="examples.gpt:build_optimizer",
+                     global_batch_size=TP_GLOBAL_BATCH, tp={"size": tp})
     return {
         "run": {"name": f"bench-recovery-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
         "scaling": {**scaling, "num_workers": num_workers, "use_gpu": gpu},
         "failure": {"max_failures": 3, **failure},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY},
-        "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
-                  "loss": "elastic.workload:loss_fn", "optimizer": "elastic.workload:build_optimizer",
-                  "global_batch_size": GLOBAL_BATCH, "strategy": strategy},
+        "train": train,
         "chaos": [{"action": fault, "rank": fault_rank, "at_step": at_step}],
     }
 
 
 def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str, at_step: int,
-                num_workers: int = NUM_WORKERS, fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp") -> dict:
+                num_workers: int = NUM_WORKERS, fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp",
+                tp: int = 1) -> dict:
     from elastic import Trainer
     t0 = time.time()
-    job = elastic_job(system, storage_uri, storage_options, fault, at_step, num_workers, fault_rank, gpu, strategy)
+    job = elastic_job(system, storage_uri, storage_options, fault, at_step, num_workers, fault_rank, gpu, strategy,
+                      tp)
     result = Trainer(job).fit(progress=False)
     rec = result.events_of("recovered")
     r = rec[0] if rec else {}
     restored = result.events_of("restored")[-1]
     (plan,) = result.events_of("restore_plan") or ({},)
-    return {"bench": "recovery", "system": system, "strategy": strategy, "fault": fault,
+    return {"bench": "recovery", "system": system, "strategy": strategy, "tp": tp, "fault": fault,
             "recover_s": r.get("recover_s"), "restore_source": restored["source"],
             "restore_plan": plan.get("reason"),
             "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
             "resumed_step": r.get("resumed_step"), "final_step": result.metrics["step"],
             "total_s": time.time() - t0, "num_workers": num_workers, "ckpt_every": CKPT_EVERY,
-            "replicas_identical": len(set(result.digests.values())) == 1, "run_dir": result.run_dir,
+            # Every rank's digest equal (DDP), or each tp slot's across replicas (DDP x TP).
+            "replicas_identical": len({d for r, d in result.digests.items() if r % tp == 0}) == 1,
+            "run_dir": result.run_dir,
             # Survivors replaced instead of kept (their state lost), and persists they left running.
             "survivors_replaced": len(result.events_of("worker_replaced")),
             "persists_abandoned": len(result.events_of("persist_abandoned")),
@@ -152,11 +191,13 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
 
 
 def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_workers: int = NUM_WORKERS,
-                  fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp") -> dict:
+                  fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp", tp: int = 1) -> dict:
     from benchmarks.ray_train_peer import run_ray_train_recovery
+    extra = {"tp": tp, "cpus_per_worker": tp_layout(tp)["cpus_per_worker"]} if tp > 1 else {}
     return run_ray_train_recovery(storage_dir=storage_dir, num_workers=num_workers, num_steps=NUM_STEPS,
-                                  fault_step=at_step, ckpt_every=CKPT_EVERY, global_batch_size=GLOBAL_BATCH,
-                                  fault=fault, s3=s3, fault_rank=fault_rank, use_gpu=gpu, strategy=strategy)
+                                  fault_step=at_step, ckpt_every=CKPT_EVERY,
+                                  global_batch_size=TP_GLOBAL_BATCH if tp > 1 else GLOBAL_BATCH,
+                                  fault=fault, s3=s3, fault_rank=fault_rank, use_gpu=gpu, strategy=strategy, **extra)
 
 
 def main(args) -> int:
@@ -169,8 +210,23 @@ def main(args) -> int:
     if strategy == "fsdp" and TORCHFT in (args.systems or ""):
         print(f"python -m benchmarks recovery: --strategy fsdp: {TORCHFT} runs DDP only here", file=sys.stderr)
         return 2
+    tp = getattr(args, "tp", 1) or 1
+    if tp > 1:
+        problem = ("--gpu" if gpu else "--params (MLP sizes; --gpt sizes the model)" if args.params
+                   else f"--systems {TORCHFT}" if TORCHFT in (args.systems or "") else None)
+        if tp != 2 or problem:
+            print(f"python -m benchmarks recovery: --tp {tp}: " + (f"not with {problem}" if problem else
+                  "only 2 here (a tp group on one of the cluster's one-CPU nodes)"), file=sys.stderr)
+            return 2
+        try:
+            gpt, gpt_params = gpt_setup(args.gpt or TP_GPT)
+        except ValueError as e:
+            print(f"python -m benchmarks recovery: {e}", file=sys.stderr)
+            return 2
     layout = {"num_workers": NUM_WORKERS, "fault_rank": 1, "systems": SYSTEMS}
-    if gpu:
+    if tp > 1:
+        layout = {**layout, "num_workers": tp_layout(tp)["num_workers"]}
+    elif gpu:
         from benchmarks.overhead import gpu_devices
         try:
             num_gpus = gpu_devices()
@@ -224,6 +280,9 @@ def main(args) -> int:
             hidden, params = model_size(size)
             if hidden:  # every process of every system builds this width (elastic.workload)
                 _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+            if tp > 1:  # every process of every system builds this examples/gpt.py
+                params = gpt_params
+                _connect_with_env(cluster, gpt)
             # From LARGE_PARAMS on a step takes seconds here and a checkpoint a gigabyte: --reps-large (1).
             for rep in range(getattr(args, "reps_large", 1) if params >= LARGE_PARAMS else args.reps):
                 at_step = fault_step(rep)
@@ -231,12 +290,12 @@ def main(args) -> int:
                     for system in [s for s in systems if s != TORCHFT]:  # interleaved: drift hits all alike
                         cluster.ensure_worker_nodes(num_nodes)
                         if system == "ray-train":
-                            rec = run_ray_train(work, fault, at_step, s3, world, fault_rank, gpu, strategy)
+                            rec = run_ray_train(work, fault, at_step, s3, world, fault_rank, gpu, strategy, tp)
                             if rec.get("sanity"):  # kept and shown: a figure to read with its problems
                                 print(f"ray-train result is not a fair figure: {rec['sanity']}", file=sys.stderr)
                         else:
                             rec = {**run_elastic(system, storage_uri, storage_options, fault, at_step, world,
-                                                 fault_rank, gpu, strategy), "storage": args.storage}
+                                                 fault_rank, gpu, strategy, tp), "storage": args.storage}
                         rec["backend"] = "nccl" if gpu else "gloo"
                         rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
                                    fault_offset=at_step % CKPT_EVERY)
@@ -245,7 +304,7 @@ def main(args) -> int:
     if TORCHFT in systems:  # after the shared cluster is gone: one cluster at a time
         records += run_torchft_all(sizes, faults, args.reps, work, getattr(args, "reps_large", 1))
     for size in sizes:
-        _, params = model_size(size)
+        params = gpt_params if tp > 1 else model_size(size)[1]
         for fault in faults:
             mine = [r for r in records if r["fault"] == fault and r["params"] == params]
             med = medians(mine, METRICS)
@@ -259,18 +318,26 @@ def main(args) -> int:
                 where = f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
             what = {"kill_node": "node killed", "freeze_node": "node frozen (SIGSTOP)",
                     "kill_process": "process killed (SIGKILL; node and GPU stay)"}[fault]
+            model = (f"examples/gpt.py at GPT_LAYERS,GPT_DIM,GPT_CONTEXT={args.gpt or TP_GPT}, dp 2 x tp {tp} "
+                     f"ranks of half a CPU, {params / 1e6:.1f} M params" if tp > 1 else f"MLP {params / 1e6:.1f} M params")
             notes = [where +
-                     f"MLP {params / 1e6:.1f} M params ({params * STATE_BYTES_PER_PARAM / 1e6:.0f} MB of model + "
+                     f"{model} ({params * STATE_BYTES_PER_PARAM / 1e6:.0f} MB of model + "
                      f"AdamW state), global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps to "
                      f"{'S3 (SeaweedFS)' if s3 else 'local disk'} for every system, rank {fault_rank}'s "
                      f"{what} after step "
                      f"{', '.join(str(s) for s in dict.fromkeys(r['fault_step'] for r in mine if r.get('fault_step')))}"
                      f" (one per repetition, cycling through {', '.join(map(str, FAULT_STEPS))})"]
+            if tp > 1:
+                notes.append(f"rank {fault_rank}'s node holds the whole tp group of replica 0; elastic copies it from "
+                             f"the other replica's memory (ddp) or its in-memory copies (fsdp), a warm spare per lost "
+                             f"rank for elastic-spare; Ray Train runs the same split model in TorchTrainer "
+                             f"(benchmarks/ray_train_tp.py) with distributed checkpoints")
             if strategy != "ddp":
                 notes.append(f"every system trains with {strategy}: elastic FSDP2 with in-memory copies at their "
                              f"default budget (elastic-storage: the checkpoint), Ray Train FSDP2 with distributed "
                              f"checkpointing (benchmarks/ray_train_fsdp.py)")
-            title = f"recovery ({fault}, {params / 1e6:.1f} M params{', ' + strategy if strategy != 'ddp' else ''})"
+            title = (f"recovery ({fault}, {params / 1e6:.1f} M params{', ' + strategy if strategy != 'ddp' else ''}"
+                     f"{f' x tp {tp}' if tp > 1 else ''})")
             report_against_peer("recovery", title, mine, med, METRICS,
                                 list(ELASTIC_SYSTEMS), "ray-train", notes, args.out)
     if args.out and len(sizes) > 1:

@@ -93,3 +93,80 @@ def test_the_ray_train_peers_results_are_checked_before_they_are_compared():
                      ({"detect_s": 26.0}, "detect_s")]:
         problems = sanity_problems({**good, **bad}, **kw)
         assert len(problems) == 1 and why in problems[0], (bad, problems)
+
+
+def test_a_tp_job_trains_the_gpt_example_at_dp2_x_tp2_with_a_spare_per_lost_rank(tmp_path):
+    from elastic.config import parse_job
+    lay = bench.tp_layout(2)
+    assert (lay["num_workers"], lay["fault_rank"]) == (4, 1)  # ranks 0 and 1: replica 0's tp group, one node
+    job = parse_job(bench.elastic_job("elastic-spare", "file://" + str(tmp_path), {}, num_workers=4, tp=2,
+                                      strategy="fsdp"))
+    assert job.train.tp.size == 2 and job.train.model == "examples.gpt:build_model" and job.train.strategy == "fsdp"
+    assert job.scaling.num_workers == 4 and job.scaling.num_spares == 2 and job.scaling.cpus_per_worker == 0.5
+    assert job.train.global_batch_size == bench.TP_GLOBAL_BATCH
+    plain = parse_job(bench.elastic_job("elastic", "file://" + str(tmp_path), {}, num_workers=4, tp=2))
+    assert plain.scaling.num_spares == 0 and plain.train.strategy == "ddp"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tp", "3"], "only 2 here"),
+    (["--tp", "2", "--gpu"], "not with --gpu"),
+    (["--tp", "2", "--params", "9M"], "not with --params"),
+    (["--tp", "2", "--systems", "elastic,ray-train-torchft"], "not with --systems ray-train-torchft"),
+    (["--tp", "2", "--gpt", "4,66,64"], "--gpt: "),
+])
+def test_a_tp_run_refuses_what_it_cannot_compare_before_any_cluster_starts(argv, says, capsys):
+    import argparse
+
+    from benchmarks.cli import add_bench_args
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    assert bench.main(p.parse_args(["recovery", *argv])) == 2
+    assert says in capsys.readouterr().err
+
+
+def _local(model):
+    """This rank's parameters after a step (which the optimizer state decides), as one tensor."""
+    import torch
+    return torch.cat([getattr(p, "_local_tensor", p).detach().flatten() for p in model.parameters()])
+
+
+def _tp_peer_resumes(rank: int, world: int, init_file: str, out: str) -> None:
+    """One rank of the Ray Train peer's tp model without Ray, ddp then fsdp: 2 steps, its
+    distributed checkpoint, a third step; then a fresh model from the seed, the checkpoint read
+    back, the same third step."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    for strategy in ("ddp", "fsdp"):
+        _tp_peer_resume(rank, world, f"{out}/{strategy}", strategy, out)
+    dist.destroy_process_group()
+
+
+def _tp_peer_resume(rank: int, world: int, ckpt: str, strategy: str, out: str) -> None:
+    import torch
+
+    from benchmarks import ray_train_fsdp, ray_train_tp
+    from elastic.data.order import GlobalOrder
+    from examples import gpt
+    data = gpt.build_dataset()
+    order = GlobalOrder(len(data), 0)
+    model, optimizer, mesh = ray_train_tp.build(0, strategy, 2, world, False)
+    for step in range(2):
+        ray_train_tp.train_step(model, optimizer, data, order, step, 8, mesh, strategy)
+    ray_train_fsdp.save(model, optimizer, 2, ckpt, rank)
+    first = [ray_train_tp.train_step(model, optimizer, data, order, 2, 8, mesh, strategy).detach(), _local(model)]
+    model, optimizer, mesh = ray_train_tp.build(0, strategy, 2, world, False)
+    step = ray_train_fsdp.load(model, optimizer, ckpt)
+    again = [ray_train_tp.train_step(model, optimizer, data, order, step, 8, mesh, strategy).detach(), _local(model)]
+    torch.save({"step": step, "first": first, "again": again}, f"{out}/{strategy}-{rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_the_ray_train_tp_peer_resumes_from_its_distributed_checkpoint_exactly(tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+    mp.spawn(_tp_peer_resumes, args=(4, str(tmp_path / "init"), str(tmp_path)), nprocs=4)
+    for strategy in ("ddp", "fsdp"):
+        for rank in range(4):
+            r = torch.load(tmp_path / f"{strategy}-{rank}.pt")
+            assert r["step"] == 2 and all(torch.equal(a, b) for a, b in zip(r["first"], r["again"])), (strategy, rank)
