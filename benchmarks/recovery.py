@@ -314,6 +314,9 @@ def main(args) -> int:
                 where = (f"{world} worker{'s' if world > 1 else ''} on NCCL, one GPU each ({info['gpu']}, driver "
                          f"{info.get('driver')}, torch {info['torch']}; NCCL refuses two ranks on one GPU), on one "
                          f"node of a local ray.cluster_utils.Cluster holding the GPUs, ")
+            elif tp > 1:
+                where = (f"{world} workers of half a CPU on {NUM_WORKERS + 1} one-CPU nodes (local "
+                         f"ray.cluster_utils.Cluster), ")
             else:
                 where = f"{NUM_WORKERS} workers + 1 spare node (local ray.cluster_utils.Cluster, 1 CPU each), "
             what = {"kill_node": "node killed", "freeze_node": "node frozen (SIGSTOP)",
@@ -322,7 +325,8 @@ def main(args) -> int:
                      f"ranks of half a CPU, {params / 1e6:.1f} M params" if tp > 1 else f"MLP {params / 1e6:.1f} M params")
             notes = [where +
                      f"{model} ({params * STATE_BYTES_PER_PARAM / 1e6:.0f} MB of model + "
-                     f"AdamW state), global batch {GLOBAL_BATCH}, checkpoint every {CKPT_EVERY} steps to "
+                     f"AdamW state), global batch {TP_GLOBAL_BATCH if tp > 1 else GLOBAL_BATCH}, checkpoint every "
+                     f"{CKPT_EVERY} steps to "
                      f"{'S3 (SeaweedFS)' if s3 else 'local disk'} for every system, rank {fault_rank}'s "
                      f"{what} after step "
                      f"{', '.join(str(s) for s in dict.fromkeys(r['fault_step'] for r in mine if r.get('fault_step')))}"

@@ -133,7 +133,7 @@ def test_cut_silences_the_node_and_heal_brings_it_back(pc, iso):
 
 
 def test_all_reduce_blocks_on_a_cut_peer(pc, iso):
-    gloo_timeout_s = 20.0
+    gloo_timeout_s = 10.0  # > SILENCE_S: the wait before it proves the collective blocks
     normal, isolated = _gloo_pair(pc, iso, timeout_s=gloo_timeout_s)
     out = ray.get([normal.all_reduce.remote(1.0), isolated.all_reduce.remote(2.0)], timeout=60)
     assert [o[0] for o in out] == ["ok", "ok"], out
