@@ -114,11 +114,14 @@ def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, referenc
     done_sizes = [(d["old_world_size"], d["new_world_size"]) for d in done]
     assert done_sizes == [(3, 2), (2, 3)]
     assert "re-sharded in memory from 2 ranks (read parts [], rank to rank from [0, 1])" in done[1]["source"]
-    # Lost steps, measured: the shrink restores the newest step every part has a copy of (the
-    # fault step's copy may still have been on its way); the planned grow re-shards in memory at
-    # the step training stopped at.
+    # The shrink restores the newest step every part has a complete copy of, the one the plan
+    # names. Not a fixed distance from the fault: a rank votes against a copy while its last send
+    # is on its way, so on a loaded machine the copy before the fault step may not have been taken
+    # either (a CI run resumed at 18 for a fault at 20, copies at 18, none at 19, 20's in flight).
+    # The planned grow re-shards in memory at the step training stopped at.
     assert done[0]["reached_step"] >= FAULT_STEP
-    assert done[0]["lost_steps"] == done[0]["reached_step"] - done[0]["resumed_step"] <= 1
+    assert f"in-memory copies at step {done[0]['resumed_step']}:" in plan["reason"], (plan, done[0])
+    assert done[0]["lost_steps"] == done[0]["reached_step"] - done[0]["resumed_step"] >= 0
     # When the new node is up decides where the grow lands: after the shrunk group trained on from
     # its restore (CI saw it at step 19, before it had redone the fault step 20, and at later steps).
     assert done[1]["lost_steps"] == 0 and done[1]["resumed_step"] == done[1]["reached_step"] > done[0]["resumed_step"]
