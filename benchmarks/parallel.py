@@ -35,7 +35,7 @@ import uuid
 
 from benchmarks.output import emit, medians, parse_systems, write_report
 from benchmarks.overhead import ray_worker_niceness
-from benchmarks.pipeline import _connect_with_env, gpt_env, read_step_log
+from benchmarks.pipeline import _connect_with_env, gpt_env, gpt_setup, read_step_log
 from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
 
 SEED, BATCH, STEPS, WARMUP_STEPS = 0, 16, 60, 10
@@ -176,19 +176,13 @@ def main(args) -> int:
         return 2
     try:
         layouts = [parse_layout(s) for s in (args.layouts or DEFAULT_LAYOUTS).split(",")]
-        env = gpt_env(args.gpt)
+        gpt_env(args.gpt)
     except ValueError as e:
         print(f"python -m benchmarks parallel: {e}", file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="elastic-bench-parallel-")
     step_log = os.path.join(work, "steps.jsonl")
-    import examples
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))
-    paths = [repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**env, STEP_LOG_ENV: step_log, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-    os.environ.update(env)
-    from examples.gpt import build_model
-    params = sum(p.numel() for p in build_model().parameters())
+    env, params = gpt_setup(args.gpt, {STEP_LOG_ENV: step_log})
     common = {"bench": "parallel", "params": params, "gpt": args.gpt, "global_batch": BATCH, "num_steps": STEPS,
               "warmup_steps": WARMUP_STEPS}
     records: list[dict] = []

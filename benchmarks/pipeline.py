@@ -72,6 +72,20 @@ def gpt_env(size: str) -> dict[str, str]:
     return {"GPT_LAYERS": str(layers), "GPT_DIM": str(dim), "GPT_CONTEXT": str(context)}
 
 
+def gpt_setup(size: str, extra: dict[str, str] | None = None) -> tuple[dict[str, str], int]:
+    """`--gpt LAYERS,DIM,CONTEXT` for every process of a benchmark's systems: the environment they
+    build examples/gpt.py with (its sizes, the repository on PYTHONPATH for `examples`, and
+    `extra`), and the model's parameter count. Sets the environment here too: the model reads its
+    sizes at import."""
+    import examples
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))
+    paths = [repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**gpt_env(size), **(extra or {}), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    os.environ.update(env)
+    from examples.gpt import build_model
+    return env, sum(p.numel() for p in build_model().parameters())
+
+
 def chunks_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
 

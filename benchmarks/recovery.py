@@ -30,7 +30,7 @@ import time
 import uuid
 
 from benchmarks.output import emit, medians, parse_systems, report_against_peer
-from benchmarks.pipeline import gpt_env
+from benchmarks.pipeline import gpt_setup
 
 NUM_WORKERS, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 10, 96
 TP_GLOBAL_BATCH = 32  # --tp: examples/gpt.py's sequences (examples/gpt_3d.yaml's batch)
@@ -111,19 +111,6 @@ TORCHFT_TIMEOUT_S = 300.0  # a torchft run that has not finished by then is repo
 
 
 TP_GPT = "4,256,64"  # --tp: GPT_LAYERS,GPT_DIM,GPT_CONTEXT of examples/gpt.py (parallel's default)
-
-
-def gpt_setup(size: str) -> tuple[dict[str, str], int]:
-    """`--gpt LAYERS,DIM,CONTEXT` for --tp: the environment every process of every system builds
-    examples/gpt.py with (its sizes, and the repository on PYTHONPATH for `examples`), and the
-    model's parameter count. Sets the environment here too: the model reads its sizes at import."""
-    import examples
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))
-    paths = [repo, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**gpt_env(size), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-    os.environ.update(env)
-    from examples.gpt import build_model
-    return env, sum(p.numel() for p in build_model().parameters())
 
 
 def tp_layout(tp: int) -> dict:

@@ -128,7 +128,9 @@ def test_a_tp_run_refuses_what_it_cannot_compare_before_any_cluster_starts(argv,
 def _local(model):
     """This rank's parameters after a step (which the optimizer state decides), as one tensor."""
     import torch
-    return torch.cat([getattr(p, "_local_tensor", p).detach().flatten() for p in model.parameters()])
+
+    from elastic.parallel.tensor import local
+    return torch.cat([local(p).detach().flatten() for p in model.parameters()])
 
 
 def _tp_peer_resumes(rank: int, world: int, init_file: str, out: str) -> None:

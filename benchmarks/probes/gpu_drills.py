@@ -15,11 +15,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from elastic import Trainer
+from elastic.local_cluster import local_cluster
 
-from elastic import Trainer  # noqa: E402
-from elastic.local_cluster import local_cluster  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS, EVERY, FAULT = 20, 5, 12
 
