@@ -27,7 +27,8 @@ def rendezvous_port() -> int:
 
 def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None, probe=None):
     os.environ.update(env)
-    from elastic.runtime.worker import Worker
+    from elastic.runtime.actor import import_worker
+    Worker = import_worker()  # as a Ray worker does it (the collector off while torch's modules import)
     if data_limit_mb is not None:
         # A hard cap on the private memory this rank may commit (heap and anonymous mappings, what
         # tensors live in): past it an allocation fails, and the rank reports the error.

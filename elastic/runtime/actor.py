@@ -20,8 +20,34 @@ REMOTE_METHODS = (
 
 class WorkerActor:
     def __init__(self, job_json: str, checkpoints_root: str, controller=None):
-        from elastic.runtime.worker import Worker  # torch and the rest: in the worker's process only
+        Worker = import_worker()
         self.worker = Worker(job_json, checkpoints_root, controller)
+
+
+def import_worker():
+    """elastic.runtime.worker, with torch, DTensor and DCP: in the worker's process only.
+
+    The cyclic garbage collector is off while they import: torch's import allocates hundreds of
+    thousands of objects and would trigger dozens of collections that find nothing to free;
+    without them the import (dynamo's included) took 2.4-3.0 s of CPU instead of 2.9-3.6 s, on
+    every rank's and spare's start (Ray actors on this project's 2-core machine, three at once).
+    What the import made is frozen at once (gc.freeze: modules, functions and classes, alive for
+    the process's life): re-enabled with all of it in the youngest generation, the collector's
+    next pass would scan it all. Worker.__init__ freezes what its set-up adds the same way."""
+    import gc
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        from elastic.runtime.worker import Worker
+        # torch.optim imports dynamo lazily, on the first optimizer built (Optimizer.__init__ is
+        # wrapped by torch._disable_dynamo): every rank paid it inside its first restore, which
+        # took 0.84-1.1 s for the 3-rank workload from init, 0.05 s with dynamo imported here.
+        import torch._dynamo  # noqa: F401
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+    return Worker
 
 
 def _forward(name: str):
