@@ -21,7 +21,7 @@ NUM_WORKER_NODES = 4  # 3 training workers + 1 spare node, as in the benchmarks
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[LocalCluster]:
-    with local_cluster(num_worker_nodes=NUM_WORKER_NODES, cpus_per_node=1) as cluster:
+    with local_cluster(num_worker_nodes=NUM_WORKER_NODES, cpus_per_node=1, dashboard=False) as cluster:
         yield cluster
 
 

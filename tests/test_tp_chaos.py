@@ -43,7 +43,7 @@ NODES = 5
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    with local_cluster(num_worker_nodes=NODES, cpus_per_node=1) as c:
+    with local_cluster(num_worker_nodes=NODES, cpus_per_node=1, dashboard=False) as c:
         yield c
 
 
