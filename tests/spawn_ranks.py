@@ -1,5 +1,11 @@
-"""Real Workers without Ray: one process per rank (spawned), gloo on this machine. Each rank
-joins, restores (fresh init or the given checkpoints), trains, and reports what it ended with."""
+"""Real Workers without Ray: one process per rank, gloo on this machine. Each rank joins, restores
+(fresh init or the given checkpoints), trains, and reports what it ended with.
+
+Ranks are forked from a forkserver that imported torch and the worker once
+(tests/support/rank_preload.py), not spawned: a fork of a process that only imported modules (no
+thread, no tensor op, no process group yet) starts as clean as a fresh interpreter, without
+paying the imports again. Each rank's environment is the forkserver's (taken when it started)
+plus `env`."""
 from __future__ import annotations
 
 import os
@@ -80,7 +86,8 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     module:function(model) whose answer at the end is extra["probe"]."""
     jc = JobConfig.model_validate(job)
     world = jc.scaling.num_workers
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.spawn_ranks", "tests.support.rank_preload"])  # before its first start
     q = ctx.Queue()
     root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
     # The controller's part: generation 1 in the fence before the group forms (no fence, no write).
