@@ -76,6 +76,11 @@ class RestoreResult:
     skipped: tuple[tuple[str, str], ...] = ()  # (checkpoint uri, why it did not load)
     phases: dict[str, float] | None = None  # seconds per phase, where timed (a re-shard in memory, a peer's transfer)
     state_bytes: int | None = None  # this rank's state that crossed the group (a restore from a peer)
+    # A restore from a peer, point to point: how many ranks of its slot sent (survivors at the
+    # source's step) and how many received (the rest), and the bytes this rank received.
+    senders: int | None = None
+    receivers: int | None = None
+    received_bytes: int | None = None
 
 
 @dataclass(frozen=True)

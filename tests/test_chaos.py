@@ -255,6 +255,8 @@ def test_a_frozen_rank_0_that_thaws_is_fenced_off(cluster, baseline, tmp_path): 
     assert restored["source"].startswith("peer rank")
     # what crossed the group, and how fast: the rank's whole state, at a rate the event reports
     assert restored["state_bytes"] >= 1_323_018 * 4 and restored["transfer_gb_per_s"] > 0 and restored["phases"]["transfer"] > 0
+    # only the replacement received, and both survivors (at the same step) sent it a share
+    assert (restored["senders"], restored["receivers"]) == (2, 1), restored
     root = tmp_path / "runs" / name / "checkpoints"
     committed = [c for c in sorted(os.listdir(root)) if (root / c / "COMMITTED").exists()]
     for c in committed:  # every marker was written by a current rank 0, after its own shards

@@ -138,12 +138,7 @@ def restored(ctl: Controller, out: dict[int, RestoreResult]) -> State:
     slowest = max(out.values(), key=lambda o: o.restore_s)
     restore_s = slowest.restore_s
     extra = {"phases": slowest.phases} if slowest.phases is not None else {}  # the slowest rank's, where timed
-    moved = max(out.values(), key=lambda o: (o.phases or {}).get("transfer", 0.0))
-    if moved.state_bytes and (moved.phases or {}).get("transfer"):
-        # A restore from a peer: the state one rank holds, over the slowest rank's transfer (the
-        # broadcast's wall time, which every rank of the group spends at once).
-        extra.update(state_bytes=moved.state_bytes,
-                     transfer_gb_per_s=round(moved.state_bytes / moved.phases["transfer"] / 1e9, 3))
+    extra.update(transfer_stats(out))
     ctl.events.emit("restored", step=r0.step, source=r0.source, uri=r0.uri, restore_s=restore_s,
                     world_size=len(out), **extra)
     if ctl.resize is not None:
@@ -162,3 +157,24 @@ def restored(ctl: Controller, out: dict[int, RestoreResult]) -> State:
     # Refills start beside the training group: at low CPU priority until built.
     ctl.group.add_spares(ctl.job.scaling.num_spares - ctl.group.num_spares(), background=True)
     return Running()
+
+
+def transfer_stats(out: dict[int, RestoreResult]) -> dict:
+    """For the `restored` event of a restore from a peer: the state one rank holds and the rate it
+    crossed at. A broadcast: that state over the slowest rank's transfer (every rank of the group
+    spends it at once). Point to point: how many holders sent, to how many ranks, and the rate of
+    the receiver that took longest; no rate when every rank held the state already."""
+    timed = [o for o in out.values() if o.state_bytes and (o.phases or {}).get("transfer")]
+    if not timed:
+        return {}
+    slowest = max(timed, key=lambda o: o.phases["transfer"])
+    if slowest.senders is None:
+        return {"state_bytes": slowest.state_bytes,
+                "transfer_gb_per_s": round(slowest.state_bytes / slowest.phases["transfer"] / 1e9, 3)}
+    stats = {"state_bytes": slowest.state_bytes, "senders": max(o.senders or 0 for o in timed),
+             "receivers": max(o.receivers or 0 for o in timed)}
+    took = [o for o in timed if o.received_bytes]
+    if took:
+        last = max(took, key=lambda o: o.phases["transfer"])
+        stats["transfer_gb_per_s"] = round(last.received_bytes / last.phases["transfer"] / 1e9, 3)
+    return stats

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from elastic.parallel import memory, meta_init, tensor
 from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
+from elastic.parallel.peer_copy import CopyStats, copy_state
 
 _cleared = threading.local()
 
@@ -157,8 +158,10 @@ class Strategy(ABC):
         """Called before each micro-batch's backward; off for all but the last one of a step."""
 
     @abstractmethod
-    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
-        """Make every rank's model and optimizer state equal to `src_rank`'s (replicated strategies)."""
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int,
+                        holds: bool = False) -> CopyStats | None:
+        """Make every rank's model and optimizer state equal to `src_rank`'s (replicated strategies).
+        `holds`: this rank already holds that state (a survivor at the source's step); it only sends."""
 
     def buffer_group(self):
         """The ranks whose buffers are made equal: the `dp` axis."""
@@ -201,13 +204,24 @@ class Strategy(ABC):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def copy_from_replica(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
-    """Every rank of `src_rank`'s `dp` group holds the same state (replicas; HSDP's groups at one
-    shard), so one broadcast per dtype of each rank's local part of every model and optimizer
-    tensor, in a fixed key order, makes theirs equal to `src_rank`'s exactly."""
+def copy_from_replica(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int,
+                      holds: bool = False) -> CopyStats | None:
+    """Every rank of `src_rank`'s `dp` group is a replica of the same slot (DDP; HSDP's groups at
+    one shard; a tp slice's replicas), so copying each rank's local part of every model and
+    optimizer tensor, in a fixed key order, makes the state exact. On CPU (gloo) the ranks that
+    hold the source's state (`holds`; the source always does) send it point to point to those that
+    do not, each a share (elastic/parallel/peer_copy.py); on GPU it is still one broadcast per
+    dtype from `src_rank` (the point-to-point copy has not run on NCCL yet)."""
     state = strategy.state_dict(model, optimizer)
-    broadcast_tensors([tensor.local(t) for t in _tensors_in_order(state)], src_rank, strategy.mesh.get_group("dp"))
+    tensors = [tensor.local(t) for t in _tensors_in_order(state)]
+    group = strategy.mesh.get_group("dp")
+    stats = None
+    if any(t.is_cuda for t in tensors):
+        broadcast_tensors(tensors, src_rank, group)
+    else:
+        stats = copy_state(tensors, holds or dist.get_rank() == src_rank, group)
     strategy.load_state_dict(model, optimizer, state)
+    return stats
 
 
 def _tensors_in_order(obj) -> list[torch.Tensor]:

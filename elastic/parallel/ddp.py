@@ -88,12 +88,13 @@ class DataParallel(Strategy):
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         super().load_state_dict(model, optimizer, tensor.as_locals(state) if self.tp > 1 else state)
 
-    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
-        """Every replica holds the whole state, so one broadcast per dtype of every model and
-        optimizer tensor, in a fixed key order, copies the source replica exactly: how a
-        replacement gets a survivor's state without touching storage. With tensor parallelism,
-        over the slot's `dp` group: each rank's local slice from its replica at `src_rank`."""
-        copy_from_replica(self, model, optimizer, src_rank)
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int,
+                        holds: bool = False):
+        """Every replica holds the whole state, so copying every model and optimizer tensor, in a
+        fixed key order, from the replicas that hold the source's state makes a replacement's
+        exact without touching storage (`copy_from_replica`). With tensor parallelism, over the
+        slot's `dp` group: each rank's local slice from its slot's replicas."""
+        return copy_from_replica(self, model, optimizer, src_rank, holds)
 
     # ---------------------------------------------------------------- overlapped buckets
     def _hook(self, model: nn.Module) -> None:

@@ -111,13 +111,14 @@ class FullyShardedDataParallel(Strategy):
         "dp" axis alone would leave the shard groups apart)."""
         return dist.group.WORLD if self.hybrid else super().buffer_group()
 
-    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int) -> None:
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int,
+                        holds: bool = False):
         """HSDP: each rank's shards, model and optimizer, from the rank at the same shard in
         another replica group (`src_rank`), over the "dp" axis, in a fixed key order."""
         if not self.hybrid:
             raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "
                                "shards (elastic.parallel.resharding) or load a checkpoint")
-        copy_from_replica(self, model, optimizer, src_rank)
+        return copy_from_replica(self, model, optimizer, src_rank, holds)
 
 
 def _on_gpu(model: nn.Module) -> bool:

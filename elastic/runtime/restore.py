@@ -80,15 +80,18 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
                          uri=loaded, skipped=tuple(skipped))
 
 
-def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None) -> RestoreResult:
+def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None, held: bool = False) -> RestoreResult:
     """Memory path: take model, optimizer and step from rank `src_rank`, a survivor that
     holds the newest state, through the new group. No storage read. A layout of several slots
     (pipeline stages, tensor slices) names one source per slot (`slot_sources[slot]`, a replica
     of that slot); a rank whose model was built for another stage (a spare, a re-numbered
-    survivor) builds its stage first."""
+    survivor) builds its stage first. `held`: this rank held state before the restore; at the
+    source's step, built for its slot, it holds the source's state, sends and receives nothing."""
     t0 = time.monotonic()
     w.kept_offer = None
+    own_step = w.step
     if w.model is None or w.built_for != w.strategy.layout_key:
+        held = False
         state.build(w, fill=False)  # every tensor of the state comes from the source next
     elif (w.strategy.tp > 1 or w.strategy.sharded) and w.built_generation != w.generation:
         state.rebind(w)  # its DTensors (HSDP: its FSDP groups) are bound to the old group's mesh
@@ -97,14 +100,16 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None) -
     w.step = int(step.item())
     src = slot_sources[w.layout.slot_of(w.rank)] if slot_sources else src_rank
     t_move = time.monotonic()
-    w.strategy.broadcast_state(w.model, w.optimizer, src)
+    moved = w.strategy.broadcast_state(w.model, w.optimizer, src, holds=held and own_step == w.step)
     if w.amp:
         broadcast_tensors([w.amp[k] for k in sorted(w.amp)], src, w.mesh.get_group("dp"))
     transfer_s = time.monotonic() - t_move
     start_checkpointer(w)
+    p2p = {} if moved is None else dict(senders=len(moved.holders), receivers=len(moved.receivers),
+                                         received_bytes=moved.received_bytes)
     return RestoreResult(step=w.step, restore_s=time.monotonic() - t0,
                          source=f"peer rank {src}" if not slot_sources else f"slot replicas {list(slot_sources)}",
-                         phases={"transfer": transfer_s}, state_bytes=state.local_bytes(w))
+                         phases={"transfer": transfer_s}, state_bytes=state.local_bytes(w), **p2p)
 
 
 def offer(w: Worker, publish: bool = True) -> dict:

@@ -175,9 +175,10 @@ class Worker(GroupMembership):
 
     def restore_from_peer(self, src_rank: int, slot_sources: list[int] | None = None) -> RestoreResult:
         """From the memory of survivor `src_rank` (several slots: of `slot_sources[slot]`)."""
-        if self.rank not in (slot_sources or [src_rank]):  # a receiver: overwritten from here on
+        held = bool(self._progress["holds_state"])  # a survivor: it may hold the source's state already
+        if self.rank not in (slot_sources or [src_rank]):  # until the copy is done
             self.set_progress(holds_state=False)
-        return restore.from_peer(self, src_rank, slot_sources)
+        return restore.from_peer(self, src_rank, slot_sources, held)
 
     def offer_shards(self, publish: bool = True) -> dict:
         """This rank's part of the state, for a re-shard in memory (kept here unless `publish`)."""
