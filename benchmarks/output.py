@@ -121,3 +121,21 @@ def _plot(path: str, records: list[dict], metric: str, key: str, title: str) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def recovery_timeline(result) -> dict:
+    """Where a recovery's seconds went, from its events: seconds from the fault to the failure's
+    detection, to the replacements' start, to the new group's formation, to the state in place
+    (and how it moved: restore_s, the copy's rate, how many ranks sent and received)."""
+    (fault,) = result.events_of("fault_injected") or ({},)
+    if not fault:
+        return {}
+    after = [e for e in result.events if e["t"] >= fault["t"]]
+
+    def first(kind):
+        return next((round(e["t"] - fault["t"], 2) for e in after if e["kind"] == kind), None)
+    restored = next((e for e in after if e["kind"] == "restored"), {})
+    return {"t_detected": first("failure_detected"), "t_replaced": first("workers_replaced"),
+            "t_formed": first("group_formed"), "t_restored": first("restored"),
+            "restore_s": restored.get("restore_s"), "transfer_gb_per_s": restored.get("transfer_gb_per_s"),
+            "senders": restored.get("senders"), "receivers": restored.get("receivers")}

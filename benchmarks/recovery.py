@@ -29,7 +29,7 @@ import tempfile
 import time
 import uuid
 
-from benchmarks.output import emit, medians, parse_systems, report_against_peer
+from benchmarks.output import emit, medians, parse_systems, recovery_timeline, report_against_peer
 from benchmarks.pipeline import gpt_setup
 
 NUM_WORKERS, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 10, 96
@@ -174,7 +174,9 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
             "persists_abandoned": len(result.events_of("persist_abandoned")),
             # Judged with the heartbeat or by polls alone (detect_s is how long the silence took).
             "heartbeat": job["failure"].get("heartbeat", True),
-            "silence_excused": len(result.events_of("silence_excused"))}
+            "silence_excused": len(result.events_of("silence_excused")),
+            **recovery_timeline(result)}
+
 
 
 def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_workers: int = NUM_WORKERS,
