@@ -178,7 +178,6 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
             **recovery_timeline(result)}
 
 
-
 def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_workers: int = NUM_WORKERS,
                   fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp", tp: int = 1) -> dict:
     from benchmarks.ray_train_peer import run_ray_train_recovery

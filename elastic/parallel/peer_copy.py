@@ -19,7 +19,6 @@ updates; a step's update is applied, and the step counted, only after its collec
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +39,11 @@ class Piece:
 
 @dataclass(frozen=True)
 class CopyStats:
-    """What one rank moved, and how long the whole copy took on it (its last piece)."""
+    """Who held the state and who received it (global ranks), and what this rank moved."""
     holders: tuple[int, ...]
     receivers: tuple[int, ...]
     sent_bytes: int
     received_bytes: int
-    seconds: float
 
 
 def plan_copy(sizes: list[tuple[int, int]], holders: list[int], receivers: list[int],
@@ -74,14 +72,14 @@ def copy_state(tensors: list[torch.Tensor], holds: bool, group) -> CopyStats:
     """Make every rank's `tensors` equal to the holders' (ranks of `group` that pass
     `holds=True`), in place, sending only to the ranks that pass False. Collective over `group`:
     one all-gather of who holds, then the pieces (`plan_copy`) as point-to-point sends."""
-    t0 = time.monotonic()
     ranks = dist.get_process_group_ranks(group)
     device = tensors[0].device if tensors else torch.device("cpu")
     flag = torch.tensor([1 if holds else 0], dtype=torch.int64, device=device)
     flags = [torch.zeros_like(flag) for _ in ranks]
     dist.all_gather(flags, flag, group=group)
-    holders = [r for r, f in zip(ranks, flags) if int(f.item())]
-    receivers = [r for r, f in zip(ranks, flags) if not int(f.item())]
+    held = [bool(f.item()) for f in flags]
+    holders = [r for r, h in zip(ranks, held) if h]
+    receivers = [r for r, h in zip(ranks, held) if not h]
     if not holders:
         raise RuntimeError(f"no rank of {ranks} holds the state to copy")
     me = dist.get_rank()
@@ -114,4 +112,4 @@ def copy_state(tensors: list[torch.Tensor], holds: bool, group) -> CopyStats:
                 req.wait()
         for i in unpack:
             tensors[i].copy_(flat[i].view_as(tensors[i]))
-    return CopyStats(tuple(holders), tuple(receivers), sent, received, time.monotonic() - t0)
+    return CopyStats(tuple(holders), tuple(receivers), sent, received)
