@@ -16,6 +16,16 @@ controller asks the survivor (on another actor thread) to abort its group:
   a pair of this group (Ray's own connections live in the same process).
 * NCCL: ncclCommAbort through torch's `_abort_process_group`.
 
+Cutting the sockets wakes every op blocked on a receive, but not one blocked on a send that
+the kernel had not taken in full (a send to the silent peer, larger than the socket's
+buffers): gloo fails the pair without failing the send it had queued on it, and the op waits
+for its own timeout (failure.collective_timeout_s, 120 s). A survivor that was sending to the
+lost rank then stayed in its step, and was replaced with its state (CI saw it; a 3-rank drill
+without Ray: 4 stuck of 40). So every wait on a gloo op in a worker waits in slices and ends
+with `GroupAborted` once its generation is aborted (`install_abortable_waits`), and the groups
+of an aborted generation are kept from their destructor, which would join the gloo thread still
+blocked in that send (`bury`).
+
 Pair sockets are told apart by port: after formation every rank shares its
 gloo listener ports over the new group; a pair socket is one accepted on our
 listener, or connected to a peer's listener.
@@ -26,8 +36,10 @@ import logging
 import os
 import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import OpType
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +98,7 @@ class GroupAbort:
     sockets: dict[int, str] = field(default_factory=dict)  # fd -> inode of this group's gloo pairs
     nccl: bool = False
     aborted: bool = False
+    world: object = None  # the default process group it was captured in
 
     def abort(self) -> int:
         """Fail every collective of this generation, now, on this rank. Returns the number of
@@ -111,6 +124,61 @@ class GroupAbort:
             except Exception as e:  # noqa: BLE001 - best effort: the group is being abandoned anyway
                 log.warning("NCCL abort failed: %s", e)
         return n
+
+
+class GroupAborted(RuntimeError):
+    """A wait on a collective of a generation whose group was aborted (a peer went silent)."""
+
+
+# The abort of this process's current group (set by `capture`). A wait reads it when it starts,
+# and only while its default group is still the process's: a newer generation never ends an
+# older wait early, nor an older abort a newer wait.
+_active: GroupAbort | None = None
+_SLICE = timedelta(seconds=0.1)  # a completed op wakes its waiter at once; this only bounds the abort's delay
+_original_wait = None
+# Ops that gloo runs on its own threads, whose wait with a timeout only waits. A send's or a
+# receive's wait is gloo's own, and its timeout fails every pair of the group: never sliced.
+_SLICED = frozenset(t.value for n, t in OpType.__members__.items()
+                    if n not in ("SEND", "RECV", "RECVANYSOURCE", "COALESCED", "UNKNOWN"))
+_graveyard: list = []  # process groups of aborted generations, kept from their destructor
+
+
+def install_abortable_waits() -> None:
+    """Make every `Work.wait()` without a timeout on a collective (c10d's blocking calls, FSDP's
+    all-gathers and reduce-scatters, DDP's buckets, DCP's object collectives) wait in `_SLICE`s,
+    and raise `GroupAborted` when a slice ends with the op still running and its group aborted.
+    Idempotent; called by `capture`, so in worker processes only. Not covered: NCCL groups
+    (ncclCommAbort ends their ops), point-to-point sends (a pipeline's, the peer copy's: see
+    _SLICED), and functional collectives (`wait_tensor`: tensor parallelism's DTensor
+    redistributions), which wait in C++."""
+    global _original_wait
+    if _original_wait is not None:
+        return
+    _original_wait = original = dist.Work.wait
+
+    def wait(work, timeout: timedelta | None = None):
+        ab = _active
+        plain = (timeout is not None and timeout != timedelta(0)) or work._get_op_type() not in _SLICED
+        if plain or ab is None or ab.nccl or ab.world is not dist.group.WORLD:
+            return original(work) if timeout is None else original(work, timeout)
+        while True:
+            try:
+                return original(work, _SLICE)
+            except RuntimeError:
+                if work.is_completed():  # its own result or error, not the slice's timeout
+                    return original(work)
+            if ab.aborted:
+                raise GroupAborted("collective aborted: this rank's process group was aborted (a peer went silent)")
+
+    dist.Work.wait = wait
+
+
+def bury() -> None:
+    """Before the default group of an aborted generation is destroyed: keep its process groups
+    alive. Their destructor joins gloo's worker threads, and one may still be blocked in a send
+    to the lost peer until collective_timeout_s (destroyed by the garbage collector, a group held
+    whatever thread collected it for that long). Each is a few threads and buffers, once per failure."""
+    _graveyard.extend(dist.distributed_c10d._world.pg_map)
 
 
 def fresh_group_names() -> None:
@@ -163,4 +231,7 @@ def capture(before: dict[int, str], group, nccl: bool, store_port: int) -> Group
             continue
         if local[1] in mine or peer[1] in peer_ports:
             pairs[fd] = ino
-    return GroupAbort(pairs, nccl)
+    global _active
+    install_abortable_waits()
+    _active = GroupAbort(pairs, nccl, world=dist.group.WORLD)
+    return _active

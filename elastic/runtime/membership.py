@@ -126,7 +126,7 @@ class GroupMembership:
             self.book.collect(self.ckpt)
             self.staging = self.ckpt.spare_buffers()  # for the next group's first checkpoint
             self.ckpt = None
-        _destroy_group()
+        _destroy_group(self._abort)
 
 
     # ---------------------------------------------------------------- faults and failures
@@ -155,11 +155,13 @@ class GroupMembership:
         if generation == self.generation:
             if self._abort is not None:
                 self._abort.abort()
-            _destroy_group()
+            _destroy_group(self._abort)
 
 
-def _destroy_group() -> None:
+def _destroy_group(abort: collectives.GroupAbort | None) -> None:
     if dist.is_initialized():
+        if abort is not None and abort.aborted:
+            collectives.bury()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way

@@ -26,6 +26,7 @@ from elastic.data.prefetch import Prefetcher, collate
 from elastic.parallel.buffers import StepBuffers
 from elastic.protocol import LedgerEntry, StepRecord
 from elastic.runtime import chaos
+from elastic.runtime.collectives import GroupAborted
 from elastic.runtime.compute_clock import ComputeClock
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def is_collective_failure(e: BaseException) -> bool:
     """A failure of the group rather than of the user's code. FSDP all-gathers and reduce-scatters
     inside forward and backward, so a peer's death surfaces there, as a plain RuntimeError from
     the transport; it must not be mistaken for a bug in the model (which is never retried)."""
-    if isinstance(e, dist.DistError):
+    if isinstance(e, (dist.DistError, GroupAborted)):
         return True
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(m in text for m in _TRANSPORT_ERRORS)
