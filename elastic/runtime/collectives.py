@@ -21,7 +21,7 @@ the kernel had not taken in full (a send to the silent peer, larger than the soc
 buffers): gloo fails the pair without failing the send it had queued on it, and the op waits
 for its own timeout (failure.collective_timeout_s, 120 s). A survivor that was sending to the
 lost rank then stayed in its step, and was replaced with its state (CI saw it; a 3-rank drill
-without Ray: 4 stuck of 40). So every wait on a gloo op in a worker waits in slices and ends
+without Ray: 4 stuck of 40). So every wait on a gloo collective in a worker waits in slices and ends
 with `GroupAborted` once its generation is aborted (`install_abortable_waits`), and the groups
 of an aborted generation are kept from their destructor, which would join the gloo thread still
 blocked in that send (`bury`).
@@ -158,9 +158,11 @@ def install_abortable_waits() -> None:
 
     def wait(work, timeout: timedelta | None = None):
         ab = _active
-        plain = (timeout is not None and timeout != timedelta(0)) or work._get_op_type() not in _SLICED
-        if plain or ab is None or ab.nccl or ab.world is not dist.group.WORLD:
-            return original(work) if timeout is None else original(work, timeout)
+        if timeout is not None and timeout != timedelta(0):
+            return original(work, timeout)
+        # Cheapest first: most waits are on NCCL or in a process with no group abort at all.
+        if ab is None or ab.nccl or work._get_op_type() not in _SLICED or ab.world is not dist.group.WORLD:
+            return original(work)
         while True:
             try:
                 return original(work, _SLICE)
