@@ -56,7 +56,7 @@ def main() -> int:
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     work = tempfile.mkdtemp(prefix="gpu-drill-")
     ok = True
-    with local_cluster(num_worker_nodes=1, cpus_per_node=2, gpus_per_node=gpus):
+    with local_cluster(num_worker_nodes=1, cpus_per_node=2, gpus_per_node=gpus, dashboard=False):
         for name, train in DRILLS.items():
             if only and name not in only:
                 continue

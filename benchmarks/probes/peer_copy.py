@@ -34,7 +34,7 @@ def _rank(rank: int, port: int, method: str, total_mb: float, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    from elastic.parallel.base import broadcast_tensors
+    from elastic.parallel.broadcast import broadcast_tensors
     from elastic.parallel.peer_copy import copy_state
     group = dist.new_group(list(range(WORLD)))
     state = _tensors(total_mb, 1.0 if rank != RECEIVER else 0.0)

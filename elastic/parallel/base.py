@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from elastic.parallel import memory, meta_init, tensor
+from elastic.parallel.broadcast import broadcast_tensors
 from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
 from elastic.parallel.peer_copy import CopyStats, copy_state
 
@@ -210,8 +211,9 @@ def copy_from_replica(strategy: Strategy, model: nn.Module, optimizer: torch.opt
     one shard; a tp slice's replicas), so copying each rank's local part of every model and
     optimizer tensor, in a fixed key order, makes the state exact. On CPU (gloo) the ranks that
     hold the source's state (`holds`; the source always does) send it point to point to those that
-    do not, each a share (elastic/parallel/peer_copy.py); on GPU it is still one broadcast per
-    dtype from `src_rank` (the point-to-point copy has not run on NCCL yet)."""
+    do not, each a share (elastic/parallel/peer_copy.py); on GPU it is still a broadcast from
+    `src_rank` (elastic/parallel/broadcast.py: in place, in bounded memory; the point-to-point copy
+    has not run on NCCL yet)."""
     state = strategy.state_dict(model, optimizer)
     tensors = [tensor.local(t) for t in _tensors_in_order(state)]
     group = strategy.mesh.get_group("dp")
@@ -232,19 +234,3 @@ def _tensors_in_order(obj) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors_in_order(v)]
     return []
-
-
-def broadcast_tensors(tensors: list[torch.Tensor], src: int, group) -> None:
-    """Copy `src`'s values into every rank's tensors, in place: one broadcast per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for dtype in sorted(by_dtype, key=str):
-            ts = by_dtype[dtype]
-            flat = torch.cat([t.reshape(-1) for t in ts])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()

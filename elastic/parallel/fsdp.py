@@ -78,10 +78,13 @@ class FullyShardedDataParallel(Strategy):
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
         model = super().prepare(model, sync_init)  # rank 0's init, broadcast; then tp and checkpointing
+        # The mesh's device, not the parameters': a meta-init build (on meta) and an offload build
+        # (in host memory) train on the GPU all the same.
+        on_gpu = self.mesh.device_type == "cuda"
         fs = self.spec.fsdp
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fs.param_dtype),
                                   reduce_dtype=getattr(torch, fs.reduce_dtype))
-        if self.spec.precision != "fp32" and fs.param_dtype == fs.reduce_dtype == "float32" and _on_gpu(model):
+        if self.spec.precision != "fp32" and fs.param_dtype == fs.reduce_dtype == "float32" and on_gpu:
             # train.precision sets FSDP's compute and reduce dtypes unless train.fsdp sets them (GPU only:
             # on CPU, autocast alone; gloo's reduce-scatter is float32 there).
             dtype = torch.bfloat16 if self.spec.precision == "bf16" else torch.float16
@@ -91,7 +94,7 @@ class FullyShardedDataParallel(Strategy):
         # HSDP: the 2-D ("dp", "shard") mesh itself: fully_shard replicates over its first axis.
         kw = dict(mesh=self.mesh["dp"] if self.tp > 1 else self.mesh, mp_policy=mp)
         if fs.offload:  # shards, gradients and (so) the optimizer's state in host memory
-            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.mesh.device_type == "cuda")
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=on_gpu)
         for block in select_blocks(model, fs.blocks):
             fully_shard(block, reshard_after_forward=fs.reshard_after_forward, **kw)
         fully_shard(model, **kw)
@@ -119,7 +122,3 @@ class FullyShardedDataParallel(Strategy):
             raise RuntimeError("fsdp state is sharded: no one rank holds it all; re-shard from every rank's "
                                "shards (elastic.parallel.resharding) or load a checkpoint")
         return copy_from_replica(self, model, optimizer, src_rank, holds)
-
-
-def _on_gpu(model: nn.Module) -> bool:
-    return any(p.is_cuda for p in model.parameters())

@@ -24,7 +24,7 @@ from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import describe_failure
 from elastic.data.fingerprint import KEY as FINGERPRINT_KEY
 from elastic.parallel import resharding
-from elastic.parallel.base import broadcast_tensors
+from elastic.parallel.broadcast import broadcast_tensors
 from elastic.protocol import RankStatus, RestoreResult
 from elastic.runtime import state
 

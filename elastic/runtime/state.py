@@ -47,6 +47,12 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
         if w.strategy is None:  # a spare: stays on meta (no memory) until it joins and knows its part
             w.model, w.optimizer, w.built_for = model, None, META
             return
+    elif _builds_on_host(tr):
+        # FSDP's CPU offload: fully_shard moves one block at a time to the device, shards it and
+        # offloads the shard, so the device never holds more than a block. Moved whole first, the
+        # device held the whole model (340.8 M parameters: 2,612 MiB at the build's peak on an
+        # H100 with the broadcast's flat copy, docs/benchmarks/gpu.md), what offload is for.
+        model, template = w.fns["model"](), None
     else:
         model, template = w.fns["model"]().to(w.device), None
     make_opt = w.fns["optimizer"] or default_optimizer
@@ -66,6 +72,12 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
     if w.job.train.precision == "fp16":
         w.amp = {"good_steps": torch.zeros((), dtype=torch.int64, device=w.device),
                  "scale": torch.full((), LOSS_SCALE_INIT, device=w.device)}
+
+
+def _builds_on_host(tr) -> bool:
+    """An eager build that stays in host memory until the strategy places it: FSDP with CPU
+    offload, without tensor parallelism (whose DTensors must be on the mesh's device)."""
+    return tr.strategy == "fsdp" and tr.fsdp.offload and tr.tp.size == 1
 
 
 def rebind(w: Worker) -> None:
