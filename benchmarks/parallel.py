@@ -21,8 +21,9 @@ real gloo ranks in spawned processes, no Ray), per model size (`--gpt` sizes sep
 eager build against `train.meta_init`, and activation checkpointing off and on: the peak after
 the build and the peak over MEMORY_STEPS steps (one asynchronous checkpoint's staging included).
 
-Pipeline x tp is measured by `python -m benchmarks pipeline --tp 2`. Not measured yet: CPU offload
-(on a GPU), and recovery of a lost tp rank against Ray Train.
+Pipeline x tp is measured by `python -m benchmarks pipeline --tp 2`, a lost tp group by
+`python -m benchmarks recovery --tp 2`, CPU offload's GPU memory by
+`python -m benchmarks.probes.gpu_step_profile --memory`.
 """
 from __future__ import annotations
 
