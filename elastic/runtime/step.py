@@ -231,7 +231,9 @@ class StepRunner:
             flags = StepStats.flags(local_loss, stop, busy, owe, copying)
             ride = w.strategy.whole_grads_everywhere or not check_grads
             carried = w.strategy.reduce_gradients(w.model, flags if ride else None) is not None
-            grads = w.strategy.local_grads(w.model)
+            # Only what reads them takes the local views (one per parameter: 54 DTensor to_local calls
+            # a step in the fsdp x tp benchmark, counted by benchmarks/probes/tp_op_counts.py).
+            grads = w.strategy.local_grads(w.model) if check_grads else []
             if scale is not None:
                 torch._foreach_mul_(grads, 1.0 / scale)
             sumsq = (_sum_of_squares(grads, w.device, w.strategy.grad_weights(w.model)) if check_grads
