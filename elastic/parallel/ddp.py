@@ -109,6 +109,15 @@ class DataParallel(Strategy):
         self._numels = [local(p).numel() for p in self._params]  # this rank's part (a tp slice of a DTensor)
         self._bufs = [torch.empty(sum(self._numels[i] for i in b), dtype=self._params[b[0]].dtype,
                                   device=self._params[b[0]].device) for b in self._buckets]
+        # Each parameter's slice of its bucket, and that slice as the parameter's gradient, made once:
+        # slicing and viewing them every step cost 3 operators per parameter per step.
+        self._slices: list[torch.Tensor] = [None] * len(self._params)
+        for k, b in enumerate(self._buckets):
+            offset = 0
+            for i in b:
+                self._slices[i] = self._bufs[k][offset:offset + self._numels[i]]
+                offset += self._numels[i]
+        self._grads = [like(self._slices[i], p) for i, p in enumerate(self._params)]
         index = {id(p): i for i, p in enumerate(self._params)}
         model.elastic_grad_hooks = [p.register_post_accumulate_grad_hook(
             lambda p, i=index[id(p)]: self._grad_ready(i)) for p in self._params]
@@ -136,15 +145,13 @@ class DataParallel(Strategy):
         after the sum instead cost a pass over every gradient after backward had ended, on the
         step's critical path (2-3 ms a step at 10 M parameters on CPU, measured). Dividing by a
         power of two is exact, so for 2, 4, 8... ranks the sum is bit-identical either way."""
-        buf, scale, offset = self._bufs[k], self._scale, 0
+        scale = self._scale
         for i in self._buckets[k]:
-            p = self._params[i]
-            n = self._numels[i]
-            if p.grad is None:  # no gradient this step (an unused parameter): zeros
-                buf[offset:offset + n].zero_()
+            grad = self._params[i].grad
+            if grad is None:  # no gradient this step (an unused parameter): zeros
+                self._slices[i].zero_()
             else:
-                torch.mul(local(p.grad).reshape(-1), scale, out=buf[offset:offset + n])
-            offset += n
+                torch.mul(local(grad).reshape(-1), scale, out=self._slices[i])
         self._works.append(dist.all_reduce(self._bufs[k], op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"),
                                            async_op=True))
 
@@ -178,13 +185,8 @@ class DataParallel(Strategy):
         extra_work = dist.all_reduce(extra, group=group, async_op=True) if extra is not None else None
         for k, work in enumerate(self._works):
             work.wait()
-            buf = self._bufs[k]
-            offset = 0
             for i in self._buckets[k]:
-                p = self._params[i]
-                n = self._numels[i]
-                p.grad = like(buf[offset:offset + n], p)
-                offset += n
+                self._params[i].grad = self._grads[i]
         self._works = []
         if buffers is not None:
             buffer_sync.finish(buffers)
