@@ -10,7 +10,7 @@ BENCHMARKS = {
     "recovery": ("fault to the first step after it, against Ray Train (and torchft)", "benchmarks.recovery"),
     "straggler": ("whole-run steps/s with one rank slowed, swapped for a spare", "benchmarks.straggler"),
     "resize": ("shrink and grow of a running job, live re-sharding against a restart", "benchmarks.resize"),
-    "controller": ("the controller's own cost at 1,000 and 10,000 ranks (no Ray)", "benchmarks.controller"),
+    "controller": ("the controller's own cost at 1,000 to 100,000 simulated ranks (no Ray)", "benchmarks.controller"),
     "churn": ("goodput under random node faults, against Ray Train", "benchmarks.churn"),
     "pipeline": ("pipeline-parallel throughput against plain torch.distributed.pipelining", "benchmarks.pipeline"),
     "overhead": ("steady-state steps/s against plain DDP/FSDP scripts", "benchmarks.overhead"),
@@ -98,6 +98,8 @@ OPTIONS = (
          help="hidden widths of the MLP, one model size each (1024: 1.3 M parameters, 3072: 10.3 M, 10000: "
               "102.7 M; default 1024,3072,10000 for overhead, 3072,10000 for checkpoint, one width for data, "
               "default 3072)", used_by=("overhead", "checkpoint", "data")),
+    _opt("--ranks", default=None, help="simulated ranks, comma-separated (default 1000,10000)",
+         used_by=("controller",)),
 )
 DEFAULT_GPT = {"pipeline": "4,64,64", "parallel": "4,256,64"}
 

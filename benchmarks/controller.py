@@ -1,4 +1,5 @@
-"""`python -m benchmarks controller`: the controller's own cost at 1,000 and 10,000 ranks, without Ray.
+"""`python -m benchmarks controller`: the controller's own cost at 1,000 and 10,000 ranks (`--ranks`
+for others, e.g. 1000,10000,100000), without Ray.
 
 The controller is driven one iteration at a time against a fake worker group
 (`tests.support.fake_group`) whose ranks train on a fake clock; only the
@@ -16,9 +17,14 @@ import statistics
 import time
 import uuid
 
-from benchmarks.output import emit, markdown_table, medians, write_outputs
+from benchmarks.output import emit, int_list, markdown_table, medians, write_outputs
 
 RANKS = (1_000, 10_000)
+
+
+def parse_ranks(arg: str | None) -> list[int]:
+    """`--ranks 1000,10000,100000`: the simulated group sizes (default RANKS)."""
+    return int_list("--ranks", arg, minimum=2) if arg else list(RANKS)
 
 
 def measure(num_ranks: int, iters: int = 20) -> dict:
@@ -60,9 +66,10 @@ def measure(num_ranks: int, iters: int = 20) -> dict:
 
 
 def main(args) -> int:
+    ranks = parse_ranks(getattr(args, "ranks", None))
     records = []
     for rep in range(args.reps):
-        for n in RANKS:
+        for n in ranks:
             rec = {**measure(n), "rep": rep}
             records.append(rec)
             emit(rec)

@@ -21,6 +21,17 @@ def parse_systems(bench: str, arg: str | None, known: list[str]) -> list[str] | 
     return systems
 
 
+def int_list(flag: str, arg: str, minimum: int = 1) -> list[int]:
+    """`FLAG 1024,3072`: comma-separated integers of at least `minimum`; ValueError naming the flag."""
+    try:
+        values = [int(v) for v in arg.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {arg!r}") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{flag}: expected values >= {minimum}, got {arg!r}")
+    return values
+
+
 def emit(record: dict) -> None:
     print(json.dumps(record, default=str), flush=True)
 

@@ -48,7 +48,7 @@ import tempfile
 import time
 import uuid
 
-from benchmarks.output import append_markdown, append_results, emit, medians, parse_systems
+from benchmarks.output import append_markdown, append_results, emit, int_list, medians, parse_systems
 from benchmarks.plain_pipeline import _StepClock  # the same step clock in every benchmark
 from elastic.workload import HIDDEN_ENV, build_mlp, build_model  # noqa: F401 - one MLP for every system
 
@@ -102,13 +102,7 @@ def gpu_info() -> dict:
 # ---------------------------------------------------------------- plan and figures (pure)
 def parse_hidden(arg: str) -> list[int]:
     """`--hidden 1024,3072,10000`: the MLP widths, one model size each."""
-    try:
-        widths = [int(v) for v in arg.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--hidden: expected comma-separated integers, got {arg!r}") from None
-    if not widths or min(widths) < 1:
-        raise ValueError(f"--hidden: expected widths >= 1, got {arg!r}")
-    return widths
+    return int_list("--hidden", arg)
 
 
 def gpu_world_size(num_gpus: int, cpu_world: int = NUM_WORKERS) -> int:

@@ -46,3 +46,12 @@ def test_each_benchmark_takes_its_own_options_and_refuses_the_others(name, capsy
             with pytest.raises(SystemExit):
                 p.parse_args(argv)
             assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_controller_ranks_default_and_refusals():
+    from benchmarks.controller import RANKS, parse_ranks
+    assert parse_ranks(None) == list(RANKS)
+    assert parse_ranks("1000,100000") == [1000, 100000]
+    for bad in ("ten", "1"):
+        with pytest.raises(ValueError, match="--ranks"):
+            parse_ranks(bad)
