@@ -9,6 +9,7 @@ returns (a stop, a checkpoint to skip or to save again); the runner keeps what t
 """
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -90,11 +91,13 @@ class StepStats:
     LOSS = 0  # this rank's loss (sum over the world: divide by strategy.loss_ranks)
     STOP = 1  # 1 on a rank asked to stop (request_stop)
     BUSY = 2  # 1 on a rank whose previous persist still runs
-    BAD_LOSS = 3  # 1 on a rank whose loss is not finite
-    BAD_GRADS = 4  # 1 where the squared gradient norm is not finite
+    OWE = 3  # 1 on a rank that owes a checkpoint (a persist failed on storage; its wait is over)
+    COPYING = 4  # 1 on a rank whose last in-memory copy is still on its way to its buddy
     GRAD_SUMSQ = 5  # this rank's part of the squared gradient norm
-    OWE = 6  # 1 on a rank that owes a checkpoint (a persist failed on storage; its wait is over)
-    COPYING = 7  # 1 on a rank whose last in-memory copy is still on its way to its buddy
+    # A non-finite loss or gradient needs no slot of its own: a sum is finite only if every term
+    # is (the squared norms are never negative; +inf and -inf losses sum to NaN), so the summed
+    # LOSS and GRAD_SUMSQ tell it on the host, and the step launches no isfinite kernels. (A sum
+    # of finite losses that overflows counts as non-finite: such a step is not one to apply.)
 
     loss_sum: float
     stop: bool  # some rank was asked to stop: every rank stops after this step
@@ -104,26 +107,33 @@ class StepStats:
     owe: bool  # some rank owes a checkpoint: every rank saves again after this step
     copying: bool = False  # some rank's in-memory copy is on its way: every rank skips a copy due now
 
-    @staticmethod
-    def flags(loss: torch.Tensor, stop: torch.Tensor, busy: torch.Tensor, owe: torch.Tensor,
-              copying: torch.Tensor) -> torch.Tensor:
-        """What is known before the gradients are: slots LOSS, STOP, BUSY, BAD_LOSS, OWE and
-        COPYING, in that order. A strategy whose gradient reduction spans the whole world sums this
-        in place on the same group (`Strategy.reduce_gradients(extra=...)`)."""
-        return torch.stack([loss, stop, busy, (~torch.isfinite(loss)).float(), owe, copying])
+    @classmethod
+    def flags(cls, loss: torch.Tensor, stop: bool, busy: bool, owe: bool, copying: bool) -> torch.Tensor:
+        """What is known before the gradients are: slots LOSS to COPYING. A strategy whose
+        gradient reduction spans the whole world sums this in place on the same group
+        (`Strategy.reduce_gradients(extra=...)`). Made on the loss's device by kernels alone, and
+        only the flags that are set cost one: a copy from a Python list would synchronise a GPU's
+        stream (PyTorch waits for a copy from pageable memory) and hold the host until backward
+        had finished."""
+        out = torch.zeros(cls.GRAD_SUMSQ, device=loss.device)
+        out[cls.LOSS] = loss
+        for slot, on in ((cls.STOP, stop), (cls.BUSY, busy), (cls.OWE, owe), (cls.COPYING, copying)):
+            if on:
+                out[slot] = 1.0
+        return out
 
-    @staticmethod
-    def tensor(flags: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
-        """The whole statistics tensor: `flags` with BAD_GRADS and GRAD_SUMSQ in their slots."""
-        return torch.cat([flags[:4], torch.stack([(~torch.isfinite(sumsq)).float(), sumsq]), flags[4:]])
+    @classmethod
+    def tensor(cls, flags: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
+        """The whole statistics tensor: `flags` and GRAD_SUMSQ."""
+        return torch.cat([flags, sumsq.reshape(1)])
 
     @classmethod
     def read(cls, host: torch.Tensor) -> StepStats:
         """The summed tensor's host copy, by name."""
-        return cls(loss_sum=host[cls.LOSS].item(), stop=host[cls.STOP].item() > 0,
-                   persist_busy=host[cls.BUSY].item() > 0, bad_loss=host[cls.BAD_LOSS].item() > 0,
-                   bad_grads=host[cls.BAD_GRADS].item() > 0, owe=host[cls.OWE].item() > 0,
-                   copying=host[cls.COPYING].item() > 0)
+        v = host.tolist()
+        return cls(loss_sum=v[cls.LOSS], stop=v[cls.STOP] > 0, persist_busy=v[cls.BUSY] > 0,
+                   bad_loss=not math.isfinite(v[cls.LOSS]), bad_grads=not math.isfinite(v[cls.GRAD_SUMSQ]),
+                   owe=v[cls.OWE] > 0, copying=v[cls.COPYING] > 0)
 
 
 class StepRunner:
@@ -192,8 +202,8 @@ class StepRunner:
         idx = w.order.rank_indices(w.step, tr.global_batch_size, lay.data_world, replica)
         w.optimizer.zero_grad(set_to_none=True)
         self._prefetch_next(micro)
-        stop_flag = 1.0 if w.stop_requested else 0.0
-        busy_flag = 1.0 if w.ckpt is not None and w.ckpt.in_flight() else 0.0
+        stop = bool(w.stop_requested)
+        busy = w.ckpt is not None and w.ckpt.in_flight()
         loss_fn = w.fns["stage_loss"] if tr.strategy == "pipeline" else w.fns["loss"]
         scale = w.amp["scale"] if w.amp else None
         if scale is not None:  # fp16: scale the loss so small gradients survive; unscaled below
@@ -217,13 +227,9 @@ class StepRunner:
         clock.stop()
         try:
             # The step's statistics, summed over the whole world: every rank agrees on the stop,
-            # whatever its stage. The host's flags join them by fill kernels, not by a copy: a copy
-            # from a Python list to a GPU synchronises the stream (PyTorch waits for a pageable
-            # copy), so it would hold the host here until backward had finished.
-            owe_flag = 1.0 if w.book.owes_now() else 0.0
-            copy_flag = 1.0 if w.copies.holding_back(w.step, w._progress.get("step_s")) else 0.0
-            stop, busy, owe, copying = (torch.full((), f, device=w.device)
-                                        for f in (stop_flag, busy_flag, owe_flag, copy_flag))
+            # whatever its stage.
+            owe = w.book.owes_now()
+            copying = w.copies.holding_back(w.step, w._progress.get("step_s"))
             check_grads = tr.clip_grad_norm is not None or scale is not None
             # Where every rank ends with the whole gradient (ddp), its norm needs no collective, and
             # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
