@@ -129,25 +129,15 @@ def run_plain(hidden: int, steps: int, profile_steps: int, log: str, out: str) -
 
 def run_elastic(hidden: int, steps: int, profile_steps: int, log: str, out: str) -> dict:
     from benchmarks.overhead import HIDDEN_ENV, elastic_job
-    from elastic.checkpoint.fencing import write_fence
-    from elastic.checkpoint.layout import checkpoints_root
-    from elastic.config import JobConfig
-    from elastic.group.rendezvous import Rendezvous
-    from elastic.runtime.actor import import_worker
-    from elastic.storage import Storage
+    from benchmarks.probes.no_ray import prepare, start_rank
 
     os.environ[HIDDEN_ENV] = str(hidden)  # the job's model (workload.build_model) reads its width here
     work = tempfile.mkdtemp(prefix="gpu-step-profile-")
     job = elastic_job(hidden, 10 ** 6, "file://" + work, num_workers=1, gpu=GPU)
     job["checkpoint"]["every_steps"] = 10 ** 6
-    jc = JobConfig.model_validate(job)
-    root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
-    write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
-    store = Rendezvous("127.0.0.1", timeout_s=120)
+    job_json, root, store = prepare(job)
     os.environ["ELASTIC_BENCH_STEP_LOG"] = log
-    Worker = import_worker()
-    w = Worker(jc.model_dump_json(), root)
-    w.join("127.0.0.1", store.address()[1], 0, 1, generation=1, pp=1)
+    w = start_rank(job_json, root, store.address()[1])
     w.restore([])
 
     def train(n: int) -> None:
@@ -186,13 +176,8 @@ def step_main(args) -> int:
 def memory_one(spec: dict) -> dict:
     """One FSDP run of examples/gpt.py at world size 1 in this (fresh) process."""
     import torch
-    from elastic.checkpoint.fencing import write_fence
-    from elastic.checkpoint.layout import checkpoints_root
-    from elastic.config import JobConfig
-    from elastic.group.rendezvous import Rendezvous
-    from elastic.runtime.actor import import_worker
-    from elastic.storage import Storage
 
+    from benchmarks.probes.no_ray import prepare, start_rank
     work = tempfile.mkdtemp(prefix="gpu-mem-")
     train = {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
              "loss": "examples.gpt:loss_fn", "global_batch_size": spec["batch"], "strategy": "fsdp",
@@ -202,13 +187,8 @@ def memory_one(spec: dict) -> dict:
            "scaling": {"num_workers": 1, "use_gpu": GPU},
            "checkpoint": {"storage_uri": "file://" + work, "every_steps": 10 ** 6, "memory_every_steps": 0},
            "train": train}
-    jc = JobConfig.model_validate(job)
-    root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
-    write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
-    store = Rendezvous("127.0.0.1", timeout_s=120)
-    Worker = import_worker()
-    w = Worker(jc.model_dump_json(), root)
-    w.join("127.0.0.1", store.address()[1], 0, 1, generation=1, pp=1)
+    job_json, root, store = prepare(job)
+    w = start_rank(job_json, root, store.address()[1])
     t0 = time.time()
     w.restore([])
     build_s = time.time() - t0

@@ -31,10 +31,9 @@ def _counts(prof) -> dict[str, int]:
 def _elastic_rank(rank, world, port, job_json, root, steps, out, env):
     os.environ.update(env)
     from torch.profiler import ProfilerActivity, profile
-    from elastic.runtime.actor import import_worker
-    Worker = import_worker()
-    w = Worker(job_json, root)
-    w.join("127.0.0.1", port, rank, world, generation=1)
+
+    from benchmarks.probes.no_ray import start_rank
+    w = start_rank(job_json, root, port, rank, world)
     w.restore([])
     if out is None:  # timed (the step clock is the job's optimizer)
         w.run(steps, [])
@@ -51,11 +50,8 @@ def _elastic_rank(rank, world, port, job_json, root, steps, out, env):
 
 def run_elastic(layout: str, steps: int, env: dict[str, str], timed: bool = False) -> dict[str, int]:
     import torch.multiprocessing as mp
-    from elastic.checkpoint.fencing import write_fence
-    from elastic.checkpoint.layout import checkpoints_root
-    from elastic.config import JobConfig
-    from elastic.group.rendezvous import Rendezvous
-    from elastic.storage import Storage
+
+    from benchmarks.probes.no_ray import prepare
     strategy, dp, tp, sp = parse_layout(layout)
     work = tempfile.mkdtemp(prefix="tp-ops-")
     job = elastic_job(strategy, dp, tp, "file://" + work, sp)
@@ -63,12 +59,9 @@ def run_elastic(layout: str, steps: int, env: dict[str, str], timed: bool = Fals
     job["checkpoint"]["every_steps"] = 1000
     if not timed:
         job["train"]["optimizer"] = "examples.gpt:build_optimizer"
-    jc = JobConfig.model_validate(job)
-    root = checkpoints_root(jc.checkpoint.storage_uri, jc.run.name)
-    write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
-    store = Rendezvous("127.0.0.1", timeout_s=120)
+    job_json, root, store = prepare(job)
     out = None if timed else os.path.join(work, "counts.json")
-    mp.start_processes(_elastic_rank, args=(dp * tp, store.address()[1], jc.model_dump_json(), root, steps, out, env),
+    mp.start_processes(_elastic_rank, args=(dp * tp, store.address()[1], job_json, root, steps, out, env),
                        nprocs=dp * tp, start_method="spawn", join=True)
     if timed:
         return {}

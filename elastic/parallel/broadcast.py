@@ -86,12 +86,11 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int, group, chunk_bytes:
         return
     device = group_device(group, tensors)
     sending = dist.get_rank() == src
-    flats: dict[int, torch.Tensor] = {}  # a contiguous flat view of each tensor (a copy if it is not)
+    flats: dict[int, torch.Tensor] = {}  # each tensor flat: a view, or (not contiguous) a copy
 
     def flat(i: int) -> torch.Tensor:
         if i not in flats:
-            t = tensors[i]
-            flats[i] = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
+            flats[i] = tensors[i].reshape(-1)
         return flats[i]
 
     sizes = [(t.numel(), t.element_size(), str(t.dtype), t.device == device and t.is_contiguous()) for t in tensors]
