@@ -100,6 +100,9 @@ OPTIONS = (
               "default 3072)", used_by=("overhead", "checkpoint", "data")),
     _opt("--ranks", default=None, help="simulated ranks, comma-separated (default 1000,10000)",
          used_by=("controller",)),
+    _opt("--ranks-per-node", type=int, default=8,
+         help="simulated ranks on each node, each node polled through its agent (default 8, as on a GPU node)",
+         used_by=("controller",)),
 )
 DEFAULT_GPT = {"pipeline": "4,64,64", "parallel": "4,256,64"}
 

@@ -99,7 +99,6 @@ class WorkerInfo:
     ip: str
     pid: int
     actor_id: str
-    hb_port: int | None = None  # the heartbeat sidecar's port; None where it cannot run
     calib_s: float | None = None  # warm(): compute seconds of one step's share (None: not calibrated)
     started_low: bool = False  # warm(): started at the lowest CPU priority beside training
 
@@ -194,6 +193,28 @@ class PollReport:
     memory: MemorySample | None = None  # its memory now (at most a second old)
 
 
+@dataclass(frozen=True)
+class AgentInfo:
+    """A node agent's answer once started (elastic/group/node_agent.py)."""
+    node_id: str
+    ip: str
+    pid: int
+    hb_port: int | None  # its node's heartbeat sidecar; None where none can run
+
+
+@dataclass(frozen=True)
+class NodePoll:
+    """A node agent's answer to one aggregated poll: every local rank's report that arrived, the
+    ranks whose worker died, and how long each still unanswered poll has waited. `actors`: the
+    actor id that answered for each rank (an answer for a rank since given to another actor is
+    dropped by the group)."""
+    epoch: int
+    answers: dict[int, PollReport] = field(default_factory=dict)
+    died: dict[int, str] = field(default_factory=dict)  # rank -> why (a LostCause value)
+    waiting_s: dict[int, float] = field(default_factory=dict)  # rank -> its poll's age at the answer
+    actors: dict[int, str] = field(default_factory=dict)
+
+
 class WorkerGroupProtocol(Protocol):
     """What the controller asks of a worker group. Mechanics only: every decision is the
     controller's. `WorkerGroup` implements it on Ray; the controller tests' `FakeGroup` without."""
@@ -237,6 +258,7 @@ class WorkerGroupProtocol(Protocol):
     def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]: ...
     def poll(self, timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]: ...
     def unanswered_s(self) -> dict[int, float]: ...
+    def control_traffic(self) -> dict[str, int]: ...  # periodic messages sent: agent and direct polls, pings
     def beats(self) -> dict: ...
     def kill(self, rank: int) -> None: ...
     def wait_runs(self, refs: dict, timeout_s: float) -> dict[int, str]: ...

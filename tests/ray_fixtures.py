@@ -9,7 +9,9 @@ Only one Ray cluster may run on a machine at a time; run these tests under
 """
 from __future__ import annotations
 
+import contextlib
 import socket
+import sys
 from typing import Iterator
 
 import pytest
@@ -29,6 +31,21 @@ def ray_cluster() -> Iterator[LocalCluster]:
 def cluster(ray_cluster: LocalCluster) -> LocalCluster:
     ray_cluster.ensure_worker_nodes(NUM_WORKER_NODES)
     return ray_cluster
+
+
+@contextlib.contextmanager
+def one_node_ray(module_name: str) -> Iterator[None]:
+    """A one-node Ray of the test module's own (`address="local"`, even where another runs), with
+    the module's classes pickled by value so its stand-in actors need no import on the workers."""
+    import ray
+    from ray import cloudpickle
+    cloudpickle.register_pickle_by_value(sys.modules[module_name])
+    ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        cloudpickle.unregister_pickle_by_value(sys.modules[module_name])
 
 
 def assert_exact_once(ledger_path, num_steps: int, global_batch: int, num_samples: int, seed: int,

@@ -161,6 +161,26 @@ def test_sigkill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F
     assert lost_ranks == [1]
 
 
+def test_a_killed_node_agent_takes_its_ranks_and_ends_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
+    """The agent of rank 1's node (elastic/group/node_agent.py) is SIGKILLed; the workers run on.
+    Its node's rank is lost with it, replaced, and restored from a survivor's memory."""
+    # Every rank computes 4x slower from the start (the same numbers, later): the steps left after
+    # the fault outlast the agent's death being seen, so the run cannot end first.
+    slow = [{"action": "slow", "rank": r, "at_step": 0, "factor": 4.0} for r in range(3)]
+    result = Trainer(job(tmp_path, slow + [{"action": "kill_agent", "rank": 1, "at_step": 5}])).fit(progress=False)
+    assert result.metrics["step"] == NUM_STEPS
+    assert all(d == baseline for d in result.digests.values()) and len(result.digests) == 3, result.digests
+    (fault,) = [f for f in result.events_of("fault_injected") if f["action"] == "kill_agent"]
+    assert fault["step"] == 5
+    # The workers trained on until the agent's death was seen: resumed at or after the fault's step.
+    (rec,) = result.events_of("recovered")
+    assert rec["resumed_step"] >= 5 and rec["lost_steps"] == 0
+    assert result.events_of("restored")[-1]["source"].startswith("peer rank")
+    (detected,) = result.events_of("failure_detected")
+    assert [(x["rank"], x["cause"]) for x in detected["lost"]] == [(1, "process_died")]
+    assert result.events_of("run_finished")[0]["control_traffic"]["agent_polls"] > 0
+
+
 def test_sigstop_hang_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
     """A SIGSTOPped worker (its node stays up) holds its sockets and answers nothing: the others
     wait on it. That is silence, found in about ping_timeout_s, not by the (5 s) hang bound; the

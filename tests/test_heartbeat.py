@@ -52,10 +52,10 @@ def kernel_state(pid: int, states: str, limit_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def pinger(port: int, rank: int = 1) -> tuple[Heartbeats, FakeClock]:
+def pinger(side: Sidecar, pid: int, rank: int = 1) -> tuple[Heartbeats, FakeClock]:
     clock = FakeClock()
     hb = Heartbeats(interval_s=INTERVAL_S, clock=clock)
-    hb.watch({rank: ("127.0.0.1", port)})
+    hb.watch({rank: ("127.0.0.1", side.port, pid)})
     return hb, clock
 
 
@@ -63,7 +63,7 @@ def pinger(port: int, rank: int = 1) -> tuple[Heartbeats, FakeClock]:
 def worker():
     """A stand-in worker process and a sidecar watching it."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    side = Sidecar(proc.pid, "127.0.0.1")
+    side = Sidecar([proc.pid], "127.0.0.1")
     # Asleep before any test looks: until its Python has started it runs (R), and on a loaded
     # machine that outlasted the sidecar's start (CI saw R where the test expected S).
     kernel_state(proc.pid, "S")
@@ -77,7 +77,7 @@ def worker():
 
 def test_the_sidecar_reports_the_worker_as_the_kernel_sees_it(worker):
     proc, side = worker
-    hb, clock = pinger(side.port)
+    hb, clock = pinger(side, proc.pid)
     rounds(hb, clock, 3)
     beat = answered(hb, 1)
     assert beat.state == "S" and beat.age_s == 0.0  # asleep in the kernel: alive
@@ -99,8 +99,8 @@ def test_the_sidecar_reports_the_worker_as_the_kernel_sees_it(worker):
 
 
 def test_a_silent_sidecar_ages_from_its_first_unanswered_ping_and_recovers(worker):
-    _, side = worker
-    hb, clock = pinger(side.port)
+    proc, side = worker
+    hb, clock = pinger(side, proc.pid)
     rounds(hb, clock, 2)
     assert answered(hb, 1).age_s == 0.0
     os.kill(side.proc.pid, signal.SIGSTOP)  # its node stops
@@ -111,8 +111,8 @@ def test_a_silent_sidecar_ages_from_its_first_unanswered_ping_and_recovers(worke
 
 
 def test_a_pause_of_the_controller_is_not_a_node_silence(worker):
-    _, side = worker
-    hb, clock = pinger(side.port)
+    proc, side = worker
+    hb, clock = pinger(side, proc.pid)
     rounds(hb, clock, 2)
     assert answered(hb, 1).age_s == 0.0
     clock.advance(1.0)  # the controller busy elsewhere (a restore): no ping goes out
@@ -120,15 +120,15 @@ def test_a_pause_of_the_controller_is_not_a_node_silence(worker):
 
 
 def test_renumbering_keeps_a_sidecar_and_an_unknown_one_gives_no_evidence(worker):
-    _, side = worker
-    hb, clock = pinger(side.port)
+    proc, side = worker
+    hb, clock = pinger(side, proc.pid)
     rounds(hb, clock, 2)
     assert answered(hb, 1) is not None
-    hb.watch({0: ("127.0.0.1", side.port)})  # rank 1 became rank 0
+    hb.watch({0: ("127.0.0.1", side.port, proc.pid)})  # rank 1 became rank 0
     assert set(hb.beats()) == {0}
-    dead_port = Sidecar(os.getpid(), "127.0.0.1")
+    dead_port = Sidecar([os.getpid()], "127.0.0.1")
     dead_port.close()  # nothing listens on its port any more
-    hb.watch({0: ("127.0.0.1", side.port), 2: ("127.0.0.1", dead_port.port)})
+    hb.watch({0: ("127.0.0.1", side.port, proc.pid), 2: ("127.0.0.1", dead_port.port, os.getpid())})
     rounds(hb, clock, 6)
     assert answered(hb, 0).age_s == 0.0
     assert set(hb.beats()) == {0}  # never answered: the controller falls back to polls
@@ -136,7 +136,7 @@ def test_renumbering_keeps_a_sidecar_and_an_unknown_one_gives_no_evidence(worker
 
 def test_the_sidecar_exits_with_its_worker():
     # The worker starts the sidecar; when the worker is SIGKILLed, the pipe closes and the sidecar goes.
-    code = ("import sys, time; from elastic.runtime.heartbeat import Sidecar; s = Sidecar(__import__('os').getpid(), "
+    code = ("import sys, time; from elastic.runtime.heartbeat import Sidecar; s = Sidecar([__import__('os').getpid()], "
             "'127.0.0.1'); print(s.proc.pid, flush=True); time.sleep(60)")
     w = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     side_pid = int(w.stdout.readline())
@@ -160,7 +160,7 @@ def test_a_sidecar_started_by_a_spare_at_low_priority_runs_at_normal_priority():
     # A refill spare warms under SCHED_IDLE (elastic/priority.py); its heartbeat must not starve,
     # or a busy node would look stopped.
     code = ("import os; from elastic.runtime import priority; from elastic.runtime.heartbeat import Sidecar; "
-            "low = priority.lower(); s = Sidecar(os.getpid(), '127.0.0.1'); "
+            "low = priority.lower(); s = Sidecar([os.getpid()], '127.0.0.1'); "
             "print(low, os.sched_getscheduler(0) == os.SCHED_IDLE, os.sched_getscheduler(s.proc.pid) == os.SCHED_IDLE)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                          env={**os.environ, priority.BACKGROUND_ENV: "0"}).stdout.split()
@@ -201,7 +201,7 @@ def test_a_forged_answer_from_another_address_keeps_no_rank_alive(worker):
     for it: tokens are random and only answers from the sidecar's own address count."""
     import socket
     proc, side = worker
-    hb, clock = pinger(side.port)
+    hb, clock = pinger(side, proc.pid)
     rounds(hb, clock, 2)
     assert answered(hb, 1).state == "S"
     token = hb._token[("127.0.0.1", side.port)]
@@ -212,9 +212,36 @@ def test_a_forged_answer_from_another_address_keeps_no_rank_alive(worker):
     try:
         forger.bind(("127.0.0.2", 0))
         for sock in hb._socks.values():  # the answer a forger would send: right token, newest ping, "R"
-            forger.sendto(token + b":" + str(hb._seq).encode() + b" R 1", sock.getsockname())
+            forger.sendto(token + b":" + str(hb._seq).encode() + f" {proc.pid} R 1".encode(), sock.getsockname())
         time.sleep(0.05)
         assert hb.beats()[1].age_s > 0  # still silent: the forged answer did not count
     finally:
         forger.close()
         os.kill(side.proc.pid, signal.SIGCONT)
+
+
+def test_one_sidecar_answers_for_every_pid_its_agent_tells_it(worker):
+    """A node's sidecar watches the pids its agent gives it (one line on its stdin), and the
+    controller reads each rank's state from the one answer of its node."""
+    proc, side = worker
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kernel_state(other.pid, "S")
+        clock = FakeClock()
+        hb = Heartbeats(interval_s=INTERVAL_S, clock=clock)
+        hb.watch({1: ("127.0.0.1", side.port, proc.pid), 2: ("127.0.0.1", side.port, other.pid)})
+        rounds(hb, clock, 2)
+        assert answered(hb, 1).state == "S"
+        assert 2 not in hb.beats()  # not told yet: no evidence for it
+        side.watch([proc.pid, other.pid])
+        os.kill(other.pid, signal.SIGSTOP)
+        kernel_state(other.pid, "T")
+        deadline = time.monotonic() + 10
+        while 2 not in hb.beats() and time.monotonic() < deadline:
+            rounds(hb, clock, 1)
+        rounds(hb, clock, 1)
+        assert answered(hb, 2).state == "T" and answered(hb, 1).state == "S"
+        assert hb.pings_sent == hb._seq  # one ping per node per round (two ranks here), not per rank
+    finally:
+        os.kill(other.pid, signal.SIGCONT)
+        other.kill()

@@ -3,7 +3,7 @@
 The members here speak the worker's formation protocol (join, ping, abort) without a
 process group behind it, so the test can choose how late each one answers. What is checked is
 WorkerGroup.form's rule: a member without a heartbeat is lost only after FORMATION_SILENCE x
-ping_timeout_s without an answer; one with a heartbeat sidecar (elastic/heartbeat.py, a real one
+ping_timeout_s without an answer; one with a heartbeat (its node agent's sidecar, elastic/runtime/heartbeat.py, a real one
 watching the member's process here) is kept while its node says it runs, and lost after
 ping_timeout_s once the node says it is stopped. Then the others' joins are cut at once (not left
 to the rendezvous timeout)."""
@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 
 
 import pytest
 import ray
-from ray import cloudpickle
 
 from elastic.config import JobConfig
-from elastic.runtime.heartbeat import Sidecar
 from elastic.policies.failure import FORMATION_SILENCE
 from elastic.group.worker_group import GroupError, Member, WorkerGroup
 from elastic.protocol import AbortResult
+from tests.ray_fixtures import one_node_ray
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,19 +60,15 @@ class FormationMember:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    # address="local": a Ray of this module's own, even where another runs.
-    ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
-    try:
+    with one_node_ray(__name__):
         yield
-    finally:
-        ray.shutdown()
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
-def group_of(*members: tuple[float, float]) -> WorkerGroup:
+def group_of(*members: tuple[float, float], heartbeat: bool = False) -> WorkerGroup:
+    """Members without a heartbeat unless `heartbeat` (then `with_heartbeat` brings it up)."""
     job = JobConfig.model_validate({
         "run": {"name": "form", "num_steps": 1}, "scaling": {"num_workers": max(1, len(members))},
+        "failure": {"heartbeat": heartbeat},
         "checkpoint": {"storage_uri": "memory://form"},
         "train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 48}})
     g = WorkerGroup(job, job.model_dump_json(), "memory://form", None, None)
@@ -127,30 +121,33 @@ def test_a_formation_every_member_answers_but_none_completes_says_where_each_was
                                  "the others at the rendezvous for 9.0 s)") for r in (0, 1)}
 
 
-def with_heartbeat(g: WorkerGroup, rank: int) -> Sidecar:
-    m = g.members[rank]
-    side = Sidecar(m.pid, m.ip)
-    m.hb_port = side.port
-    return side
+def with_heartbeat(g: WorkerGroup, rank: int):
+    """The members' node agent up, its heartbeat sidecar watching their processes (as the group's
+    start brings it up), before the formation starts. Returns what stops it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and rank not in g.agents.heartbeat_targets(g.members):
+        time.sleep(0.1)
+    assert rank in g.agents.heartbeat_targets(g.members), "the node agent did not come up"
+    return g.agents
 
 
 def test_a_member_that_never_answers_a_ping_but_whose_node_says_it_runs_forms_the_group(local_ray):
     # Rank 1's pings wait 600 s (its Python busy) but it joins after 4 s, past the 5 x 0.5 s
     # poll-only bound: its heartbeat says the process sleeps, so it is waited for.
     assert 4.0 > PING_TIMEOUT_S * FORMATION_SILENCE
-    g = group_of((0.0, 4.0), (600.0, 4.0))
+    g = group_of((0.0, 4.0), (600.0, 4.0), heartbeat=True)
     side = with_heartbeat(g, 1)
     try:
         g.form(generation=1, timeout_s=60, ping_timeout_s=PING_TIMEOUT_S)
     finally:
-        side.close()
+        side.shutdown()
 
 
 def test_a_stopped_member_is_found_by_its_heartbeat_after_ping_timeout(local_ray):
     # ping_timeout_s 2 s and a 8 s rendezvous: polls alone would need 5 x 2 s, so the rendezvous
     # would time out first and every pending rank would be "unresponsive". The node's heartbeat
     # says rank 1 is stopped (state T), so it alone is lost after 2 s and rank 0's join is cut.
-    g = group_of((0.0, 600.0), (600.0, 600.0))
+    g = group_of((0.0, 600.0), (600.0, 600.0), heartbeat=True)
     side = with_heartbeat(g, 1)
     os.kill(g.members[1].pid, signal.SIGSTOP)
     try:
@@ -158,7 +155,7 @@ def test_a_stopped_member_is_found_by_its_heartbeat_after_ping_timeout(local_ray
             g.form(generation=1, timeout_s=8.0, ping_timeout_s=2.0)
     finally:
         os.kill(g.members[1].pid, signal.SIGKILL)
-        side.close()
+        side.shutdown()
     assert 8.0 < 2.0 * FORMATION_SILENCE
     assert e.value.ranks[1] == "unresponsive"
     assert e.value.ranks[0].startswith("error: peer failed during formation")

@@ -12,12 +12,14 @@ class ChaosFault(_Strict):
     """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
     when it has completed `at_step` steps and before it starts the next one."""
 
-    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow", "hold_gil"] = Field(
+    action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow", "hold_gil",
+                    "kill_agent"] = Field(
         description="kill_node: SIGKILL the raylet and every process on the rank's node; kill_process: SIGKILL the "
                     "rank's worker; freeze_node: SIGSTOP the raylet and every process on the node (a machine that "
                     "loses power: nothing exits, no socket closes); freeze_process: SIGSTOP the worker only; hang: "
                     "SIGSTOP the rank (alive, silent, holding its sockets); slow: the process computes factor x "
-                    "slower from then on; hold_gil: the rank's Python held hold_s seconds (busy, not lost).")
+                    "slower from then on; hold_gil: the rank's Python held hold_s seconds (busy, not lost); kill_agent: "
+                    "SIGKILL the node agent of the rank's node, workers left running (its ranks are lost with it).")
     rank: int = Field(ge=0, description="The rank the fault hits (below scaling.num_workers).")
     at_step: int = Field(ge=0, description="Fires right after the rank has completed this many steps (below "
                                            "run.num_steps).")

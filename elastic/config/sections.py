@@ -71,8 +71,8 @@ class FailureConfig(_Strict):
                                "lack of progress alike: a rank busy in a long step (a large model, a checkpoint's "
                                "first snapshot) may answer a poll late without being lost.")
     heartbeat: bool = Field(
-        True, description="Run a small heartbeat process beside each worker that answers the controller over UDP "
-                          "with the worker process's state, from outside its Python: a rank whose Python is held "
+        True, description="Run a small heartbeat process on each node (its agent's) that answers the controller over "
+                          "UDP with each worker process's state, from outside its Python: a rank whose Python is held "
                           "(a C extension keeping the GIL) is then kept, and a stopped machine or process is found "
                           "after ping_timeout_s whatever the step time. Needs Linux and UDP from the driver to "
                           "the workers' nodes; without an answer a rank is judged by its polls alone.")

@@ -158,6 +158,7 @@ class Controller:
                              step=self.step, loss=self.loss, error=getattr(st, "error", None),
                              checkpoint=self.last_committed,
                              slowest_poll_answer_s=round(self.group.slowest_poll_answer_s, 2),
+                             control_traffic=self.group.control_traffic(),
                              heartbeat_ranks=sorted(self.house.beats))
             self.events.flush()
         self.lease.release()

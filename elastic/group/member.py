@@ -8,6 +8,7 @@ A failed call is reported as a why: free text for the event log ("unresponsive",
 """
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -37,7 +38,48 @@ class Member:
     pid: int
     calib_s: float | None = None  # spares: measured compute time of one rank's share of a step
     on_demand: bool = False  # spares: started for a recovery in progress, not ahead of time
-    hb_port: int | None = None  # its heartbeat sidecar's UDP port on `ip` (elastic/heartbeat.py); None: none
+
+
+class Members(dict):
+    """rank -> Member, with a `version` that every change makes new (unique across instances), so
+    what is derived from the membership (the node agents' ranks) is redone only when it changed."""
+
+    _versions = itertools.count(1)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version = next(Members._versions)
+
+    def _changed(self) -> None:
+        self.version = next(Members._versions)
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self._changed()
+
+    def __delitem__(self, k):
+        super().__delitem__(k)
+        self._changed()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def clear(self):
+        self._changed()
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def setdefault(self, k, default=None):
+        self._changed()
+        return super().setdefault(k, default)
 
 
 _GONE_OR_SILENT = (LostCause.NODE_DIED, LostCause.PROCESS_DIED, LostCause.UNREACHABLE, LostCause.UNRESPONSIVE)

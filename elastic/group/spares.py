@@ -16,6 +16,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.group.member import GroupError, Member, gather, kill_member
+from elastic.group.node_agent import NodeAgents
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
 from elastic.runtime.actor import WorkerActor
@@ -59,6 +60,8 @@ class SparePool:
             scheduling_strategy="SPREAD",
             runtime_env=runtime_env or None,
         )
+        # One agent per node that hosts a member or a spare (elastic/group/node_agent.py).
+        self.agents = NodeAgents(job.failure.heartbeat, runtime_env)
         # Spares: started and warmed (model built) before they are needed; not in the group.
         self._pending_spares: dict["ray.ObjectRef", "ray.actor.ActorHandle"] = {}
         self._on_demand: set["ray.ObjectRef"] = set()  # pending spares started by promote() itself
@@ -174,8 +177,8 @@ class SparePool:
                 lost.append(f"spare died while warming: {type(e).__name__}")
                 ray.kill(h, no_restart=True)
                 continue
-            self.ready_spares.append(Member(-1, h, info.node_id, info.ip, info.pid, info.calib_s,
-                                            on_demand, info.hb_port))
+            self.ready_spares.append(Member(-1, h, info.node_id, info.ip, info.pid, info.calib_s, on_demand))
+            self.agents.ensure(info.node_id)  # up before the spare takes a rank there
             self.newly_ready.append((info.node_id[:12], info.pid, info.started_low))
         return lost
 

@@ -15,12 +15,14 @@ import ray
 from ray.exceptions import RayActorError
 
 from elastic.group.rendezvous import Rendezvous
-from elastic.group.member import GroupError, Member, cause_of, death_cause, gather, kill_member, short_reason
+from elastic.group.member import GroupError, Member, Members, cause_of, death_cause, gather, kill_member, short_reason
 from elastic.group.spares import SparePool, free_cpus_by_node
 from elastic.policies.failure import formation_silent
 from elastic.policies.placement import Placement, place_tp_groups
 from elastic.protocol import AbortResult, LostCause, PollReport, RestoreResult, RunResult
 from elastic.runtime.heartbeat import Heartbeats
+
+AGENT_UP_S = 10.0  # the longest a start waits for its nodes' agents (else its ranks are polled directly)
 
 __all__ = ["WorkerGroup", "GroupError", "Member", "cause_of"]
 
@@ -28,14 +30,23 @@ __all__ = ["WorkerGroup", "GroupError", "Member", "cause_of"]
 class WorkerGroup(SparePool):
     def __init__(self, job, job_json: str, checkpoints_root: str, controller, runtime_env: dict | None):
         super().__init__(job, job_json, checkpoints_root, controller, runtime_env)
-        self.members: dict[int, Member] = {}
+        self.members = Members()
         self._polls: dict[int, tuple["ray.ObjectRef", float]] = {}  # rank -> (poll in flight, sent at)
         self.heartbeats = Heartbeats()
         self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
+        self.direct_polls = 0  # polls sent to ranks themselves (their node's agent not up yet)
         self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
         self.rendezvous = Rendezvous(ray.util.get_node_ip_address(), job.failure.rendezvous_timeout_s)
         self.rendezvous.start_in_background()
         self.placement: Placement | None = None  # of the first start, with tensor parallelism
+
+    @property
+    def members(self) -> Members:
+        return self._members
+
+    @members.setter
+    def members(self, value: dict) -> None:
+        self._members = value if isinstance(value, Members) else Members(value)
 
     # ---------------------------------------------------------------- start
     def start(self, ranks: list[int], timeout_s: float) -> None:
@@ -45,6 +56,7 @@ class WorkerGroup(SparePool):
         (elastic/policies/placement.py; `self.placement` says where, for the event log)."""
         tp = self.job.train.tp.size
         self.placement = None
+        self.agents.start_where_workers_fit(self.job.scaling.cpus_per_worker, self.job.scaling.use_gpu)
         if tp > 1:
             self.placement = place_tp_groups(ranks, tp, free_cpus_by_node(), self.job.scaling.cpus_per_worker)
         handles = {r: self._new_actor(node=self.placement.nodes.get(r)) for r in ranks} if self.placement else \
@@ -57,7 +69,11 @@ class WorkerGroup(SparePool):
             raise GroupError(f"could not start workers for ranks {sorted(bad)} within {timeout_s:.0f}s: "
                              f"{bad}; is there a free slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", bad)
         for r, info in infos.items():
-            self.members[r] = Member(r, handles[r], info.node_id, info.ip, info.pid, hb_port=info.hb_port)
+            self.members[r] = Member(r, handles[r], info.node_id, info.ip, info.pid)
+        # Their nodes' agents, started before the workers, are up by now (or within AGENT_UP_S): a
+        # rank's heartbeat is there from its first step.
+        self.agents.wait_up({m.node_id for m in self.members.values()}, min(AGENT_UP_S, timeout_s))
+        self.agents.sync(self.members)
 
     def request_stop(self, generation: int, timeout_s: float) -> dict[int, int]:
         out, bad = gather({r: m.handle.request_stop.remote(generation) for r, m in self.members.items()}, timeout_s)
@@ -73,6 +89,7 @@ class WorkerGroup(SparePool):
             self.kill(o)
         self.members = {mapping[o]: replace(m, rank=mapping[o]) for o, m in self.members.items()}
         self._polls.clear()
+        self.agents.new_epoch()
         return mapping
 
     # ---------------------------------------------------------------- form / restore / run
@@ -230,6 +247,7 @@ class WorkerGroup(SparePool):
             buddies: dict[int, int] | None = None) -> dict[int, "ray.ObjectRef"]:
         """Every member's run(); `buddies` (rank -> the rank that keeps its in-memory copies)."""
         self._polls.clear()  # an answer to a poll sent before a recovery describes the old group
+        self.agents.new_epoch()
         buddies = buddies or {}
         return {r: m.handle.run.remote(num_steps, faults, list(skip_steps),
                                        (buddies[r], self.members[buddies[r]].handle) if r in buddies else None)
@@ -242,23 +260,29 @@ class WorkerGroup(SparePool):
         return {r: self.members[h].handle.memory_part.remote(r, step, h == r) for r, h in sources.items()}
 
     def drain_polls(self, timeout_s: float) -> dict[int, PollReport]:
-        """Answers of the polls still in flight (they may carry the last persist reports)."""
+        """Answers of the polls still in flight, direct and through the nodes' agents (they may
+        carry the last persist reports)."""
         refs = {r: ref for r, (ref, _) in self._polls.items()}
         self._polls.clear()
-        return gather(refs, timeout_s)[0]
+        return {**self.agents.drain(self.members, timeout_s), **gather(refs, timeout_s)[0]}
 
     def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]:
-        """Non-blocking poll for the run loop. Each member has at most one poll in flight; returns
-        the answers that arrived, and {rank: why} for members that died or whose poll has been
-        unanswered for longer than ping_timeout_s. A dead rank never blocks the loop."""
+        """Non-blocking poll for the run loop: one aggregated poll in flight per node whose agent
+        is up (elastic/group/node_agent.py), and one direct poll in flight per other member.
+        Returns the answers that arrived, and {rank: why} for members that died or whose poll
+        has been unanswered for longer than ping_timeout_s. A dead rank never blocks the loop.
+        A rank with a direct poll in flight moves to its agent once that poll is answered."""
+        self._polls = {r: v for r, v in self._polls.items() if r in self.members}
+        through = self.agents.sync(
+            {r: m for r, m in self.members.items() if r not in self._polls} if self._polls else self.members)
+        answers, silent = self.agents.poll_nowait(self.members, through, ping_timeout_s)
         now = time.monotonic()
         for r, m in self.members.items():
-            if r not in self._polls:
+            if r not in self._polls and r not in through:
                 self._polls[r] = (m.handle.poll.remote(), now)
-        self._polls = {r: v for r, v in self._polls.items() if r in self.members}
+                self.direct_polls += 1
         refs = {v[0]: r for r, v in self._polls.items()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        answers, silent = {}, {}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
         for ref in ready:
             r = refs[ref]
             _, sent = self._polls.pop(r)
@@ -272,18 +296,26 @@ class WorkerGroup(SparePool):
         for r, (ref, sent) in self._polls.items():
             if now - sent > ping_timeout_s:
                 silent[r] = LostCause.UNRESPONSIVE.value
+        self.slowest_poll_answer_s = max(self.slowest_poll_answer_s, self.agents.slowest_answer_s)
         return answers, silent
 
     def unanswered_s(self) -> dict[int, float]:
-        """For each member with a poll in flight, how long ago it was sent: since its last answer,
-        within one run-loop iteration (the next poll goes out as soon as an answer is taken)."""
+        """For each member with a poll in flight (direct, or through its node's agent), how long it
+        has waited: since its last answer, within one run-loop iteration (the next poll goes out as
+        soon as an answer is taken)."""
         now = time.monotonic()
-        return {r: now - sent for r, (_, sent) in self._polls.items()}
+        return {**self.agents.unanswered_s(), **{r: now - sent for r, (_, sent) in self._polls.items()}}
+
+    def control_traffic(self) -> dict[str, int]:
+        """The controller's periodic messages so far: polls sent to agents and to ranks directly,
+        heartbeat pings sent (one per node per interval)."""
+        return {"agent_polls": self.agents.rpcs, "direct_polls": self.direct_polls,
+                "heartbeat_pings": self.heartbeats.pings_sent}
 
     def beats(self) -> dict:
-        """{rank: Beat} from the members' heartbeat sidecars (elastic/heartbeat.py), pinging them
-        as due; a rank whose sidecar never answered is left out."""
-        self.heartbeats.watch({r: (m.ip, m.hb_port) for r, m in self.members.items() if m.hb_port})
+        """{rank: Beat} from the nodes' heartbeat sidecars (elastic/runtime/heartbeat.py, run by the
+        node agents), pinging them as due; a rank whose node's sidecar never answered for it is left out."""
+        self.heartbeats.watch(self.agents.heartbeat_targets(self.members))
         self.heartbeats.tick()
         return self.heartbeats.beats()
 
@@ -326,3 +358,4 @@ class WorkerGroup(SparePool):
         for r in list(self.members):
             self.kill(r)
         self.trim_spares(0)
+        self.agents.shutdown()

@@ -89,7 +89,7 @@ def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_
     silence grows with the group's idle time; a healthy rank that a long stall keeps from
     answering for a while still answers within the bound. A rank slow to answer while others
     still make progress is never lost: it is not holding anyone up."""
-    beats = beats or {}
+    beats = {} if beats is None else beats  # a lazy mapping (heartbeat.Beats): never sized
     bound = silence_bound_s(list(step_times_s), cfg)
     ping = cfg.ping_timeout_s
     by_poll, by_beat = [], []

@@ -87,6 +87,24 @@ def kill_own_node() -> None:
     os.kill(me.pid, signal.SIGKILL)
 
 
+def kill_own_agent() -> bool:
+    """SIGKILL this node's agent (elastic/group/node_agent.py: the Ray actor process titled
+    `ray::NodeAgent`), leaving every worker running. Returns whether one was found."""
+    found = False
+    for proc in _own_raylet().children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("ray::NodeAgent"):
+            try:
+                proc.kill()
+                found = True
+            except psutil.NoSuchProcess:
+                pass
+    return found
+
+
 def kill_own_process() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -28,6 +28,9 @@ def fire_fault(w: Worker, fault: dict) -> None:
     if fault["action"] == "slow":
         w.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
         return
+    if fault["action"] == "kill_agent":
+        chaos.kill_own_agent()  # then trains on: the controller replaces this node's ranks
+        return
     if fault["action"] == "hold_gil":
         chaos.hold_gil(fault["hold_s"])  # then trains on: a busy rank, not a lost one
         return

@@ -1,10 +1,12 @@
-"""A heartbeat from outside the worker's Python process: tells a busy rank from a stopped machine.
+"""A heartbeat from outside the workers' Python processes: tells a busy rank from a stopped machine.
 
 The controller's polls are answered by the worker's Python, so a rank whose Python is held (user
 code in a C extension that keeps the GIL, a checkpoint's writes on a starved node) answers late,
-exactly like a machine that stopped. Beside each worker runs a sidecar: a separate small process
-(no torch, no Ray, a few MB) that answers UDP pings from the controller with the worker process's
-state as the kernel sees it (`/proc/<pid>/stat`: R running, S sleeping, D in I/O, T stopped).
+exactly like a machine that stopped. On each node runs one sidecar, started by the node's agent
+(elastic/group/node_agent.py): a separate small process (no torch, no Ray, a few MB) that answers
+UDP pings from the controller with the state of every worker process on its node as the kernel
+sees it (`/proc/<pid>/stat`: R running, S sleeping, D in I/O, T stopped). One ping per node, not
+per rank: the controller's heartbeat traffic grows with nodes.
 
 What the controller can then tell apart (`elastic.policies.failure.decide_silence`):
   * sidecar answers, process running or sleeping: the machine is up and the rank is busy. It is
@@ -15,9 +17,10 @@ What the controller can then tell apart (`elastic.policies.failure.decide_silenc
   * sidecar never answered (not Linux, UDP filtered between driver and nodes): no evidence, and
     the poll-only rule applies as before.
 
-The sidecar exits when the worker does (its stdin pipe closes, or it is re-parented). It leaves
-SCHED_IDLE if it was started from a spare warming at low priority (elastic/priority.py): a
-heartbeat that starves would be taken for a stopped machine.
+The agent tells the sidecar which pids to watch (a line of pids on its stdin). The sidecar exits
+when the agent does (its stdin pipe closes, or it is re-parented). It leaves SCHED_IDLE if it was
+started from a process at low priority (elastic/priority.py): a heartbeat that starves would be
+taken for a stopped machine.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the process runs no more code
@@ -37,7 +41,8 @@ STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the proces
 # imports elastic (whose import would lower a background spare's priority again).
 _SIDECAR = r"""
 import os, select, socket, sys
-pid, family, ip = int(sys.argv[1]), socket.AF_INET6 if sys.argv[2] == "6" else socket.AF_INET, sys.argv[3]
+family, ip = socket.AF_INET6 if sys.argv[1] == "6" else socket.AF_INET, sys.argv[2]
+pids = [int(p) for p in sys.argv[3:]]
 if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(0) == os.SCHED_IDLE:
     try:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -49,7 +54,7 @@ s.bind((ip, 0))  # the node's address only, not every interface
 sys.stdout.write(f"{s.getsockname()[1]}\n")
 sys.stdout.flush()
 
-def stat():
+def stat(pid):
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -58,18 +63,25 @@ def stat():
     rest = data[data.rindex(b")") + 2:].split()
     return rest[0] + b" " + str(int(rest[11]) + int(rest[12])).encode()  # state, utime + stime
 
+pending = b""
 while True:
     ready, _, _ = select.select([s, 0], [], [], 2.0)
-    if 0 in ready and not os.read(0, 64):
-        break  # the worker closed our stdin: it exited
+    if 0 in ready:
+        chunk = os.read(0, 4096)
+        if not chunk:
+            break  # the agent closed our stdin: it exited
+        pending += chunk
+        while b"\n" in pending:  # a line of pids: the set to watch from now on
+            line, pending = pending.split(b"\n", 1)
+            pids = [int(p) for p in line.split()]
     if s in ready:
         try:
             data, addr = s.recvfrom(128)
-            s.sendto(data + b" " + stat(), addr)
+            s.sendto(b" ".join([data] + [str(p).encode() + b" " + stat(p) for p in pids]), addr)
         except OSError:
             pass
     if os.getppid() != parent:
-        break  # the worker died and we were re-parented
+        break  # the agent died and we were re-parented
 """
 
 
@@ -78,12 +90,13 @@ def _family(ip: str) -> socket.AddressFamily:
 
 
 class Sidecar:
-    """The heartbeat process of one worker (started by the worker, for its own pid)."""
+    """The heartbeat process of one node (started by its agent), for the worker pids it is told."""
 
-    def __init__(self, pid: int, ip: str, start_timeout_s: float = 10.0):
+    def __init__(self, pids: list[int], ip: str, start_timeout_s: float = 10.0):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _SIDECAR, str(pid), "6" if _family(ip) == socket.AF_INET6 else "4", ip],
+            [sys.executable, "-I", "-S", "-c", _SIDECAR, "6" if _family(ip) == socket.AF_INET6 else "4", ip,
+             *map(str, pids)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout_s)
         line = self.proc.stdout.readline() if ready else b""
@@ -92,6 +105,14 @@ class Sidecar:
             raise RuntimeError(f"heartbeat sidecar did not start within {start_timeout_s:.0f}s "
                                f"(exit code {self.proc.poll()})")
         self.port = int(line)
+
+    def watch(self, pids: list[int]) -> None:
+        """Answer for these pids from now on (the processes of the node's ranks)."""
+        try:
+            self.proc.stdin.write(" ".join(map(str, pids)).encode() + b"\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # it exited: its silence says so
 
     def close(self) -> None:
         for f in (self.proc.stdin, self.proc.stdout):
@@ -106,13 +127,14 @@ class Sidecar:
             pass
 
 
-def start_sidecar(pid: int, ip: str) -> Sidecar | None:
-    """A sidecar for `pid`, or None where none can run (not Linux, or it failed to start: the
-    controller then has no heartbeat for this rank and judges it by its polls alone)."""
+def start_sidecar(ip: str) -> Sidecar | None:
+    """A node's sidecar (told its pids later), or None where none can run (not Linux, or it failed
+    to start: the controller then has no heartbeat for the node's ranks and judges them by their
+    polls alone)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return Sidecar(pid, ip)
+        return Sidecar([], ip)
     except (OSError, RuntimeError):
         return None
 
@@ -127,34 +149,64 @@ class Beat:
     cpu_ticks: int = 0
 
 
+class Beats(Mapping):
+    """rank -> Beat, as of one moment (see `Heartbeats.beats`)."""
+
+    def __init__(self, targets: dict, tokens: dict, last: dict, pending: dict, now: float):
+        self._targets, self._tokens, self._last, self._pending, self._now = targets, tokens, last, pending, now
+
+    def __getitem__(self, rank: int) -> Beat:
+        ip, port, pid = self._targets[rank]  # KeyError: not watched
+        token = self._tokens[(ip, port)]
+        state, ticks = self._last[token][1][pid]  # KeyError: never answered for this pid
+        pending = self._pending.get(token)
+        return Beat(0.0 if pending is None else self._now - pending[0], state, ticks)
+
+    def __contains__(self, rank) -> bool:
+        t = self._targets.get(rank)
+        if t is None:
+            return False
+        last = self._last.get(self._tokens[(t[0], t[1])])
+        return last is not None and t[2] in last[1]
+
+    def __iter__(self):
+        return (r for r in self._targets if r in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class Heartbeats:
-    """Controller side: pings each rank's sidecar every `interval_s`, without blocking, from
+    """Controller side: pings each node's sidecar every `interval_s`, without blocking, from
     whatever loop calls `tick()`. Ages count only pings sent: a controller busy elsewhere (a
     restore) sends none, so its own pause never looks like a node's silence."""
 
     def __init__(self, interval_s: float = 0.2, clock=time.monotonic):
         self.interval_s, self.clock = interval_s, clock
         self._socks: dict[int, socket.socket] = {}
-        self._targets: dict[int, tuple[str, int]] = {}  # rank -> (ip, port)
+        self._targets: dict[int, tuple[str, int, int]] = {}  # rank -> (ip, port, pid)
+        self._addrs: set[tuple[str, int]] = set()  # the sidecars pinged: one per node
         self._token: dict[tuple[str, int], bytes] = {}  # sidecar address -> the random token it echoes
         self._seq = 0  # numbers the pings
         self._last_sent = float("-inf")
+        self.pings_sent = 0  # datagrams sent, one per node per interval
         # token -> (sent at, ping number) of its oldest ping not answered by it or a later one
         self._pending_since: dict[bytes, tuple[float, int]] = {}
-        self._last: dict[bytes, tuple[int, str, int]] = {}  # token -> (ping number, state, cpu ticks), newest answer
+        # token -> (ping number, {pid: (state, cpu ticks)}): its newest answer
+        self._last: dict[bytes, tuple[int, dict[int, tuple[str, int]]]] = {}
 
-    def watch(self, targets: dict[int, tuple[str, int]]) -> None:
-        """The ranks to watch now and their sidecars' (ip, port); others are forgotten. A sidecar
-        keeps its history when its rank is renumbered."""
-        if targets == self._targets:
+    def watch(self, targets: dict[int, tuple[str, int, int]]) -> None:
+        """The ranks to watch now: their node's sidecar (ip, port) and their pid; others are
+        forgotten. A sidecar keeps its history when its ranks are renumbered or change."""
+        if targets is self._targets or targets == self._targets:
             return
-        for addr in targets.values():
-            if addr not in self._token:
+        for ip, port, _ in targets.values():
+            if (ip, port) not in self._token:
                 # Unguessable, and only answers from the sidecar's own address count (`_drain`):
                 # nobody else on the network can keep a dead rank alive with a forged answer.
-                self._token[addr] = secrets.token_hex(8).encode()
-        self._targets = dict(targets)
-        addrs = set(targets.values())
+                self._token[(ip, port)] = secrets.token_hex(8).encode()
+        self._targets = targets  # not copied: the caller gives a new dict when its ranks change
+        addrs = self._addrs = {(ip, port) for ip, port, _ in targets.values()}
         self._token = {a: t for a, t in self._token.items() if a in addrs}
         live = set(self._token.values())
         self._pending_since = {t: v for t, v in self._pending_since.items() if t in live}
@@ -174,10 +226,11 @@ class Heartbeats:
             return
         self._last_sent = now
         self._seq += 1
-        for ip, port in set(self._targets.values()):
+        for ip, port in self._addrs:
             token = self._token[(ip, port)]
             try:
                 self._sock(_family(ip)).sendto(token + b":" + str(self._seq).encode(), (ip, port))
+                self.pings_sent += 1
             except OSError as e:  # unreachable now (a partition): the ping simply goes unanswered
                 if e.errno not in (errno.EAGAIN, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED,
                                    errno.EPERM, errno.ENOBUFS):
@@ -188,15 +241,19 @@ class Heartbeats:
         for s in self._socks.values():
             while True:
                 try:
-                    data, sender = s.recvfrom(256)
+                    data, sender = s.recvfrom(65536)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError:  # an ICMP error from an earlier ping (port closed): that ping is lost
                     continue
                 try:
-                    ping, state, ticks = data.split()
+                    ping, *rest = data.split()
                     token, seq = ping.rsplit(b":", 1)
-                    seq, ticks = int(seq), int(ticks)
+                    seq = int(seq)
+                    if len(rest) % 3:
+                        continue
+                    procs = {int(rest[i]): (rest[i + 1].decode(errors="replace"), int(rest[i + 2]))
+                             for i in range(0, len(rest), 3)}
                 except ValueError:
                     continue
                 if token not in self._pending_since and token not in self._last:
@@ -206,20 +263,14 @@ class Heartbeats:
                 if seq >= self._pending_since.get(token, (0.0, seq))[1]:
                     self._pending_since.pop(token, None)  # answered that ping or a later one
                 if seq >= self._last.get(token, (0,))[0]:
-                    self._last[token] = (seq, state.decode(errors="replace"), ticks)
+                    self._last[token] = (seq, procs)
 
-    def beats(self) -> dict[int, Beat]:
-        """For each watched rank whose sidecar has answered at least once: its Beat."""
+    def beats(self) -> "Beats":
+        """Each watched rank's Beat, for those whose node's sidecar has answered for its pid at
+        least once: a read-only mapping over a snapshot of the nodes' answers, taken in O(nodes);
+        a rank's Beat is made when it is read (the run loop reads only the silent ranks')."""
         self._drain()
-        now = self.clock()
-        out = {}
-        for r, addr in self._targets.items():
-            token = self._token[addr]
-            if token in self._last:
-                _, state, ticks = self._last[token]
-                pending = self._pending_since.get(token)
-                out[r] = Beat(0.0 if pending is None else now - pending[0], state, ticks)
-        return out
+        return Beats(self._targets, self._token, dict(self._last), dict(self._pending_since), self.clock())
 
     def close(self) -> None:
         for s in self._socks.values():

@@ -24,7 +24,7 @@ from dataclasses import replace
 import ray
 import torch
 
-from elastic.runtime import collectives, determinism, heartbeat, priority, restore, state
+from elastic.runtime import collectives, determinism, priority, restore, state
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.runtime.checkpoint_book import CheckpointBook
 from elastic.runtime.faults import fire_fault
@@ -97,7 +97,6 @@ class Worker(GroupMembership):
         self.amp: dict[str, torch.Tensor] = {}  # fp16: {"scale", "good_steps"}, saved and restored with the state
         self.kept_offer: dict | None = None  # this rank's part, kept for a rank-to-rank re-shard
         self.copies = MemoryCopies(self.job.checkpoint.memory_every_steps, self.job.checkpoint.memory_max_overhead)  # sharded state's in-memory copies
-        self._sidecar: heartbeat.Sidecar | None | bool = None  # started by info(); False: could not run
         # What is alive now (imported modules, the job's functions, the dataset) lives as long as the
         # worker: moved out of the cyclic collector's reach, so that a full collection scans only
         # what training creates. Without this, a full collection of this process's ~300,000
@@ -113,12 +112,7 @@ class Worker(GroupMembership):
     def info(self) -> WorkerInfo:
         ctx = ray.get_runtime_context()
         ip = ray.util.get_node_ip_address()
-        if self._sidecar is None and self.job.failure.heartbeat:
-            # Answers the controller's heartbeat from outside this process (elastic/heartbeat.py);
-            # None where it cannot run, and the controller then judges this rank by its polls.
-            self._sidecar = heartbeat.start_sidecar(os.getpid(), ip) or False
-        return WorkerInfo(node_id=ctx.get_node_id(), ip=ip, pid=os.getpid(), actor_id=ctx.get_actor_id(),
-                          hb_port=self._sidecar.port if self._sidecar else None)
+        return WorkerInfo(node_id=ctx.get_node_id(), ip=ip, pid=os.getpid(), actor_id=ctx.get_actor_id())
 
     def ping(self) -> bool:
         return True

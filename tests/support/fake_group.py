@@ -90,7 +90,8 @@ class FakeGroup:
     # restore(): each call with candidates takes the next entry: a reason every candidate fails with
     # (storage out, a mismatched model); with none left, the newest candidate loads.
     load_failures: list = field(default_factory=list)
-    heartbeats: bool = False  # each rank has a heartbeat sidecar (else the controller judges by polls alone)
+    heartbeats: bool = False  # each rank's node has a heartbeat sidecar (else the controller judges by polls alone)
+    ranks_per_node: int = 1  # ranks started on one node (each node's agent takes one aggregated poll)
     late_returns: dict = field(default_factory=dict)  # rank -> waits its run() outlasts after an abort it answered
 
     def __post_init__(self):
@@ -98,12 +99,14 @@ class FakeGroup:
         self._next_pid = 10_000
         self._num_steps = 0
         self._last_advance = self.clock()
-        self._polls_sent = 0
+        self._polls_sent = 0  # aggregated polls, one per node with members per poll round
+        self._pings_sent = 0
 
     # ---------------------------------------------------------------- helpers for tests
     def _new_rank(self, rank: int, on_demand: bool = False) -> FakeRank:
         self._next_pid += 1
-        return FakeRank(rank, f"node{self._next_pid:06d}" + "0" * 44, self._next_pid, on_demand=on_demand)
+        node = 10_001 + (self._next_pid - 10_001) // self.ranks_per_node
+        return FakeRank(rank, f"node{node:06d}" + "0" * 44, self._next_pid, on_demand=on_demand)
 
     def freeze(self, rank: int, how: str = "machine") -> None:
         """`rank` answers no poll from now on: its machine stopped ("machine": its heartbeat is
@@ -358,8 +361,8 @@ class FakeGroup:
         t0 = time.perf_counter()
         now = self.clock()
         answers, silent = {}, {}
+        self._polls_sent += len({m.node_id for m in self.members.values()})
         for r, m in self.members.items():
-            self._polls_sent += 1
             if m.dead:
                 silent[r] = "process_died"
             elif m.frozen_at is not None:
@@ -374,9 +377,14 @@ class FakeGroup:
         now = self.clock()
         return {r: now - m.frozen_at for r, m in self.members.items() if m.frozen_at is not None and not m.dead}
 
+    def control_traffic(self) -> dict[str, int]:
+        return {"agent_polls": self._polls_sent, "direct_polls": 0, "heartbeat_pings": self._pings_sent}
+
     def beats(self) -> dict:
         if not self.heartbeats:
             return {}
+        t0 = time.perf_counter()
+        self._pings_sent += len({m.node_id for m in self.members.values()})
         now, out = self.clock(), {}
         for r, m in self.members.items():
             if m.frozen_at is None:
@@ -385,6 +393,7 @@ class FakeGroup:
                 out[r] = Beat(now - m.frozen_at, "R")  # its last answer, from before it stopped
             elif not m.dead:
                 out[r] = Beat(0.0, "T" if m.frozen_how == "process" else "S")
+        self.self_s += time.perf_counter() - t0
         return out
 
     def poll(self, timeout_s: float):
