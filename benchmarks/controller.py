@@ -10,8 +10,8 @@ controller's own work is timed (the fake's time is subtracted). Figures:
     aggregated answers (`NodePoll`, one per node) back into per-rank answers
     (`NodeAgents._fold`, elastic/group/node_agent.py), median;
   * beats_ms: real milliseconds the controller's pinger takes for one round: a ping to every
-    node's sidecar (`Heartbeats.tick`, UDP to loopback addresses) and the beats of its ranks
-    (`Heartbeats.beats`, the silent 1 % of them read);
+    node's sidecar (`Heartbeats.tick`, UDP to a listening loopback socket per node; pings_ms
+    alone) and the beats of its ranks (`Heartbeats.beats`, the silent 1 % of them read);
   * cpu_share: (tick + fold + beats) / iteration period: the share of one core the
     controller's loop takes;
   * polls_per_s, pings_per_s: aggregated polls and heartbeat pings the group sent per
@@ -45,13 +45,12 @@ class _Handle:
 
 def fold_s(num_ranks: int, ranks_per_node: int, reps: int = 5) -> float:
     """Median seconds to fold one round of aggregated answers for `num_ranks` ranks."""
-    from types import SimpleNamespace
-
+    from elastic.group.member import Member
     from elastic.group.node_agent import NodeAgents
     from elastic.protocol import NodePoll, PollReport, RankStatus
 
     agents = NodeAgents(heartbeat_on=False)
-    members = {r: SimpleNamespace(handle=_Handle(r), node_id=f"n{r // ranks_per_node}") for r in range(num_ranks)}
+    members = {r: Member(r, _Handle(r), f"n{r // ranks_per_node}", "10.0.0.1", 1000 + r) for r in range(num_ranks)}
     replies = []
     for start in range(0, num_ranks, ranks_per_node):
         ranks = range(start, min(num_ranks, start + ranks_per_node))
@@ -81,16 +80,50 @@ def _heartbeats(num_ranks: int, ranks_per_node: int):
     return hb, targets
 
 
-def pings_s(num_ranks: int, ranks_per_node: int, reps: int = 5) -> float:
-    """Median seconds of one round of heartbeat pings (`Heartbeats.tick`): one datagram per node."""
-    hb, _ = _heartbeats(num_ranks, ranks_per_node)
+def pings_s(num_ranks: int, ranks_per_node: int, reps: int = 5) -> tuple[float, bool]:
+    """Median seconds of one round of heartbeat pings (`Heartbeats.tick`): one datagram per node,
+    each to a socket of its own that listens on loopback, as a node's sidecar would (without one
+    a send meets the kernel's "port unreachable" from the last round, an error path a real round
+    does not take). Falls back to unlistened addresses where this process may not open a socket per
+    node. Returns (seconds, whether each node had a listener)."""
+    import socket
+
+    from elastic.runtime.heartbeat import Heartbeats
+
+    nodes = -(-num_ranks // ranks_per_node)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(nodes):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        hb = Heartbeats(interval_s=0.0)
+        ports = [s.getsockname()[1] for s in socks]
+        hb.watch({r: ("127.0.0.1", ports[r // ranks_per_node], 1000 + r) for r in range(num_ranks)})
+        listened = True
+    except OSError:  # too many open files: ping addresses nobody listens on
+        for s in socks:
+            s.close()
+        socks = []
+        hb, _ = _heartbeats(num_ranks, ranks_per_node)
+        listened = False
     times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        hb.tick()
-        times.append(time.perf_counter() - t0)
-    hb.close()
-    return statistics.median(times)
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            hb.tick()
+            times.append(time.perf_counter() - t0)
+            for s in socks:  # the sidecars read their pings (not timed)
+                s.setblocking(False)
+                try:
+                    s.recv(256)
+                except BlockingIOError:
+                    pass
+    finally:
+        hb.close()
+        for s in socks:
+            s.close()
+    return statistics.median(times), listened
 
 
 def beats_s(num_ranks: int, ranks_per_node: int, reps: int = 5) -> float:
@@ -140,7 +173,8 @@ def measure(num_ranks: int, ranks_per_node: int = 8, iters: int = 20) -> dict:
     tick_s = statistics.median(ticks)
     sent, elapsed = group.control_traffic(), clock() - t0_fake
     fold, beats = fold_s(num_ranks, ranks_per_node), beats_s(num_ranks, ranks_per_node)
-    beats += pings_s(num_ranks, ranks_per_node)
+    pings, listened = pings_s(num_ranks, ranks_per_node)
+    beats += pings
     period_s = max(POLL_INTERVAL_S, tick_s + fold + beats)
     group.freeze(num_ranks // 2)
     n = 0
@@ -151,7 +185,7 @@ def measure(num_ranks: int, ranks_per_node: int = 8, iters: int = 20) -> dict:
     nodes = -(-num_ranks // ranks_per_node)
     return {"bench": "controller", "system": f"{num_ranks} ranks", "ranks": num_ranks, "nodes": nodes,
             "ranks_per_node": ranks_per_node, "tick_ms": tick_s * 1e3, "fold_ms": fold * 1e3,
-            "beats_ms": beats * 1e3, "cpu_share": (tick_s + fold + beats) / period_s,
+            "beats_ms": beats * 1e3, "pings_ms": pings * 1e3, "pings_listened": listened, "cpu_share": (tick_s + fold + beats) / period_s,
             # counted over fake time, where an iteration is POLL_INTERVAL_S; at a longer period, fewer
             "polls_per_s": (sent["agent_polls"] - sent0["agent_polls"]) / elapsed * POLL_INTERVAL_S / period_s,
             "pings_per_s": (sent["heartbeat_pings"] - sent0["heartbeat_pings"]) / elapsed * POLL_INTERVAL_S / period_s,

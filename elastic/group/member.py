@@ -8,6 +8,7 @@ A failed call is reported as a why: free text for the event log ("unresponsive",
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import signal
@@ -38,6 +39,11 @@ class Member:
     pid: int
     calib_s: float | None = None  # spares: measured compute time of one rank's share of a step
     on_demand: bool = False  # spares: started for a recovery in progress, not ahead of time
+
+    @functools.cached_property
+    def actor_hex(self) -> str:
+        """Its actor's id, as a node agent names who answered (made once per Member)."""
+        return self.handle._actor_id.hex()
 
 
 class Members(dict):

@@ -210,7 +210,7 @@ class NodeAgents:
             info = self.info(node)
             if info is None:
                 continue
-            told = (self.epoch, tuple(sorted((r, _actor_id(m.handle), m.pid) for r, m in ms.items())))
+            told = (self.epoch, tuple(sorted((r, m.actor_hex, m.pid) for r, m in ms.items())))
             if self._watched.get(node) != told:
                 self._agents[node].watch.remote(self.epoch, {r: (m.handle, m.pid) for r, m in ms.items()})
                 self._watched[node] = told
@@ -268,7 +268,7 @@ class NodeAgents:
             return  # it describes the group before
         for r, aid in reply.actors.items():
             m = members.get(r)
-            if m is None or _actor_id(m.handle) != aid:
+            if m is None or m.actor_hex != aid:
                 continue  # that rank has another worker now
             since = self._since.pop(r, None)
             if since is not None:
