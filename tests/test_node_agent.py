@@ -153,4 +153,5 @@ def test_the_nodes_heartbeat_comes_from_its_agent_for_every_rank(group):
         assert beats[2].state == "T" and beats[0].state in "SR"
     finally:
         os.kill(group.members[2].pid, signal.SIGCONT)
-    assert group.heartbeats.pings_sent < 2 * 200  # one ping per node per interval, not one per rank
+    # One ping per round to the one node's sidecar, not one per rank (4 here).
+    assert group.heartbeats.pings_sent == group.heartbeats._seq > 0
