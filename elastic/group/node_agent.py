@@ -101,10 +101,6 @@ class NodeAgent:
         waiting = {r: now - sent for r, (_, _, sent) in self._polls.items()}
         return NodePoll(epoch=self.epoch, answers=answers, died=died, waiting_s=waiting, actors=actors)
 
-    def close(self) -> None:
-        if self.sidecar:
-            self.sidecar.close()
-
 
 class NodeAgents:
     """The group's side of the node agents (see the module's docstring)."""

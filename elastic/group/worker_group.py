@@ -273,8 +273,7 @@ class WorkerGroup(SparePool):
         has been unanswered for longer than ping_timeout_s. A dead rank never blocks the loop.
         A rank with a direct poll in flight moves to its agent once that poll is answered."""
         self._polls = {r: v for r, v in self._polls.items() if r in self.members}
-        through = self.agents.sync(
-            {r: m for r, m in self.members.items() if r not in self._polls} if self._polls else self.members)
+        through = self.agents.sync(self._routable())
         answers, silent = self.agents.poll_nowait(self.members, through, ping_timeout_s)
         now = time.monotonic()
         for r, m in self.members.items():
@@ -299,6 +298,12 @@ class WorkerGroup(SparePool):
         self.slowest_poll_answer_s = max(self.slowest_poll_answer_s, self.agents.slowest_answer_s)
         return answers, silent
 
+    def _routable(self) -> dict:
+        """The members an agent may poll: all but those with a direct poll in flight (they move to
+        their agent once it is answered). The same dict for the polls and the heartbeat, so what
+        each agent is told does not flip between the two."""
+        return {r: m for r, m in self.members.items() if r not in self._polls} if self._polls else self.members
+
     def unanswered_s(self) -> dict[int, float]:
         """For each member with a poll in flight (direct, or through its node's agent), how long it
         has waited: since its last answer, within one run-loop iteration (the next poll goes out as
@@ -315,7 +320,7 @@ class WorkerGroup(SparePool):
     def beats(self) -> dict:
         """{rank: Beat} from the nodes' heartbeat sidecars (elastic/runtime/heartbeat.py, run by the
         node agents), pinging them as due; a rank whose node's sidecar never answered for it is left out."""
-        self.heartbeats.watch(self.agents.heartbeat_targets(self.members))
+        self.heartbeats.watch(self.agents.heartbeat_targets(self._routable()))
         self.heartbeats.tick()
         return self.heartbeats.beats()
 
