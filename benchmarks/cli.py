@@ -49,8 +49,8 @@ OPTIONS = (
     _opt("--storage", choices=["file", "s3"], default="file", help="checkpoint storage under test",
          used_by=("recovery", "resize", "pipeline")),
     _opt("--fault", default="kill_node",
-         help="kill_node (sockets close), freeze_node (silence, as a power loss), or both comma-separated "
-              "(interleaved in one run); with --gpu: kill_process (the rank's process is killed, its node and GPU stay)",
+         help="kill_node (sockets close), freeze_node (silence, as a power loss), kill_process (the rank's process "
+              "is killed, its node stays), comma-separated (interleaved in one run); with --gpu: kill_process only",
          used_by=("recovery",)),
     _opt("--params", default=None,
          help="model sizes in parameters, comma-separated (900K, 9M, 90M: about 10 MB, 100 MB, 1 GB of model + AdamW "

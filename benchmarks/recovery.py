@@ -100,6 +100,8 @@ ELASTIC_SYSTEMS = {
     "elastic-storage": ({"num_workers": NUM_WORKERS}, {"peer_restore": False}),  # reload from storage
     "elastic": ({"num_workers": NUM_WORKERS}, {}),  # survivors' memory + a worker started on demand
     "elastic-spare": ({"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True}, {}),  # warm spare
+    # A pre-started worker on every node (elastic/group/prestart.py), up before training starts
+    "elastic-prestart": ({"num_workers": NUM_WORKERS, "prestarted_per_node": 1, "wait_for_spares": True}, {}),
     # Opt-in: `elastic` judged by its polls alone (no heartbeat sidecar, elastic/heartbeat.py)
     "elastic-no-heartbeat": ({"num_workers": NUM_WORKERS}, {"heartbeat": False}),
 }
@@ -224,7 +226,7 @@ def main(args) -> int:
             return 2
     world, fault_rank = layout["num_workers"], layout["fault_rank"]
     systems = parse_systems("recovery", args.systems or ",".join(layout["systems"]),
-                            layout["systems"] if gpu else [*SYSTEMS, "elastic-no-heartbeat", TORCHFT])
+                            layout["systems"] if gpu else [*SYSTEMS, "elastic-prestart", "elastic-no-heartbeat", TORCHFT])
     if systems is None:
         return 2
     if TORCHFT in systems:
@@ -240,8 +242,8 @@ def main(args) -> int:
             print(f"python -m benchmarks recovery: --gpu: expected --fault {', '.join(GPU_FAULTS)} (the node holds the GPUs, "
                   f"so it must outlive the fault), got {args.fault!r}", file=sys.stderr)
             return 2
-    elif not faults or set(faults) - {"kill_node", "freeze_node"}:
-        print(f"python -m benchmarks recovery: --fault: expected kill_node, freeze_node or both (comma-separated), "
+    elif not faults or set(faults) - {"kill_node", "freeze_node", "kill_process"}:
+        print(f"python -m benchmarks recovery: --fault: expected kill_node, freeze_node, kill_process (comma-separated), "
               f"got {args.fault!r}", file=sys.stderr)
         return 2
     try:

@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+import ray
 
 from elastic import Trainer, TrainingFailed
 from elastic.checkpoint.layout import latest_committed, step_dir
@@ -153,12 +154,35 @@ def test_node_kill_storage_path_when_peer_restore_is_off(cluster, baseline, tmp_
                       lost_rank_upto=(1, FAULT_STEP))
 
 
-def test_sigkill_recovers_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
-    result = Trainer(job(tmp_path, [{"action": "kill_process", "rank": 1, "at_step": FAULT_STEP}])).fit(progress=False)
+def test_sigkill_is_replaced_by_a_prestarted_worker_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
+    """With a pre-started worker on every node (elastic/group/prestart.py) and no free node (the
+    fourth is held), the SIGKILLed rank is replaced on its own node, in the slot its death freed,
+    without a process start; the run ends bit-identical."""
+    hold = ray.remote(num_cpus=1)(_Hold).remote()
+    held = ray.get(hold.node.remote())
+    try:
+        j = job(tmp_path, [{"action": "kill_process", "rank": 1, "at_step": FAULT_STEP}],
+                scaling={"prestarted_per_node": 1, "wait_for_spares": True})
+        result = Trainer(j).fit(progress=False)
+    finally:
+        ray.kill(hold)
     assert_recovered_bit_identical(result, baseline, "kill_process")
     (detected,) = result.events_of("failure_detected")
-    lost_ranks = [x["rank"] for x in detected["lost"]]
-    assert lost_ranks == [1]
+    assert [x["rank"] for x in detected["lost"]] == [1]
+    (up,) = result.events_of("prestarted_ready_all")
+    assert up["num_ready"] == 4  # one on each of the cluster's 4 worker nodes, the held one too
+    (started,) = result.events_of("workers_started")
+    assert held[:12] not in started["nodes"].values()
+    (replaced,) = result.events_of("workers_replaced")
+    assert replaced["how"] == {"1": "pre-started"} and replaced["nodes"] == {"1": started["nodes"]["1"]}, replaced
+    print("replaced:", replaced)
+
+
+class _Hold:
+    """Holds one node's only CPU."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 def test_a_killed_node_agent_takes_its_ranks_and_ends_bit_identical(cluster, baseline, tmp_path):  # noqa: F811

@@ -23,16 +23,24 @@ class ScalingConfig(_Strict):
         0, ge=0, description="Warm spare workers (model built, compute calibrated, ready to receive state) that replace lost "
                  "or slow ranks; placed on other nodes where the cluster allows.")
     wait_for_spares: bool = Field(
-        False, description="Start training only once the spares are warm (drills and benchmarks of the spare path).")
+        False, description="Start training only once the spares are warm and the pre-started workers up (drills and "
+                           "benchmarks of those paths).")
     low_priority_refills: bool = Field(
         True, description="Spares that refill the pool while the group trains start under SCHED_IDLE (the lowest CPU "
                           "priority) until built, where the OS lets them return to normal (elastic/runtime/priority.py).")
+    prestarted_per_node: int = Field(
+        0, ge=0, description="Worker processes kept started on every node (Python, torch, the job's modules and dataset "
+                 "loaded; no CPU held, started at the lowest priority). A lost rank is then replaced without a "
+                 "process start, on its own node when its slot is free (elastic/group/prestart.py). CPU workers only.")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor.")
     use_gpu: bool = Field(False, description="One GPU per worker and NCCL; gloo on CPU otherwise.")
 
 
     @model_validator(mode="after")
     def _check_range(self) -> "ScalingConfig":
+        if self.prestarted_per_node and self.use_gpu:
+            raise ValueError("scaling.prestarted_per_node is for CPU workers only (a GPU is given to a process when "
+                             "Ray starts it): set it to 0 with scaling.use_gpu: true")
         lo, hi = self.min_size, self.max_size
         if not lo <= self.num_workers <= hi:
             raise ValueError(f"need min_workers <= num_workers <= max_workers, got {lo} <= "

@@ -47,6 +47,11 @@ def on_starting(ctl: Controller, _: Starting) -> State:
         ok = ctl.group.wait_spares_ready(ctl.job.failure.replacement_timeout_s)
         ctl.events.emit("spares_ready" if ok else "spares_not_ready", num_ready=len(ctl.group.ready_spares),
                         wait_s=ctl.now() - t0)
+    if ctl.job.scaling.wait_for_spares and ctl.job.scaling.prestarted_per_node:
+        t0 = ctl.now()
+        ok = ctl.group.wait_prestarted_ready(ctl.job.failure.replacement_timeout_s)
+        ctl.events.emit("prestarted_ready_all" if ok else "prestarted_not_ready",
+                        num_ready=ctl.group.prestarted_news()[0], wait_s=ctl.now() - t0)
     return Forming()
 
 
@@ -157,6 +162,11 @@ def tend(ctl: Controller) -> None:
     group = ctl.group
     for node in group.probe_suspects():
         ctl.events.emit("node_cleared", node=node[:12], reason="answers again, or Ray declared it dead")
+    for why in group.tend_prestarted():
+        ctl.events.emit("spare_lost", reason=why)
+    num_ready, news = group.prestarted_news()
+    for node, pid in news:
+        ctl.events.emit("prestarted_ready", node=node, pid=pid, num_ready=num_ready)
     if ctl.job.scaling.num_spares == 0:
         return
     lost = group.refresh_spares() + group.check_spares(ctl.job.failure.ping_timeout_s)

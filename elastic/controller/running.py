@@ -120,8 +120,11 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
     if (w.lost or w.aborted) and w.failing_since is None:
         w.failing_since = ctl.now()
         # Start a replacement now, while we settle exactly who is lost: the slow part of a new
-        # worker (process start, imports, model build) overlaps with detection.
-        ctl.group.add_spares(max(len(w.lost), 1) - ctl.group.num_spares(), on_demand=True)
+        # worker (process start, imports, model build) overlaps with detection. A pre-started one
+        # on the node of a rank whose process died takes the slot that death frees.
+        near = tuple(ctl.group.members[r].node_id for r, lost in sorted(w.lost.items())
+                     if r in ctl.group.members and lost.cause == LostCause.PROCESS_DIED)
+        ctl.group.add_spares(max(len(w.lost), 1) - ctl.group.num_spares(), on_demand=True, near=near)
     if w.failing_since is not None:
         for r, why in silent.items():
             w.lost.setdefault(r, LostRank(r, cause_of(why), why))

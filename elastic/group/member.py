@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic.group.prestart import release_slot
 from elastic.protocol import LostCause
 
 
@@ -39,6 +40,8 @@ class Member:
     pid: int
     calib_s: float | None = None  # spares: measured compute time of one rank's share of a step
     on_demand: bool = False  # spares: started for a recovery in progress, not ahead of time
+    prestarted: bool = False  # taken from its node's pre-started workers (elastic/group/prestart.py)
+    slot: object = None  # the placement group that holds a pre-started worker's CPU; removed with it
 
     @functools.cached_property
     def actor_hex(self) -> str:
@@ -143,4 +146,6 @@ def kill_member(m: Member) -> None:
     """ray.kill, plus a SIGKILL by pid from its own node, which also ends a stopped (SIGSTOP)
     process whose Ray core worker cannot act on a kill request. Fire and forget."""
     ray.kill(m.handle, no_restart=True)
+    if m.slot is not None:
+        release_slot(m.slot)
     _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(m.node_id, soft=False)).remote(m.pid)

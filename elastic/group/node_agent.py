@@ -154,6 +154,10 @@ class NodeAgents:
             ray.wait(list(pending), num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
         return [n for n in nodes if self.info(n) is None]
 
+    def nodes(self) -> list[str]:
+        """The nodes whose agent is up."""
+        return [n for n in self._agents if self.info(n) is not None]
+
     def info(self, node_id: str) -> AgentInfo | None:
         """The node's agent's info once it has answered; None before (or if it failed to start)."""
         info = self._infos.get(node_id)

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.group.member import GroupError, Member, gather, kill_member
 from elastic.group.node_agent import NodeAgents
+from elastic.group.prestart import PrestartPool, release_slot
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
 from elastic.runtime.actor import WorkerActor
@@ -43,6 +44,9 @@ def _available_by_node() -> dict[str, dict]:
     # Ray has no public per-node view of available resources (ray.available_resources() sums
     # the cluster); this is what `ray status` reads.
     return ray._private.state.available_resources_per_node()
+
+
+CLAIM_S = 2.0  # the longest a pre-started worker waits for the slot it claimed before it is given up
 
 
 class SparePool:
@@ -75,6 +79,9 @@ class SparePool:
         self.suspect_nodes: set[str] = set()
         self._probes: dict[str, "ray.ObjectRef"] = {}  # suspect node -> probe task in flight
         self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
+        # Pre-started workers (elastic/group/prestart.py): taken before a process is started on demand.
+        self.prestart = PrestartPool(sc.prestarted_per_node, self._new_prestarted)
+        self._claims: dict["ray.ObjectRef", tuple[object, float]] = {}  # pending spare -> (its slot, claimed at)
 
     def _new_actor(self, background: bool = False, node: str | None = None):
         """A new worker actor, never on a suspect node. `background`: it starts beside a training
@@ -90,6 +97,94 @@ class SparePool:
         if self.suspect_nodes:
             opts["label_selector"] = {"ray.io/node-id": f"!in({','.join(sorted(self.suspect_nodes))})"}
         return self._remote_worker.options(**opts).remote(self.job_json, self.root, self.controller)
+
+    def _new_prestarted(self, node: str):
+        """A pre-started worker on `node`: no CPU held, pinned there, started at the lowest priority."""
+        opts = dict(self._actor_opts, num_cpus=0, num_gpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        if self.job.scaling.low_priority_refills:
+            env = dict(opts["runtime_env"] or {})
+            env["env_vars"] = {**env.get("env_vars", {}), priority.BACKGROUND_ENV: "1"}
+            opts["runtime_env"] = env
+        return self._remote_worker.options(**opts).remote(self.job_json, self.root, self.controller)
+
+    def tend_prestarted(self) -> list[str]:
+        """Keep the pre-started workers on every node with an agent that is not suspect; claims
+        whose slot never came are given up. Returns why any were lost."""
+        lost = self._expire_claims()
+        if self.prestart.per_node <= 0:
+            return lost
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        nodes = {n for n in self.agents.nodes() if n in alive} - self.suspect_nodes
+        return lost + self.prestart.maintain(nodes)
+
+    def prestarted_news(self) -> tuple[int, list[tuple[str, int]]]:
+        """(pre-started workers ready now, [(node, pid)] of those that became ready since last asked)."""
+        news, self.prestart.newly_ready = self.prestart.newly_ready, []
+        return sum(self.prestart.ready_by_node().values()), news
+
+    def wait_prestarted_ready(self, timeout_s: float) -> bool:
+        """Start the pre-started workers now and wait until all have (drills and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        self.lost_spares.extend(self.tend_prestarted())
+        while not self.prestart.all_ready() and time.monotonic() < deadline:
+            self.lost_spares.extend(self.prestart.refresh(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
+        return self.prestart.all_ready()
+
+    def _take_prestarted(self, n: int, near: tuple[str, ...] = ()) -> int:
+        """Up to n pre-started workers take ranks' slots: on nodes where Ray shows one free, or on a
+        `near` node (where a rank's process just died: its slot is being freed), those first. Each
+        claims its slot and builds its model once the slot is held. Returns how many."""
+        got = 0
+        if n <= 0 or not self.prestart.workers:
+            return got
+        cpus = self.job.scaling.cpus_per_worker
+        free = {k: v for k, v in free_cpus_by_node().items() if k not in self.suspect_nodes}
+        for node in near:
+            free[node] = max(free.get(node, 0.0), cpus)
+        for _ in range(n):
+            taken = self.prestart.take(free, cpus, near)
+            if taken is None:
+                break
+            w, slot = taken
+            free[w.node_id] -= cpus
+            # The call runs once Ray resolved its argument, the slot's ready(): never before it is held.
+            ref = w.handle.warm.remote(calibrate=False, slot=slot.ready())
+            self._pending_spares[ref] = w.handle
+            self._kept_off[ref] = frozenset(self.suspect_nodes)
+            self._on_demand.add(ref)
+            self._claims[ref] = (slot, time.monotonic())
+            got += 1
+        return got
+
+    def _prefer_prestarted(self, need: int) -> None:
+        """Pre-started workers for the ranks still missing, in place of processes started on demand
+        that are still starting (a slot may have been freed since they were asked for)."""
+        claimed = sum(1 for ref in self._pending_spares if ref in self._claims)
+        got = self._take_prestarted(need - claimed)
+        fresh = [ref for ref in self._pending_spares if ref in self._on_demand and ref not in self._claims]
+        for ref in fresh[:got]:
+            h = self._pending_spares.pop(ref)
+            self._kept_off.pop(ref, None)
+            self._on_demand.discard(ref)
+            ray.kill(h, no_restart=True)
+
+    def _expire_claims(self) -> list[str]:
+        """A claimed slot not held within CLAIM_S (another actor took the CPU first): give it up, and
+        its worker with it, so a recovery starts a worker elsewhere instead of waiting for ever."""
+        from ray.util.placement_group import placement_group_table
+        lost = []
+        for ref, (slot, since) in list(self._claims.items()):
+            if ref in self._pending_spares and time.monotonic() - since > CLAIM_S \
+                    and placement_group_table(slot).get("state") != "CREATED":
+                h = self._pending_spares.pop(ref)
+                self._kept_off.pop(ref, None)
+                self._on_demand.discard(ref)
+                self._claims.pop(ref)
+                release_slot(slot)
+                ray.kill(h, no_restart=True)
+                lost.append(f"pre-started worker's slot not free within {CLAIM_S:.0f}s")
+        return lost
 
     # ---------------------------------------------------------------- suspect nodes
     def suspect(self, node_id: str) -> None:
@@ -131,13 +226,17 @@ class SparePool:
 
     # ---------------------------------------------------------------- the pool
     def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
-                   calibrate: bool | None = None) -> None:
+                   calibrate: bool | None = None, near: tuple[str, ...] = ()) -> None:
         """Start n spare workers in the background; they warm up (build the model) on their own.
         `on_demand`: wanted by a recovery in progress (no calibration). `background`: refilling the
         pool while the group trains; they start at the lowest CPU priority, so that on CPUs they
         share with training ranks they take only what training leaves. `calibrate`: time a rank's
         compute before the spare counts as ready (default: unless on demand); one left
-        uncalibrated is calibrated when a straggler decision first weighs it (calibrate_spares)."""
+        uncalibrated is calibrated when a straggler decision first weighs it (calibrate_spares).
+        On demand, pre-started workers are taken first (`near`: the nodes whose slots were just
+        freed, tried first); processes are started only for the rest."""
+        if on_demand:
+            n -= self._take_prestarted(n, near)
         low = background and not on_demand and self.job.scaling.low_priority_refills
         calibrate = not on_demand if calibrate is None else calibrate
         for _ in range(max(0, n)):
@@ -171,13 +270,17 @@ class SparePool:
             on_demand = ref in self._on_demand
             self._on_demand.discard(ref)
             self._background.discard(ref)
+            slot = self._claims.pop(ref, (None, 0.0))[0]
             try:
                 info: WorkerInfo = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a spare that died while warming is just gone
                 lost.append(f"spare died while warming: {type(e).__name__}")
                 ray.kill(h, no_restart=True)
+                if slot is not None:
+                    release_slot(slot)
                 continue
-            self.ready_spares.append(Member(-1, h, info.node_id, info.ip, info.pid, info.calib_s, on_demand))
+            self.ready_spares.append(Member(-1, h, info.node_id, info.ip, info.pid, info.calib_s, on_demand,
+                                            prestarted=slot is not None, slot=slot))
             self.agents.ensure(info.node_id)  # up before the spare takes a rank there
             self.newly_ready.append((info.node_id[:12], info.pid, info.started_low))
         return lost
@@ -203,6 +306,8 @@ class SparePool:
             if self._pending_spares:
                 ref, h = self._pending_spares.popitem()
                 self._kept_off.pop(ref, None)
+                if ref in self._claims:
+                    release_slot(self._claims.pop(ref)[0])
                 self._on_demand.discard(ref)
                 self._background.discard(ref)
                 ray.kill(h, no_restart=True)
@@ -248,6 +353,9 @@ class SparePool:
 
     def _assign(self, rank: int, spare: Member) -> None:
         self.ready_spares.remove(spare)
+        old = self.members.get(rank)
+        if old is not None and old.slot is not None and old.handle is not spare.handle:
+            release_slot(old.slot)  # killed already; its slot must not outlive it
         self.members[rank] = replace(spare, rank=rank, on_demand=False)
 
     def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]:
@@ -266,7 +374,7 @@ class SparePool:
                     continue
                 r = need.pop(0)
                 self._assign(r, m)
-                how[r] = "started on demand" if m.on_demand else label_if_planned
+                how[r] = "pre-started" if m.prestarted else "started on demand" if m.on_demand else label_if_planned
 
         self.lost_spares.extend(self.refresh_spares())
         take_ready("warm spare")
@@ -278,8 +386,10 @@ class SparePool:
         while need and time.monotonic() < deadline:
             # Keep one warming spare per missing rank: a replacement that died (its node was lost
             # too, or not yet known to be lost) is replaced in turn, never waited on forever.
+            self._prefer_prestarted(len(need))
             self.add_spares(len(need) - len(self._pending_spares), on_demand=True)
             self.probe_suspects()  # a node that answers again may hold the only free slot
+            self.lost_spares.extend(self._expire_claims())
             self.lost_spares.extend(self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
             take_ready("spare, waited while it warmed")
         if need:

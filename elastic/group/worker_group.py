@@ -363,4 +363,5 @@ class WorkerGroup(SparePool):
         for r in list(self.members):
             self.kill(r)
         self.trim_spares(0)
+        self.prestart.shutdown()
         self.agents.shutdown()

@@ -165,12 +165,21 @@ class FakeGroup:
             self.members[r] = self._new_rank(r)
 
     def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
-                   calibrate: bool | None = None) -> None:
+                   calibrate: bool | None = None, near: tuple[str, ...] = ()) -> None:
         if n > 0:
             self.spare_starts.append((n, on_demand, background))
             self.calibrated_starts.append(not on_demand if calibrate is None else calibrate)
         for _ in range(max(0, n)):
             self._pending.append(self.clock() + self.spare_warm_s)
+
+    def tend_prestarted(self) -> list[str]:
+        return []
+
+    def wait_prestarted_ready(self, timeout_s: float) -> bool:
+        return True
+
+    def prestarted_news(self):
+        return 0, []
 
     def wait_spares_ready(self, timeout_s: float) -> bool:
         self.clock.advance(self.spare_warm_s)
