@@ -28,7 +28,8 @@ class Rendezvous:
     def start_in_background(self) -> None:
         """Start the server on a thread: importing torch.distributed takes the controller a second
         or two of CPU, spent while the first workers start rather than in the first formation."""
-        threading.Thread(target=self.address, name="rendezvous-start", daemon=True).start()
+        if self._store is None:
+            threading.Thread(target=self.address, name="rendezvous-start", daemon=True).start()
 
     def address(self) -> tuple[str, int]:
         """(host, port) the members connect to; starts the server the first time."""

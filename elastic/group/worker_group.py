@@ -36,8 +36,10 @@ class WorkerGroup(SparePool):
         self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
         self.direct_polls = 0  # polls sent to ranks themselves (their node's agent not up yet)
         self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
+        # Started in the background once the first workers are asked for (`start`), not before:
+        # its torch import holds the GIL, and the first actor creation (Ray exports the class)
+        # waited 1.9 s behind it, on every run's start.
         self.rendezvous = Rendezvous(ray.util.get_node_ip_address(), job.failure.rendezvous_timeout_s)
-        self.rendezvous.start_in_background()
         self.placement: Placement | None = None  # of the first start, with tensor parallelism
 
     @property
@@ -61,6 +63,7 @@ class WorkerGroup(SparePool):
             self.placement = place_tp_groups(ranks, tp, free_cpus_by_node(), self.job.scaling.cpus_per_worker)
         handles = {r: self._new_actor(node=self.placement.nodes.get(r)) for r in ranks} if self.placement else \
             {r: self._new_actor() for r in ranks}
+        self.rendezvous.start_in_background()  # while the workers start (a no-op once started)
         refs = {r: h.info.remote() for r, h in handles.items()}
         infos, bad = gather(refs, timeout_s)
         if bad:
