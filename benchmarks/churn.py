@@ -52,10 +52,12 @@ METRICS = ["goodput", "steps_per_s", "fault_free_steps_per_s", "faults"]
 ELASTIC_SYSTEMS = {
     "elastic": {"num_workers": NUM_WORKERS},
     "elastic-spare": {"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True},
+    # A pre-started worker on every node (elastic/group/prestart.py)
+    "elastic-prestart": {"num_workers": NUM_WORKERS, "prestarted_per_node": 1, "wait_for_spares": True},
 }
 SYSTEMS = [*ELASTIC_SYSTEMS, "ray-train"]
 # Process titles of training processes (Ray names an actor's process `ray::<Class>...`).
-TRAINING_TITLES = {"elastic": ("ray::Worker",), "elastic-spare": ("ray::Worker",),
+TRAINING_TITLES = {"elastic": ("ray::Worker",), "elastic-spare": ("ray::Worker",), "elastic-prestart": ("ray::Worker",),
                    "ray-train": ("ray::RayTrainWorker",)}
 
 
@@ -100,11 +102,13 @@ class ChurnInjector:
     fault, else it is recorded as skipped."""
 
     def __init__(self, cluster, schedule: list[Fault], titles: tuple[str, ...], replace_after_s: float,
-                 seed: int, rank_nodes: Callable[[], set[str]] | None = None):
+                 seed: int, rank_nodes: Callable[[], set[str]] | None = None,
+                 rank_pids: Callable[[], set[int]] | None = None):
         self.cluster, self.schedule, self.titles = cluster, schedule, titles
         # Where the framework says its ranks are (node id prefixes), so a warm spare is not taken
         # for a rank; None: every process with a training title is a rank.
         self.rank_nodes = rank_nodes
+        self.rank_pids = rank_pids  # elastic: only ranks' processes are training ones (not spares, pre-started)
         self.replace_after_s = replace_after_s
         self.rng = random.Random(f"churn-targets-{seed}")
         self.records: list[dict] = []
@@ -133,7 +137,7 @@ class ChurnInjector:
                 title = " ".join(p.cmdline())
             except psutil.Error:
                 continue
-            if title.startswith(self.titles):
+            if title.startswith(self.titles) and (self.rank_pids is None or p.pid in self.rank_pids()):
                 out.append((p, title))
         return out
 
@@ -307,16 +311,17 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
 
     from elastic import Trainer
     from elastic.controller import Controller
-    from elastic.trainer import _worker_runtime_env
+    from elastic.group.runtime_env import worker_runtime_env
 
     trainer = Trainer(elastic_job(system, storage_uri))  # the job's checks, as for any run
     controller = ray.remote(Controller).options(
         num_cpus=0, max_concurrency=8, resources={"node:__internal_head__": 0.001},
-    ).remote(trainer.job.model_dump_json(), _worker_runtime_env())
+    ).remote(trainer.job.model_dump_json(), worker_runtime_env(trainer.job.model_dump_json()))
     done = controller.run.remote()
     events: list[dict] = []
     ended: dict = {}
     rank_node: dict[str, str] = {}  # rank -> node id prefix, from the controller's events
+    rank_pids: set[int] = set()  # every process that held a rank, from the same events
 
     def get_step() -> int | None:
         try:
@@ -327,6 +332,7 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
         for e in p["events"]:
             if e["kind"] in ("workers_started", "workers_replaced"):
                 rank_node.update(e.get("nodes") or {})
+                rank_pids.update(e.get("pids", {}).values())
         return p["step"]
 
     def failed() -> bool:
@@ -341,7 +347,7 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
         return bool(ended)
 
     injector = ChurnInjector(cluster, schedule, TRAINING_TITLES[system], args.replace_after_s, args.seed_used,
-                             rank_nodes=lambda: set(rank_node.values()))
+                             rank_nodes=lambda: set(rank_node.values()), rank_pids=lambda: rank_pids)
     phases = Phases(get_step, failed, args.fault_free_s, args.duration_s, injector)
     try:
         phases.run()

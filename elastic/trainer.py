@@ -26,6 +26,7 @@ from elastic.data.fingerprint import KEY as FINGERPRINT_KEY
 from elastic.data.fingerprint import dataset_fingerprint, has_hook
 from elastic.data.prefetch import check_data_workers
 from elastic.group.room import check_copies_room
+from elastic.group.runtime_env import worker_runtime_env
 from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class Trainer:
             # `ray job submit` runs drivers too). Soft node affinity to the driver's node is not
             # enough: with num_cpus=0 Ray was seen placing the actor on a worker node anyway.
             resources={"node:__internal_head__": 0.001},
-        ).remote(self.job.model_dump_json(), _worker_runtime_env())
+        ).remote(self.job.model_dump_json(), worker_runtime_env(self.job.model_dump_json()))
         done = controller.run.remote()
         bar = _Progress(self.job.run.num_steps) if progress else None
         events: list[dict] = []  # what the driver has seen, in case the controller dies with the rest
@@ -248,17 +249,6 @@ def _warn_inline_credentials(job: JobConfig) -> None:
                     "environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, which s3fs reads) or the "
                     "platform's identity (IRSA on EKS): docs/guarantees.md#credentials-and-what-is-redacted",
                     ", ".join(inline))
-
-
-def _worker_runtime_env() -> dict | None:
-    """Workers must import the job's 'module:function's. Under `ray job submit --working-dir`
-    Ray ships the code; otherwise (a local or embedded cluster sharing this disk) put the
-    driver's working directory on the workers' PYTHONPATH."""
-    job_env = ray.get_runtime_context().runtime_env or {}
-    if job_env.get("working_dir") or job_env.get("py_modules"):
-        return None
-    paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
 
 
 def cpu_slots_needed(job: JobConfig) -> float:

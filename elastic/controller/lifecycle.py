@@ -32,7 +32,8 @@ def on_starting(ctl: Controller, _: Starting) -> State:
     except GroupError as e:
         return Errored(str(e))
     ctl.events.emit("workers_started", ranks=list(range(n)),
-                    nodes={r: m.node_id[:12] for r, m in ctl.group.members.items()})
+                    nodes={r: m.node_id[:12] for r, m in ctl.group.members.items()},
+                    pids={r: m.pid for r, m in ctl.group.members.items()})
     tp = ctl.job.train.tp.size
     if tp > 1:  # where each tp group landed (placement asks for one node; Ray has the last word)
         split = [g for g in range(0, n, tp) if len({ctl.group.members[r].node_id for r in range(g, g + tp)}) > 1]

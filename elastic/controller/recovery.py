@@ -108,7 +108,8 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
                            f"last committed checkpoint: {ctl.last_committed or 'none'}")
         return shrink(ctl, str(e), t0)
     ctl.events.emit("workers_replaced", ranks=missing, start_s=ctl.now() - t0, how=how,
-                    nodes={r: group.members[r].node_id[:12] for r in missing})
+                    nodes={r: group.members[r].node_id[:12] for r in missing},
+                    pids={r: group.members[r].pid for r in missing})
     return merge_overlapping(ctl)
 
 
