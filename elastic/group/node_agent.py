@@ -136,13 +136,14 @@ class NodeAgents:
         self._infos[node_id] = h.info.remote()
         self._agents_changed += 1
 
-    def start_where_workers_fit(self, cpus_per_worker: float, gpu: bool) -> None:
+    def start_where_workers_fit(self, cpus_per_worker: float, gpu: bool, avoid=frozenset()) -> None:
         """Agents on every alive node that could host a worker, before the workers start: an
         agent (no torch) is up well before a worker has built its model, so the first step
         already has its node's heartbeat."""
         for node in ray.nodes():
             res = node.get("Resources", {})
-            if node.get("Alive") and (res.get("GPU", 0) >= 1 if gpu else res.get("CPU", 0) >= cpus_per_worker):
+            if node.get("Alive") and node["NodeID"] not in avoid and \
+                    (res.get("GPU", 0) >= 1 if gpu else res.get("CPU", 0) >= cpus_per_worker):
                 self.ensure(node["NodeID"])
 
     def wait_up(self, nodes, timeout_s: float) -> list[str]:

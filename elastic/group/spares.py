@@ -114,6 +114,10 @@ class SparePool:
         lost = self._expire_claims()
         if self.prestart.per_node <= 0:
             return lost
+        # Nodes that joined since the start get their agent here (then their pre-started workers,
+        # at a later call, once it is up): under churn the free slots are on fresh nodes.
+        self.agents.start_where_workers_fit(self.job.scaling.cpus_per_worker, self.job.scaling.use_gpu,
+                                            avoid=self.suspect_nodes)
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         nodes = {n for n in self.agents.nodes() if n in alive} - self.suspect_nodes
         return lost + self.prestart.maintain(nodes)
