@@ -12,8 +12,9 @@ How they stay out of training's way and out of Ray's books:
   (elastic/runtime/priority.py), so their start runs only on CPU time training leaves idle;
 * one takes a rank only where Ray shows a free slot (`cpus_per_worker`) on its node, and claims
   that slot with a one-bundle placement group pinned there: Ray's accounting stays exact, and no
-  other actor is placed on the CPU it trains on. Its first call (`warm`) waits for the placement
-  group (an ObjectRef argument), so it never trains on a slot it does not hold;
+  other actor is placed on the CPU it trains on. It is told to build its model (`warm`) only once
+  the GCS shows the group created (elastic/group/spares.py, `_advance_claims`), so it never
+  trains on a slot it does not hold;
 * the placement group goes with the member (`Member.slot`): removed when the member is killed.
 
 The pool is mechanics; `choose_node` (pure) says where one is taken. CPU workers only: a GPU must be
@@ -111,7 +112,7 @@ class PrestartPool:
     def take(self, free_cpus: dict[str, float], cpus: float, prefer: tuple[str, ...] = ()
              ) -> tuple[Prestarted, "ray.util.placement_group.PlacementGroup"] | None:
         """A ready pre-started worker on a node with a free slot, and the placement group that claims
-        the slot (its `ready()` may still be pending). None if none fits. The pool is refilled on
+        the slot (it may not be granted yet). None if none fits. The pool is refilled on
         that node at the next `maintain`."""
         self.refresh()
         node = choose_node(self.ready_by_node(), free_cpus, cpus, prefer)

@@ -47,6 +47,7 @@ def _available_by_node() -> dict[str, dict]:
 
 
 CLAIM_S = 2.0  # the longest a pre-started worker waits for the slot it claimed before it is given up
+CLAIM_POLL_S = 0.02  # how often a recovery looks whether a claimed slot was granted
 
 
 class SparePool:
@@ -81,7 +82,8 @@ class SparePool:
         self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
         # Pre-started workers (elastic/group/prestart.py): taken before a process is started on demand.
         self.prestart = PrestartPool(sc.prestarted_per_node, self._new_prestarted)
-        self._claims: dict["ray.ObjectRef", tuple[object, float]] = {}  # pending spare -> (its slot, claimed at)
+        self._waiting: list[tuple[object, object, float]] = []  # (worker, its claimed slot, since): slot not granted yet
+        self._claims: dict["ray.ObjectRef", object] = {}  # pending spare (granted slot, building) -> its slot
 
     def _new_actor(self, background: bool = False, node: str | None = None):
         """A new worker actor, never on a suspect node. `background`: it starts beside a training
@@ -111,7 +113,7 @@ class SparePool:
     def tend_prestarted(self) -> list[str]:
         """Keep the pre-started workers on every node with an agent that is not suspect; claims
         whose slot never came are given up. Returns why any were lost."""
-        lost = self._expire_claims()
+        lost = self._advance_claims()
         if self.prestart.per_node <= 0:
             return lost
         # Nodes that joined since the start get their agent here (then their pre-started workers,
@@ -138,7 +140,8 @@ class SparePool:
     def _take_prestarted(self, n: int, near: tuple[str, ...] = ()) -> int:
         """Up to n pre-started workers take ranks' slots: on nodes where Ray shows one free, or on a
         `near` node (where a rank's process just died: its slot is being freed), those first. Each
-        claims its slot and builds its model once the slot is held. Returns how many."""
+        claims its slot, and builds its model once Ray has granted it (`_advance_claims`). Returns
+        how many."""
         got = 0
         if n <= 0 or not self.prestart.workers:
             return got
@@ -152,19 +155,15 @@ class SparePool:
                 break
             w, slot = taken
             free[w.node_id] -= cpus
-            # The call runs once Ray resolved its argument, the slot's ready(): never before it is held.
-            ref = w.handle.warm.remote(calibrate=False, slot=slot.ready())
-            self._pending_spares[ref] = w.handle
-            self._kept_off[ref] = frozenset(self.suspect_nodes)
-            self._on_demand.add(ref)
-            self._claims[ref] = (slot, time.monotonic())
+            self._waiting.append((w.handle, slot, time.monotonic()))
             got += 1
+        self.lost_spares.extend(self._advance_claims())
         return got
 
     def _prefer_prestarted(self, need: int) -> None:
         """Pre-started workers for the ranks still missing, in place of processes started on demand
         that are still starting (a slot may have been freed since they were asked for)."""
-        claimed = sum(1 for ref in self._pending_spares if ref in self._claims)
+        claimed = len(self._waiting) + sum(1 for ref in self._pending_spares if ref in self._claims)
         got = self._take_prestarted(need - claimed)
         fresh = [ref for ref in self._pending_spares if ref in self._on_demand and ref not in self._claims]
         for ref in fresh[:got]:
@@ -173,21 +172,29 @@ class SparePool:
             self._on_demand.discard(ref)
             ray.kill(h, no_restart=True)
 
-    def _expire_claims(self) -> list[str]:
-        """A claimed slot not held within CLAIM_S (another actor took the CPU first): give it up, and
-        its worker with it, so a recovery starts a worker elsewhere instead of waiting for ever."""
+    def _advance_claims(self) -> list[str]:
+        """Claimed slots that Ray has granted: their workers build their models now (a pending
+        spare). Read from the GCS's placement group table, which needs no process on the node (a
+        placement group's ready() runs a task there, and a fresh node may first have to start a
+        Python process for it). A slot not granted within CLAIM_S (another actor took the CPU
+        first) is given up, with its worker, so a recovery starts a worker elsewhere instead of
+        waiting for ever. Returns why any were lost."""
         from ray.util.placement_group import placement_group_table
-        lost = []
-        for ref, (slot, since) in list(self._claims.items()):
-            if ref in self._pending_spares and time.monotonic() - since > CLAIM_S \
-                    and placement_group_table(slot).get("state") != "CREATED":
-                h = self._pending_spares.pop(ref)
-                self._kept_off.pop(ref, None)
-                self._on_demand.discard(ref)
-                self._claims.pop(ref)
+        lost, still = [], []
+        for h, slot, since in self._waiting:
+            if placement_group_table(slot).get("state") == "CREATED":
+                ref = h.warm.remote(calibrate=False)
+                self._pending_spares[ref] = h
+                self._kept_off[ref] = frozenset(self.suspect_nodes)
+                self._on_demand.add(ref)
+                self._claims[ref] = slot
+            elif time.monotonic() - since > CLAIM_S:
                 release_slot(slot)
                 ray.kill(h, no_restart=True)
                 lost.append(f"pre-started worker's slot not free within {CLAIM_S:.0f}s")
+            else:
+                still.append((h, slot, since))
+        self._waiting = still
         return lost
 
     # ---------------------------------------------------------------- suspect nodes
@@ -260,11 +267,13 @@ class SparePool:
         return not self._pending_spares
 
     def num_spares(self) -> int:
-        return len(self.ready_spares) + len(self._pending_spares)
+        return len(self.ready_spares) + len(self._pending_spares) + len(self._waiting)
 
     def refresh_spares(self, wait_s: float = 0.0) -> list[str]:
         """Move spares that finished warming to the ready list; returns why any were lost."""
-        lost: list[str] = []
+        lost: list[str] = self._advance_claims() if self._waiting else []
+        if self._waiting:  # a slot may be granted any moment: look again soon
+            wait_s = min(wait_s, CLAIM_POLL_S)
         if not self._pending_spares:
             return lost
         ready, _ = ray.wait(list(self._pending_spares), num_returns=len(self._pending_spares), timeout=wait_s)
@@ -274,7 +283,7 @@ class SparePool:
             on_demand = ref in self._on_demand
             self._on_demand.discard(ref)
             self._background.discard(ref)
-            slot = self._claims.pop(ref, (None, 0.0))[0]
+            slot = self._claims.pop(ref, None)
             try:
                 info: WorkerInfo = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a spare that died while warming is just gone
@@ -307,11 +316,15 @@ class SparePool:
 
     def trim_spares(self, keep: int) -> None:
         while self.num_spares() > keep:
-            if self._pending_spares:
+            if self._waiting:
+                h, slot, _ = self._waiting.pop()
+                release_slot(slot)
+                ray.kill(h, no_restart=True)
+            elif self._pending_spares:
                 ref, h = self._pending_spares.popitem()
                 self._kept_off.pop(ref, None)
                 if ref in self._claims:
-                    release_slot(self._claims.pop(ref)[0])
+                    release_slot(self._claims.pop(ref))
                 self._on_demand.discard(ref)
                 self._background.discard(ref)
                 ray.kill(h, no_restart=True)
@@ -391,9 +404,8 @@ class SparePool:
             # Keep one warming spare per missing rank: a replacement that died (its node was lost
             # too, or not yet known to be lost) is replaced in turn, never waited on forever.
             self._prefer_prestarted(len(need))
-            self.add_spares(len(need) - len(self._pending_spares), on_demand=True)
+            self.add_spares(len(need) - len(self._pending_spares) - len(self._waiting), on_demand=True)
             self.probe_suspects()  # a node that answers again may hold the only free slot
-            self.lost_spares.extend(self._expire_claims())
             self.lost_spares.extend(self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
             take_ready("spare, waited while it warmed")
         if need:

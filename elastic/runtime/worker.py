@@ -128,13 +128,11 @@ class Worker(GroupMembership):
         return " > ".join(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in stack)
 
     # ---------------------------------------------------------------- state
-    def warm(self, calibrate: bool = True, slot=None) -> WorkerInfo:
+    def warm(self, calibrate: bool = True) -> WorkerInfo:
         """Build model and optimizer from the seed now, so that joining later costs only a
         rendezvous and a state transfer. Spares are warmed before they are needed. A worker
         started for a recovery in progress takes a rank at once: its calibration (a few steps'
-        compute, seconds at 100 M parameters) is left for when it is ever weighed for a swap.
-        `slot`: unused here; a pre-started worker's call passes its claimed slot's ready() so that
-        Ray runs the call only once the slot is held (elastic/group/prestart.py)."""
+        compute, seconds at 100 M parameters) is left for when it is ever weighed for a swap."""
         if self.model is None:
             state.build(self)
         # Started beside training at the lowest priority (elastic/priority.py): built now, it
