@@ -289,17 +289,24 @@ class NodeAgents:
     def drain(self, members: dict, timeout_s: float) -> dict[int, PollReport]:
         """Answers of the aggregated polls in flight, and of every agent's own polls in flight
         (waited for up to `timeout_s` in all): the last reports before the group changes. An
-        agent that does not answer in time (its node stopped) adds nothing."""
+        agent that does not answer in time (its node stopped) adds nothing. Only the agents of
+        nodes that host a member are waited for: a node whose ranks were all lost (killed,
+        stopped) may never answer, and once cost every recovery and formation 2 s here; what
+        its agent already sent is taken."""
         answers, silent = {}, {}
         deadline = time.monotonic() + timeout_s
-        in_flight = [ref for ref, _ in self._polls.values()]
+        hosts = {m.node_id for m in members.values()}
+        in_flight = [(node, ref) for node, (ref, _) in self._polls.items()]
         self._polls.clear()
-        drains = [self._agents[node].drain.remote(self.epoch, timeout_s)
+        drains = [(node, self._agents[node].drain.remote(self.epoch, timeout_s))
                   for node in self._watched if node in self._agents]
-        for refs in (in_flight, drains):  # in this order: a drained answer is newer than one in flight
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()) + 1.0) \
-                if refs else ([], [])
-            for ref in (r for r in refs if r in set(ready)):
+        for pairs in (in_flight, drains):  # in this order: a drained answer is newer than one in flight
+            wait_for = [ref for node, ref in pairs if node in hosts]
+            if wait_for:
+                ray.wait(wait_for, num_returns=len(wait_for), timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            refs = [ref for _, ref in pairs]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+            for ref in (r for r in refs if r in ready):
                 try:
                     self._fold(ray.get(ref), members, time.monotonic(), answers, silent)
                 except Exception:  # noqa: BLE001 - an agent gone: the run loop learns it from its ranks
