@@ -136,11 +136,11 @@ class NodeAgents:
         self._infos[node_id] = h.info.remote()
         self._agents_changed += 1
 
-    def start_where_workers_fit(self, cpus_per_worker: float, gpu: bool, avoid=frozenset()) -> None:
+    def start_where_workers_fit(self, cpus_per_worker: float, gpu: bool, avoid=frozenset(), nodes=None) -> None:
         """Agents on every alive node that could host a worker, before the workers start: an
         agent (no torch) is up well before a worker has built its model, so the first step
-        already has its node's heartbeat."""
-        for node in ray.nodes():
+        already has its node's heartbeat. `nodes`: `ray.nodes()` as the caller just read it."""
+        for node in ray.nodes() if nodes is None else nodes:
             res = node.get("Resources", {})
             if node.get("Alive") and node["NodeID"] not in avoid and \
                     (res.get("GPU", 0) >= 1 if gpu else res.get("CPU", 0) >= cpus_per_worker):

@@ -85,30 +85,26 @@ class SparePool:
         self._waiting: list[tuple[object, object, float]] = []  # (worker, its claimed slot, since): slot not granted yet
         self._claims: dict["ray.ObjectRef", object] = {}  # pending spare (granted slot, building) -> its slot
 
-    def _new_actor(self, background: bool = False, node: str | None = None):
+    def _new_actor(self, background: bool = False, node: str | None = None, prestarted: bool = False):
         """A new worker actor, never on a suspect node. `background`: it starts beside a training
         group, at the lowest CPU priority until it is built (see elastic/priority.py). `node`:
-        there if it has room (a soft affinity), else where Ray's SPREAD puts it."""
+        there if it has room (a soft affinity), else where Ray's SPREAD puts it. `prestarted`: a
+        pre-started worker (elastic/group/prestart.py), pinned to `node` and holding no CPU."""
         opts = dict(self._actor_opts)
-        if node is not None:
+        if prestarted:
+            opts.update(num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        elif node is not None:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
         if background:
             env = dict(opts["runtime_env"] or {})
             env["env_vars"] = {**env.get("env_vars", {}), priority.BACKGROUND_ENV: "1"}
             opts["runtime_env"] = env
-        if self.suspect_nodes:
+        if self.suspect_nodes and not prestarted:
             opts["label_selector"] = {"ray.io/node-id": f"!in({','.join(sorted(self.suspect_nodes))})"}
         return self._remote_worker.options(**opts).remote(self.job_json, self.root, self.controller)
 
     def _new_prestarted(self, node: str):
-        """A pre-started worker on `node`: no CPU held, pinned there, started at the lowest priority."""
-        opts = dict(self._actor_opts, num_cpus=0, num_gpus=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-        if self.job.scaling.low_priority_refills:
-            env = dict(opts["runtime_env"] or {})
-            env["env_vars"] = {**env.get("env_vars", {}), priority.BACKGROUND_ENV: "1"}
-            opts["runtime_env"] = env
-        return self._remote_worker.options(**opts).remote(self.job_json, self.root, self.controller)
+        return self._new_actor(background=self.job.scaling.low_priority_refills, node=node, prestarted=True)
 
     def tend_prestarted(self) -> list[str]:
         """Keep the pre-started workers on every node with an agent that is not suspect; claims
@@ -118,9 +114,10 @@ class SparePool:
             return lost
         # Nodes that joined since the start get their agent here (then their pre-started workers,
         # at a later call, once it is up): under churn the free slots are on fresh nodes.
+        listed = ray.nodes()
         self.agents.start_where_workers_fit(self.job.scaling.cpus_per_worker, self.job.scaling.use_gpu,
-                                            avoid=self.suspect_nodes)
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                                            avoid=self.suspect_nodes, nodes=listed)
+        alive = {n["NodeID"] for n in listed if n.get("Alive")}
         nodes = {n for n in self.agents.nodes() if n in alive} - self.suspect_nodes
         return lost + self.prestart.maintain(nodes)
 
@@ -370,9 +367,6 @@ class SparePool:
 
     def _assign(self, rank: int, spare: Member) -> None:
         self.ready_spares.remove(spare)
-        old = self.members.get(rank)
-        if old is not None and old.slot is not None and old.handle is not spare.handle:
-            release_slot(old.slot)  # killed already; its slot must not outlive it
         self.members[rank] = replace(spare, rank=rank, on_demand=False)
 
     def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]:
