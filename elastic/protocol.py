@@ -11,6 +11,7 @@ written to JSON as those values, so events and messages carry the same words as 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -191,6 +192,13 @@ class PollReport:
     memory_steps: tuple[int, ...] = ()  # steps of this rank's own in-memory parts (memory_every_steps)
     copies_held: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> steps of its parts held here
     memory: MemorySample | None = None  # its memory now (at most a second old)
+    # Whether it carries anything besides progress (a persist, steps, the ledger, ...): worked out
+    # once, where the answer is made, so the controller need not look into each of 100,000.
+    news: bool = field(init=False, default=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "news", bool(self.compute_log or self.ledger or self.persists or self.skipped
+                                              or self.abandoned or self.retried or self.deferred))
 
 
 @dataclass(frozen=True)
@@ -260,7 +268,7 @@ class WorkerGroupProtocol(Protocol):
     def drain_polls(self, timeout_s: float) -> dict[int, PollReport]: ...
     def poll_nowait(self, ping_timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]: ...
     def poll(self, timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]: ...
-    def unanswered_s(self) -> dict[int, float]: ...
+    def unanswered_s(self) -> Mapping[int, float]: ...
     def control_traffic(self) -> dict[str, int]: ...  # periodic messages sent: agent and direct polls, pings
     def beats(self) -> dict: ...
     def kill(self, rank: int) -> None: ...

@@ -12,6 +12,7 @@ import pytest
 
 from elastic.runtime import priority
 from elastic.runtime.heartbeat import Heartbeats, Sidecar
+from elastic.runtime.pinger import PingerProcess
 from tests.support.fake_group import FakeClock
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")]
@@ -245,3 +246,35 @@ def test_one_sidecar_answers_for_every_pid_its_agent_tells_it(worker):
     finally:
         os.kill(other.pid, signal.SIGCONT)
         other.kill()
+
+
+def until(check, limit_s: float = 10.0):
+    """Wait for `check()` to hold; real time bounds only the wait."""
+    deadline = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.01)
+
+
+def test_the_pinger_process_pings_and_reads_answers_while_the_caller_does_neither(worker):
+    """As the worker group runs it: the pings go out from a process of its own, and `beats()`
+    returns its newest snapshot without waiting. A node's silence ages and its return shows; a
+    pinger that dies leaves no evidence (the polls alone judge), and never blocks the caller."""
+    proc, side = worker
+    hb = PingerProcess(interval_s=0.05)
+    hb.watch({1: ("127.0.0.1", side.port, proc.pid)})
+    try:
+        until(lambda: 1 in hb.beats() and hb.beats()[1].state == "S")
+        sent = hb.pings_sent
+        until(lambda: hb.beats() is not None and hb.pings_sent >= sent + 3)
+        assert hb.pings_sent == hb.rounds  # one ping per node (one here) per round
+        os.kill(side.proc.pid, signal.SIGSTOP)  # its node stops
+        until(lambda: hb.beats()[1].age_s > 0.2)
+        os.kill(side.proc.pid, signal.SIGCONT)
+        until(lambda: hb.beats()[1].age_s == 0.0)
+        hb.proc.kill()  # the pinger dies
+        until(lambda: 1 not in hb.beats())
+    finally:
+        os.kill(side.proc.pid, signal.SIGCONT)
+        hb.close()
+    assert hb.proc.poll() is not None

@@ -28,8 +28,9 @@ class Progress:
     loss: float | None = None
     step_times: deque = field(default_factory=lambda: deque(maxlen=50))  # recent step times, for the hang bound
     last_progress_at: float = 0.0
-    rank_status: dict = field(default_factory=dict)  # rank -> its last reported RankStatus
-    persisting: dict = field(default_factory=dict)  # rank -> a persist of its was in flight at its last poll
+    # rank -> its newest answer in this run (its RankStatus, whether a persist of its is in flight):
+    # one dict update per poll, read only for the ranks a decision asks about
+    reports: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -6,12 +6,15 @@ skipped and retried steps) is folded in from every answer, also those polled dur
 An answer from an older generation describes a group that no longer exists: ignored, once said."""
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from elastic.protocol import PollReport
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
+
+_step, _step_s = attrgetter("step"), attrgetter("step_s")
 
 
 def collect(ctl: Controller, timeout_s: float | None = None, progress: bool = True):
@@ -37,14 +40,16 @@ def current(ctl: Controller, answers: dict[int, PollReport]) -> dict[int, PollRe
     """Answers of the current generation only: one from an older generation comes from a
     worker that was cut off (a frozen machine that came back) and describes a group that no
     longer exists."""
-    out = {}
-    for r, a in answers.items():
-        g = a.generation
-        if g is None or g == ctl.generation:
-            out[r] = a
-        elif (r, g) not in ctl.house.stale:
+    gen = ctl.generation
+    stale = [r for r, a in answers.items() if a.generation != gen and a.generation is not None]
+    if not stale:  # the usual case, taken in one pass: at 100,000 ranks every copy counts
+        return answers
+    out = dict(answers)
+    for r in stale:
+        g = out.pop(r).generation
+        if (r, g) not in ctl.house.stale:
             ctl.house.stale.add((r, g))
-            ctl.events.emit("stale_report_ignored", rank=r, generation=g, current_generation=ctl.generation)
+            ctl.events.emit("stale_report_ignored", rank=r, generation=g, current_generation=gen)
     return out
 
 
@@ -52,6 +57,9 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
     """Persist results, compute times and the sample ledger: each is reported once, so every
     answer that carries them must be folded in, also those polled during a recovery."""
     emit, log = ctl.events.emit, ctl.run_log
+    # Most answers report only progress: pick out those that carry anything else (`news`, set
+    # where the answer was made, on the worker).
+    answers = {r: a for r, a in answers.items() if a.news}
     for rank, a in answers.items():
         for p in a.persists:
             if p.committed:
@@ -96,20 +104,18 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
 
 def absorb_progress(ctl: Controller, answers: dict[int, PollReport]) -> None:
     tr = ctl.training
-    tr.rank_status.update({r: a.status for r, a in answers.items()})
-    tr.persisting.update({r: a.persisting for r, a in answers.items()})
-    steps = [a.step for a in answers.values()]
-    if not steps:
+    if not answers:
         return
+    tr.reports.update(answers)
+    # map/attrgetter/filter: the per-rank passes run in C (a third of the time at 100,000 ranks)
+    steps = list(map(_step, answers.values()))
     new_step = min(steps)
     if new_step > tr.step:
         tr.last_progress_at = ctl.now()
-        step_s = [a.step_s for a in answers.values() if a.step_s]
+        step_s = max(filter(None, map(_step_s, answers.values())), default=None)
         if step_s:
-            tr.step_times.append(max(step_s))
-        losses = [a.loss for a in answers.values() if a.loss is not None and a.step == new_step]
-        if losses:
-            tr.loss = losses[0]
+            tr.step_times.append(step_s)
+        tr.loss = next((a.loss for a in answers.values() if a.loss is not None and a.step == new_step), tr.loss)
         if ctl.recovery is not None:
             recovered(ctl, answers)
         if ctl.resize is not None and ctl.resize.restore_s is not None:  # restored at the new size

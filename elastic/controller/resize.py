@@ -96,7 +96,8 @@ def defer_for_persist(ctl: Controller, n: int) -> bool:
     the grow waits instead and training goes on; once that persist is over (committed or
     failed), the stop is requested even if the next one has started, so frequent checkpoints
     cannot put a grow off for more than one persist."""
-    busy = any(ctl.training.persisting.get(r) for r in ctl.group.members)
+    reports = ctl.training.reports
+    busy = any(r in reports and reports[r].persisting for r in ctl.group.members)
     if ctl.grow_deferred is None:
         if not busy:
             return False

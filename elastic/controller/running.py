@@ -28,7 +28,7 @@ def on_running(ctl: Controller, st: Running) -> State:
         with ctl.fault_lock:
             faults = list(ctl.pending_faults)
         ctl.run_refs = ctl.group.run(ctl.job.run.num_steps, faults, sorted(ctl.run_log.skip_steps), buddies(ctl))
-        ctl.training.rank_status = {}
+        ctl.training.reports = {}
         ctl.training.last_progress_at = ctl.now()
         return Running(RunWatch(dict(ctl.run_refs)))
     return tick(ctl, st.watch) or st
@@ -141,7 +141,7 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
     # Ranks that are done are waiting for nobody: at the last step DDP's rank 0 commits alone,
     # after the others' part of the persist ended and they returned.
     waiting = members - set(w.done)
-    if waiting and all(tr.rank_status.get(r) == RankStatus.STORAGE_WAIT for r in waiting):
+    if waiting and all(r in tr.reports and tr.reports[r].status == RankStatus.STORAGE_WAIT for r in waiting):
         # Every rank waits for a persist (storage slow or down): not a hang. Persists retry with
         # backoff and then fail, reported; training never pays for storage with a step.
         if not w.storage_wait_logged:

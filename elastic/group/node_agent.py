@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 import ray
 from ray.exceptions import RayActorError
@@ -112,8 +113,12 @@ class NodeAgents:
         self._agents: dict[str, object] = {}  # node -> agent handle
         self._infos: dict[str, ray.ObjectRef | AgentInfo] = {}  # node -> its info: a ref until it answered
         self._watched: dict[str, tuple] = {}  # node -> what its agent was last told (epoch, ranks)
+        self._told: dict[str, dict[int, str]] = {}  # node -> {rank: actor id} at the last sync
+        self._node_of: dict[int, str] = {}  # rank -> its node, at the last sync
         self._polls: dict[str, tuple[ray.ObjectRef, float]] = {}  # node -> (aggregated poll in flight, sent at)
-        self._since: dict[int, float] = {}  # rank -> since when its poll has been unanswered
+        # rank -> since when its poll has been unanswered, where not since its node's poll went out
+        # (its agent still waits on it, or was not told of it yet)
+        self._since: dict[int, float] = {}
         self.epoch = 0
         self.rpcs = 0  # aggregated polls sent
         self.slowest_answer_s = 0.0  # the longest a rank's poll waited for its answer
@@ -205,7 +210,7 @@ class NodeAgents:
         by_node: dict[str, dict[int, object]] = {}
         for r, m in members.items():
             by_node.setdefault(m.node_id, {})[r] = m
-        through, self._by_node, targets = set(), {}, {}
+        through, self._by_node, targets, self._told, self._node_of = set(), {}, {}, {}, {}
         for node, ms in by_node.items():
             self.ensure(node)
             info = self.info(node)
@@ -217,6 +222,8 @@ class NodeAgents:
                 self._watched[node] = told
             through |= set(ms)
             self._by_node[node] = sorted(ms)
+            self._told[node] = {r: m.actor_hex for r, m in ms.items()}
+            self._node_of.update(dict.fromkeys(ms, node))
             if info.hb_port:
                 targets.update({r: (info.ip, info.hb_port, m.pid) for r, m in ms.items()})
         for node in [n for n in self._watched if n not in self._by_node]:  # no member there any more
@@ -233,58 +240,95 @@ class NodeAgents:
                     ) -> tuple[dict[int, PollReport], dict[int, str]]:
         """One aggregated poll in flight per node with ranks in `through` (the last `sync`'s); the
         answers that arrived, and {rank: why} for ranks whose worker (or agent) died or that have
-        been unanswered for longer than ping_timeout_s."""
+        been unanswered for longer than ping_timeout_s. O(nodes) in Python, and O(ranks) only in
+        bulk dict operations: a rank's wait is its node's poll's, unless its agent said it still
+        waits (`_since`, the few slow ones)."""
         now = time.monotonic()
-        for node, ranks in self._by_node.items():
+        for node in self._by_node:
             if node not in self._polls:
                 self._polls[node] = (self._agents[node].poll.remote(self.epoch), now)
                 self.rpcs += 1
-                for r in ranks:
-                    self._since.setdefault(r, now)
         by_ref = {ref: node for node, (ref, _) in self._polls.items()}
         ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0) if by_ref else ([], [])
-        answers, silent = {}, {}
+        answers, silent, replies = {}, {}, []
         for ref in ready:
             node = by_ref[ref]
-            del self._polls[node]
+            _, sent = self._polls.pop(node)
             try:
-                reply: NodePoll = ray.get(ref)
+                replies.append((node, sent, ray.get(ref)))
             except RayActorError as e:
                 cause = death_cause(e)
                 ranks = self._by_node.get(node, [])
                 self._drop(node, f"its agent died ({cause.value})")
                 silent.update({r: cause.value for r in ranks if r in members})
-                continue
             except Exception as e:  # noqa: BLE001 - a bug in the agent: poll its ranks directly meanwhile
                 self._drop(node, f"its agent failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            self._fold(reply, members, time.monotonic(), answers, silent)
-        for r, since in self._since.items():
-            if now - since > ping_timeout_s and r not in silent:
-                silent[r] = LostCause.UNRESPONSIVE.value
+        self.settle(replies, members, now, ping_timeout_s, answers, silent)
         return answers, silent
 
-    def _fold(self, reply: NodePoll, members: dict, received: float, answers: dict, silent: dict) -> None:
-        if reply.epoch != self.epoch:
-            return  # it describes the group before
+    def settle(self, replies: list[tuple[str, float, NodePoll]], members: dict, now: float, ping_timeout_s: float,
+               answers: dict, silent: dict) -> None:
+        """The nodes' answers that arrived, (node, when its poll went out, NodePoll) each, folded
+        into `answers` and `silent`; then every rank unanswered for longer than ping_timeout_s
+        added to `silent`. The controller's own cost of a round of polls, less Ray's."""
+        received = time.monotonic()
+        same = self._sync_key is not None and getattr(members, "version", None) == self._sync_key[0]
+        oldest = received
+        for node, sent, reply in replies:  # once per node and poll: kept to bulk dict operations
+            if reply.epoch != self.epoch:
+                continue  # it describes the group before
+            told, actors = self._told.get(node), reply.actors
+            if same and told is not None and (actors == told or actors.items() <= told.items()):
+                # The usual case: the members are those of the last sync, and every rank
+                # answered with the actor its agent was told of then.
+                answers.update(reply.answers)
+                if reply.died:
+                    silent.update(reply.died)
+                if self._since:
+                    for r in self._since.keys() & actors.keys():
+                        oldest = min(oldest, self._since.pop(r))
+                oldest = min(oldest, sent)
+            else:
+                self._fold_each(reply, members, received, answers, silent, sent)
+            if reply.waiting_s or len(actors) < len(self._by_node.get(node, ())):
+                self._fold_rest(node, reply, members, received, sent)
+        self.slowest_answer_s = max(self.slowest_answer_s, received - oldest)
+        unresponsive = LostCause.UNRESPONSIVE.value
+        for node, (_, sent) in self._polls.items():
+            if now - sent > ping_timeout_s:  # the whole node's poll: none of its ranks answered
+                for r in self._by_node.get(node, ()):
+                    silent.setdefault(r, unresponsive)
+        for r, since in self._since.items():
+            if now - since > ping_timeout_s:
+                silent.setdefault(r, unresponsive)
+
+    def _fold_rest(self, node: str, reply: NodePoll, members: dict, received: float, sent: float) -> None:
+        """The waits a node's answer reports: ranks its agent still waits on, and ranks it
+        neither answered for nor waits on (not told of them yet), whose wait goes on from `sent`."""
+        for r, waited in reply.waiting_s.items():
+            if r in members:
+                self._since[r] = min(self._since.get(r, received), received - waited)
+        ranks = self._by_node.get(node, ())
+        if len(reply.actors) + len(reply.waiting_s) < len(ranks):
+            for r in set(ranks) - reply.actors.keys() - reply.waiting_s.keys():
+                self._since.setdefault(r, sent)
+
+    def _fold_each(self, reply: NodePoll, members: dict, received: float, answers: dict, silent: dict,
+                   sent: float) -> None:
         for r, aid in reply.actors.items():
             m = members.get(r)
             if m is None or m.actor_hex != aid:
                 continue  # that rank has another worker now
-            since = self._since.pop(r, None)
-            if since is not None:
-                self.slowest_answer_s = max(self.slowest_answer_s, received - since)
+            self.slowest_answer_s = max(self.slowest_answer_s, received - self._since.pop(r, sent))
             if r in reply.answers:
                 answers[r] = reply.answers[r]
             else:
                 silent[r] = reply.died[r]
-        for r, waited in reply.waiting_s.items():
-            if r in members:
-                self._since[r] = min(self._since.get(r, received), received - waited)
 
-    def unanswered_s(self) -> dict[int, float]:
-        now = time.monotonic()
-        return {r: now - t for r, t in self._since.items()}
+    def unanswered_s(self) -> Mapping[int, float]:
+        """rank -> how long its poll has waited, for the ranks with one in flight: read per rank
+        (the run loop reads the silent ones'), never built for all."""
+        return _Unanswered(dict(self._since), dict(self._polls), self._node_of, time.monotonic())
 
     def drain(self, members: dict, timeout_s: float) -> dict[int, PollReport]:
         """Answers of the aggregated polls in flight, and of every agent's own polls in flight
@@ -297,6 +341,7 @@ class NodeAgents:
         deadline = time.monotonic() + timeout_s
         hosts = {m.node_id for m in members.values()}
         in_flight = [(node, ref) for node, (ref, _) in self._polls.items()]
+        sent = {node: t for node, (_, t) in self._polls.items()}
         self._polls.clear()
         drains = [(node, self._agents[node].drain.remote(self.epoch, timeout_s))
                   for node in self._watched if node in self._agents]
@@ -306,9 +351,11 @@ class NodeAgents:
                 ray.wait(wait_for, num_returns=len(wait_for), timeout=max(0.0, deadline - time.monotonic()) + 1.0)
             refs = [ref for _, ref in pairs]
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
-            for ref in (r for r in refs if r in ready):
+            for node, ref in ((n, r) for n, r in pairs if r in ready):
                 try:
-                    self._fold(ray.get(ref), members, time.monotonic(), answers, silent)
+                    reply = ray.get(ref)
+                    self.settle([(node, sent.get(node, time.monotonic()), reply)], members, time.monotonic(),
+                                float("inf"), answers, silent)
                 except Exception:  # noqa: BLE001 - an agent gone: the run loop learns it from its ranks
                     pass
         self._since.clear()
@@ -331,3 +378,23 @@ class NodeAgents:
         self._by_node.clear()
         self._since.clear()
         self._through, self._targets, self._sync_key = set(), {}, None
+
+
+class _Unanswered(Mapping):
+    """rank -> seconds its poll has waited, as of `now`: its own wait where its agent reported one,
+    else its node's poll's while one is in flight (`NodeAgents.unanswered_s`)."""
+
+    def __init__(self, since: dict, polls: dict, node_of: dict, now: float):
+        self._since, self._polls, self._node_of, self._now = since, polls, node_of, now
+
+    def __getitem__(self, rank: int) -> float:
+        t = self._since.get(rank)
+        if t is None:
+            t = self._polls[self._node_of[rank]][1]  # KeyError: no poll of its in flight
+        return self._now - t
+
+    def __iter__(self):
+        return iter({*self._since, *(r for r, n in self._node_of.items() if n in self._polls)})
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

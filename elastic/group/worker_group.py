@@ -9,6 +9,8 @@ with the typed messages of elastic/protocol.py, passed on to the controller as t
 from __future__ import annotations
 
 import time
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import replace
 
 import ray
@@ -20,7 +22,7 @@ from elastic.group.spares import SparePool, free_cpus_by_node
 from elastic.policies.failure import formation_silent
 from elastic.policies.placement import Placement, place_tp_groups
 from elastic.protocol import AbortResult, LostCause, PollReport, RestoreResult, RunResult
-from elastic.runtime.heartbeat import Heartbeats
+from elastic.runtime.pinger import PingerProcess
 
 AGENT_UP_S = 10.0  # the longest a start waits for its nodes' agents (else its ranks are polled directly)
 
@@ -32,7 +34,7 @@ class WorkerGroup(SparePool):
         super().__init__(job, job_json, checkpoints_root, controller, runtime_env)
         self.members = Members()
         self._polls: dict[int, tuple["ray.ObjectRef", float]] = {}  # rank -> (poll in flight, sent at)
-        self.heartbeats = Heartbeats()
+        self.heartbeats: PingerProcess | None = None  # started at the first `beats()`
         self.slowest_poll_answer_s = 0.0  # the longest a poll waited for its answer (the silence margin)
         self.direct_polls = 0  # polls sent to ranks themselves (their node's agent not up yet)
         self._kept_by: dict[int, tuple[str, int]] = {}  # old part -> (node, pid) of the member keeping it
@@ -307,24 +309,27 @@ class WorkerGroup(SparePool):
         each agent is told does not flip between the two."""
         return {r: m for r, m in self.members.items() if r not in self._polls} if self._polls else self.members
 
-    def unanswered_s(self) -> dict[int, float]:
+    def unanswered_s(self) -> Mapping[int, float]:
         """For each member with a poll in flight (direct, or through its node's agent), how long it
         has waited: since its last answer, within one run-loop iteration (the next poll goes out as
         soon as an answer is taken)."""
         now = time.monotonic()
-        return {**self.agents.unanswered_s(), **{r: now - sent for r, (_, sent) in self._polls.items()}}
+        return ChainMap({r: now - sent for r, (_, sent) in self._polls.items()}, self.agents.unanswered_s())
 
     def control_traffic(self) -> dict[str, int]:
         """The controller's periodic messages so far: polls sent to agents and to ranks directly,
         heartbeat pings sent (one per node per interval)."""
         return {"agent_polls": self.agents.rpcs, "direct_polls": self.direct_polls,
-                "heartbeat_pings": self.heartbeats.pings_sent}
+                "heartbeat_pings": self.heartbeats.pings_sent if self.heartbeats else 0}
 
     def beats(self) -> dict:
         """{rank: Beat} from the nodes' heartbeat sidecars (elastic/runtime/heartbeat.py, run by the
-        node agents), pinging them as due; a rank whose node's sidecar never answered for it is left out."""
+        node agents), pinged by a process of its own from the first call (elastic/runtime/pinger.py):
+        its newest snapshot, at most one call old. A rank whose node's sidecar never answered for it
+        is left out."""
+        if self.heartbeats is None:
+            self.heartbeats = PingerProcess()
         self.heartbeats.watch(self.agents.heartbeat_targets(self._routable()))
-        self.heartbeats.tick()
         return self.heartbeats.beats()
 
     def poll(self, timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]:
@@ -368,3 +373,5 @@ class WorkerGroup(SparePool):
         self.trim_spares(0)
         self.prestart.shutdown()
         self.agents.shutdown()
+        if self.heartbeats is not None:
+            self.heartbeats.close()

@@ -35,7 +35,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the process runs no more code
+STOPPED_STATES = frozenset("TtZXx")
+RECEIVE_BUFFER = 8 << 20  # bytes asked for the pinger's socket (the kernel caps it at net.core.rmem_max)  # stopped, traced, zombie, dead: the process runs no more code
 
 # Run with `python -I -S -c`: stdlib built-ins only, so it starts in milliseconds and never
 # imports elastic (whose import would lower a background spare's priority again).
@@ -115,16 +116,21 @@ class Sidecar:
             pass  # it exited: its silence says so
 
     def close(self) -> None:
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        stop_child(self.proc)
+
+
+def stop_child(proc: subprocess.Popen) -> None:
+    """Close a helper process's pipes, kill it and reap it (a sidecar, the pinger)."""
+    for f in (proc.stdin, proc.stdout):
         try:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
+            f.close()
+        except OSError:
             pass
+    try:
+        proc.kill()
+        proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
 def start_sidecar(ip: str) -> Sidecar | None:
@@ -154,11 +160,24 @@ class Beats(Mapping):
 
     def __init__(self, targets: dict, tokens: dict, last: dict, pending: dict, now: float):
         self._targets, self._tokens, self._last, self._pending, self._now = targets, tokens, last, pending, now
+        self._procs: dict[bytes, dict[int, tuple[str, int]]] = {}  # token -> its answer, parsed once read
+
+    def _answer(self, token: bytes) -> dict[int, tuple[str, int]]:
+        procs = self._procs.get(token)
+        if procs is None:
+            words = self._last[token][1].split()  # KeyError: its sidecar never answered
+            try:
+                procs = {int(words[i]): (words[i + 1].decode(errors="replace"), int(words[i + 2]))
+                         for i in range(0, len(words) - 2, 3)}
+            except ValueError:
+                procs = {}  # unreadable: no evidence for any of its ranks
+            self._procs[token] = procs
+        return procs
 
     def __getitem__(self, rank: int) -> Beat:
         ip, port, pid = self._targets[rank]  # KeyError: not watched
         token = self._tokens[(ip, port)]
-        state, ticks = self._last[token][1][pid]  # KeyError: never answered for this pid
+        state, ticks = self._answer(token)[pid]  # KeyError: never answered for this pid
         pending = self._pending.get(token)
         return Beat(0.0 if pending is None else self._now - pending[0], state, ticks)
 
@@ -166,8 +185,8 @@ class Beats(Mapping):
         t = self._targets.get(rank)
         if t is None:
             return False
-        last = self._last.get(self._tokens[(t[0], t[1])])
-        return last is not None and t[2] in last[1]
+        token = self._tokens.get((t[0], t[1]))
+        return token in self._last and t[2] in self._answer(token)
 
     def __iter__(self):
         return (r for r in self._targets if r in self)
@@ -178,8 +197,9 @@ class Beats(Mapping):
 
 class Heartbeats:
     """Controller side: pings each node's sidecar every `interval_s`, without blocking, from
-    whatever loop calls `tick()`. Ages count only pings sent: a controller busy elsewhere (a
-    restore) sends none, so its own pause never looks like a node's silence."""
+    whatever loop calls `tick()` (in a run, the pinger's own process: elastic/runtime/pinger.py).
+    Ages count only pings sent: a pinger busy elsewhere that sends none never makes its own pause
+    look like a node's silence."""
 
     def __init__(self, interval_s: float = 0.2, clock=time.monotonic):
         self.interval_s, self.clock = interval_s, clock
@@ -190,10 +210,11 @@ class Heartbeats:
         self._seq = 0  # numbers the pings
         self._last_sent = float("-inf")
         self.pings_sent = 0  # datagrams sent, one per node per interval
+        self.round_s = 0.0  # how long the last round of sends took
         # token -> (sent at, ping number) of its oldest ping not answered by it or a later one
         self._pending_since: dict[bytes, tuple[float, int]] = {}
-        # token -> (ping number, {pid: (state, cpu ticks)}): its newest answer
-        self._last: dict[bytes, tuple[int, dict[int, tuple[str, int]]]] = {}
+        # token -> (ping number, b"pid state ticks ..."): its newest answer, as sent
+        self._last: dict[bytes, tuple[int, bytes]] = {}
 
     def watch(self, targets: dict[int, tuple[str, int, int]]) -> None:
         """The ranks to watch now: their node's sidecar (ip, port) and their pid; others are
@@ -212,30 +233,41 @@ class Heartbeats:
         self._pending_since = {t: v for t, v in self._pending_since.items() if t in live}
         self._last = {t: v for t, v in self._last.items() if t in live}
 
-    def _sock(self, family: socket.AddressFamily) -> socket.socket:
-        if family not in self._socks:
-            s = socket.socket(family, socket.SOCK_DGRAM)
-            s.setblocking(False)
-            self._socks[family] = s
-        return self._socks[family]
-
-    def tick(self) -> None:
+    def tick(self, between=None) -> None:
+        """Read the answers that arrived, and send a round of pings if one is due; `between()`,
+        if given, is called after every 1,024 sends of a round (the pinger's process writes its
+        answers to the controller then)."""
         self._drain()
         now = self.clock()
-        if now - self._last_sent < self.interval_s:
+        if now - self._last_sent < self.interval_s or not self._addrs:
             return
         self._last_sent = now
         self._seq += 1
-        for ip, port in self._addrs:
+        ping, t0 = b":" + str(self._seq).encode(), time.perf_counter()
+        for i, (ip, port) in enumerate(self._addrs):
+            if between is not None and i and not i % 1024:
+                between()
             token = self._token[(ip, port)]
             try:
-                self._sock(_family(ip)).sendto(token + b":" + str(self._seq).encode(), (ip, port))
+                self._sock(_family(ip)).sendto(token + ping, (ip, port))
                 self.pings_sent += 1
             except OSError as e:  # unreachable now (a partition): the ping simply goes unanswered
                 if e.errno not in (errno.EAGAIN, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED,
                                    errno.EPERM, errno.ENOBUFS):
                     raise
             self._pending_since.setdefault(token, (now, self._seq))
+        self.round_s = time.perf_counter() - t0
+
+    def _sock(self, family: socket.AddressFamily) -> socket.socket:
+        if family not in self._socks:
+            s = socket.socket(family, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            try:  # a round's answers arrive at once, one per node: room for thousands of them
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+            except OSError:
+                pass  # the system's default; past net.core.rmem_max the kernel caps it silently
+            self._socks[family] = s
+        return self._socks[family]
 
     def _drain(self) -> None:
         for s in self._socks.values():
@@ -246,24 +278,22 @@ class Heartbeats:
                     break
                 except OSError:  # an ICMP error from an earlier ping (port closed): that ping is lost
                     continue
-                try:
-                    ping, *rest = data.split()
-                    token, seq = ping.rsplit(b":", 1)
-                    seq = int(seq)
-                    if len(rest) % 3:
-                        continue
-                    procs = {int(rest[i]): (rest[i + 1].decode(errors="replace"), int(rest[i + 2]))
-                             for i in range(0, len(rest), 3)}
-                except ValueError:
-                    continue
-                if token not in self._pending_since and token not in self._last:
-                    continue  # a stale answer for a sidecar no longer watched
-                if self._token.get(tuple(sender[:2])) != token:
-                    continue  # not from the sidecar this token was given to
-                if seq >= self._pending_since.get(token, (0.0, seq))[1]:
-                    self._pending_since.pop(token, None)  # answered that ping or a later one
-                if seq >= self._last.get(token, (0,))[0]:
-                    self._last[token] = (seq, procs)
+                # Only the ping it answers is read here; what it says of each process is parsed
+                # when a rank's beat is read (`Beats`): the run loop reads the silent ranks' only.
+                ping, _, procs = data.partition(b" ")
+                token, _, seq = ping.rpartition(b":")
+                if seq.isdigit() and not (procs and (procs.count(b" ") + 1) % 3):
+                    self._take(token, int(seq), procs, sender)
+
+    def _take(self, token: bytes, seq: int, procs: bytes, sender) -> None:
+        if token not in self._pending_since and token not in self._last:
+            return  # a stale answer for a sidecar no longer watched
+        if self._token.get(tuple(sender[:2])) != token:
+            return  # not from the sidecar this token was given to
+        if seq >= self._pending_since.get(token, (0.0, seq))[1]:
+            self._pending_since.pop(token, None)  # answered that ping or a later one
+        if seq >= self._last.get(token, (0,))[0]:
+            self._last[token] = (seq, procs)
 
     def beats(self) -> "Beats":
         """Each watched rank's Beat, for those whose node's sidecar has answered for its pid at
