@@ -48,6 +48,9 @@ SAMPLE_S = 0.25  # how often the driver samples a system's progress
 ACTIONS = ("kill_node", "freeze_node", "kill_process")
 LOSES_NODE = ("kill_node", "freeze_node")
 METRICS = ["goodput", "steps_per_s", "fault_free_steps_per_s", "faults"]
+# the events kept beside each rank's step times (churn-steps-*.json): faults, recoveries, who is where
+TRACE_EVENTS = ("failure_detected", "recovered", "workers_started", "workers_replaced", "decision",
+                "group_formed", "checkpoint_committed", "spare_ready", "prestarted_ready")
 
 ELASTIC_SYSTEMS = {
     "elastic": {"num_workers": NUM_WORKERS},
@@ -323,11 +326,16 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
     rank_node: dict[str, str] = {}  # rank -> node id prefix, from the controller's events
     rank_pids: set[int] = set()  # every process that held a rank, from the same events
 
+    step_log: dict[int, dict[int, list]] = {}  # rank -> step -> [step, end, seconds, compute seconds]
+
     def get_step() -> int | None:
+        after = min((max(rows) for rows in step_log.values() if rows), default=0)
         try:
-            p = ray.get(controller.progress.remote(len(events)), timeout=5)
+            p = ray.get(controller.progress.remote(len(events), after), timeout=5)
         except Exception:  # noqa: BLE001 - a slow answer: sample again
             return None
+        for r, rows in p.get("steps", {}).items():
+            step_log.setdefault(int(r), {}).update((row[0], list(row)) for row in rows)
         events.extend(p["events"])
         for e in p["events"]:
             if e["kind"] in ("workers_started", "workers_replaced"):
@@ -368,7 +376,10 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
            "event_counts": {k: v for k, v in counts.items() if k in (
                "failure_detected", "decision", "recovered", "silence_detected", "hang_detected", "group_error",
                "workers_replaced", "run_failed", "collective_failed", "spare_lost", "checkpoint_failed")},
-           "run_dir": events[0].get("run_dir") if events else None}
+           "run_dir": events[0].get("run_dir") if events else None,
+           "trace": {"t_churn": t_churn, "t_end": t_end,
+                     "steps": {r: [rows[k] for k in sorted(rows)] for r, rows in sorted(step_log.items())},
+                     "events": [e for e in events if e["kind"] in TRACE_EVENTS]}}
     if injector.t0 is not None:
         # elastic's own recover_s/detect_s start at its detection here: it cannot know when an outside fault hit.
         out["per_fault"] = per_fault(injector.records, injector.t0,
@@ -555,6 +566,12 @@ def main(args) -> int:
                     figs, injector = run_ray_train(cluster, work, schedule, args)
                 else:
                     figs, injector = run_elastic(system, cluster, storage_uri, schedule, args)
+                trace = figs.pop("trace", None)
+                if trace and args.out:  # each rank's step times, for `python -m benchmarks.probes.churn_steps`
+                    os.makedirs(args.out, exist_ok=True)
+                    with open(os.path.join(args.out, f"churn-steps-{system}-seed{seed}.json"), "w") as f:
+                        json.dump({**trace, "fields": ["step", "end", "step_s", "compute_s"],
+                                   "faults": injector.records}, f)
                 fired = [r for r in injector.records if "fired_s" in r]
                 rec = {"bench": "churn", "system": system, "rep": rep, "goodput": figs.get("goodput"),
                        "faults": len(fired), "mtbf_s": args.mtbf_s, "duration_s": args.duration_s,

@@ -278,3 +278,24 @@ def test_the_pinger_process_pings_and_reads_answers_while_the_caller_does_neithe
         os.kill(side.proc.pid, signal.SIGCONT)
         hb.close()
     assert hb.proc.poll() is not None
+
+
+def test_the_pinger_works_from_a_process_with_more_than_1024_files_open(worker):
+    """A controller in a long-lived process (a test session, a driver with many Ray
+    connections) may hand the pinger's pipes file descriptors past 1,024, where select() fails."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"RLIMIT_NOFILE {soft}: cannot open 1,100 files here")
+    proc, side = worker
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        hb = PingerProcess(interval_s=0.05)
+        assert hb.proc.stdout.fileno() > 1024
+        hb.watch({1: ("127.0.0.1", side.port, proc.pid)})
+        until(lambda: 1 in hb.beats() and hb.beats()[1].state == "S")
+        hb.close()
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -179,10 +179,17 @@ class Controller:
         self.set_state(HANDLERS[type(prev)](self, prev))
         return type(prev).__name__, type(self.state).__name__
 
-    def progress(self, since_event: int = 0) -> dict:
-        return {"state": type(self.state).__name__, "step": self.step, "num_steps": self.job.run.num_steps,
-                "loss": self.loss, "world_size": len(self.group.members), "failures": self.failures,
-                "events": self.events.events[since_event:]}
+    def progress(self, since_event: int = 0, steps_after: int | None = None) -> dict:
+        """Where the run stands, the events from `since_event` on and, with `steps_after`, each
+        rank's step records past that step (`[step, end, seconds, compute seconds]`, as in
+        steps.json; for a driver that traces a run as it goes, as the churn benchmark does)."""
+        out = {"state": type(self.state).__name__, "step": self.step, "num_steps": self.job.run.num_steps,
+               "loss": self.loss, "world_size": len(self.group.members), "failures": self.failures,
+               "events": self.events.events[since_event:]}
+        if steps_after is not None:
+            out["steps"] = {r: [row for row in rows if row[0] > steps_after]
+                            for r, rows in list(self.run_log.step_times.items())}
+        return out
 
     def is_current(self, generation: int) -> bool:
         """Whether `generation` is the run's newest group (a worker asks after its group failed)."""

@@ -92,10 +92,11 @@ class PingerProcess:
             return
         data, fd = memoryview(_frame(msg)), self.proc.stdin.fileno()
         deadline = time.monotonic() + WRITE_TIMEOUT_S
+        ready = select.poll()  # not select(): a controller's fds may be past 1,024
+        ready.register(fd, select.POLLOUT)
         try:
             while data:
-                _, ready, _ = select.select([], [fd], [], max(0.0, deadline - time.monotonic()))
-                if not ready:
+                if not ready.poll(max(0.0, deadline - time.monotonic()) * 1000):
                     return self._gone(f"took no message for {WRITE_TIMEOUT_S:g} s")
                 data = data[os.write(fd, data[:1 << 16]):]
         except OSError as e:
@@ -113,8 +114,10 @@ class PingerProcess:
         if self._dead is not None:
             return self._latest
         fd = self.proc.stdout.fileno()
+        ready = select.poll()
+        ready.register(fd, select.POLLIN)
         try:
-            while select.select([fd], [], [], 0)[0]:
+            while ready.poll(0):
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     self._gone(f"exited (code {self.proc.poll()})")

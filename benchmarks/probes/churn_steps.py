@@ -1,0 +1,72 @@
+"""Where a churn run's steps went: each rank's step and compute times, before the faults and in
+every interval between a recovery and the next fault, from the `churn-steps-SYSTEM-seedN.json`
+that `python -m benchmarks churn --out DIR` writes.
+
+    python -m benchmarks.probes.churn_steps DIR/churn-steps-elastic-seed1.json
+
+Per interval: steps, steps/s, and medians over its steps of the group's step time (the slowest
+rank's), each rank's compute time (forward and backward, its own work) and the rest of the step
+(step - compute: waiting for peers in the all-reduce, and everything else around the compute).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def intervals(trace: dict) -> list[tuple[str, float, float]]:
+    """(label, start, end) in wall-clock time: the fault-free window, then each stretch from a
+    `recovered` to the next `failure_detected` (or the end of the churn window)."""
+    t0, t1 = trace["t_churn"], trace["t_end"]
+    ev = sorted(trace["events"], key=lambda e: e["t"])
+    detected = [e["t"] for e in ev if e["kind"] == "failure_detected" and t0 <= e["t"] <= t1]
+    out = [("before the faults", t0 - 30.0, min([t0, *detected]))]
+    for e in ev:
+        if e["kind"] == "recovered" and t0 <= e["t"] <= t1:
+            nxt = min([d for d in detected if d > e["t"]] + [t1])
+            out.append((f"after recovery at +{e['t'] - t0:.0f}s", e["t"], nxt))
+    return out
+
+
+def describe(trace: dict) -> list[dict]:
+    steps = {int(r): rows for r, rows in trace["steps"].items()}
+    rows = []
+    for label, a, b in intervals(trace):
+        by_step: dict[int, dict[int, tuple[float, float]]] = {}
+        for r, recs in steps.items():
+            for step, end, step_s, compute_s in recs:
+                if a < end <= b:
+                    by_step.setdefault(step, {})[r] = (step_s, compute_s)
+        full = {s: v for s, v in by_step.items() if len(v) == len(steps)}
+        if len(full) < 5 or b - a < 2.0:
+            continue
+        group = [max(st for st, _ in v.values()) for v in full.values()]
+        row = {"interval": label, "seconds": round(b - a, 1), "steps": len(full),
+               "steps_per_s": round(len(full) / (b - a), 1), "step_ms": round(statistics.median(group) * 1e3, 1)}
+        for r in sorted(steps):
+            comp = [v[r][1] for v in full.values()]
+            rest = [v[r][0] - v[r][1] for v in full.values()]
+            row[f"rank{r}_compute_ms"] = round(statistics.median(comp) * 1e3, 1)
+            row[f"rank{r}_rest_ms"] = round(statistics.median(rest) * 1e3, 1)
+        rows.append(row)
+    return rows
+
+
+def main(path: str) -> int:
+    with open(path) as f:
+        trace = json.load(f)
+    rows = describe(trace)
+    if not rows:
+        print("no interval with step records", file=sys.stderr)
+        return 1
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
