@@ -2,17 +2,26 @@
 every interval between a recovery and the next fault, from the `churn-steps-SYSTEM-seedN.json`
 that `python -m benchmarks churn --out DIR` writes.
 
-    python -m benchmarks.probes.churn_steps DIR/churn-steps-elastic-seed1.json
+    python -m benchmarks.probes.churn_steps DIR/churn-steps-elastic-seed1.json[.gz] [WORKERS_CPU.jsonl[.gz]]
 
 Per interval: steps, steps/s, and medians over its steps of the group's step time (the slowest
 rank's), each rank's compute time (forward and backward, its own work) and the rest of the step
 (step - compute: waiting for peers in the all-reduce, and everything else around the compute).
+With the output of `benchmarks/probes/sched_watch.py` taken during the run, also per 6 s window:
+the ranks' median compute time, and the CPU the ranks' processes and the other workers (those at
+SCHED_IDLE: pre-started workers and spares starting) used.
 """
 from __future__ import annotations
 
+import collections
+import gzip
 import json
 import statistics
 import sys
+
+
+def _open(path: str):
+    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
 
 
 def intervals(trace: dict) -> list[tuple[str, float, float]]:
@@ -53,20 +62,52 @@ def describe(trace: dict) -> list[dict]:
     return rows
 
 
-def main(path: str) -> int:
-    with open(path) as f:
-        trace = json.load(f)
-    rows = describe(trace)
-    if not rows:
-        print("no interval with step records", file=sys.stderr)
-        return 1
+def by_window(trace: dict, workers_cpu: list[dict], window_s: float = 6.0) -> list[dict]:
+    """Per window of the run: the ranks' median compute time and the CPU (in cores) used by the
+    processes that held ranks and by workers at SCHED_IDLE (policy 5)."""
+    t0 = trace["t_churn"]
+    ranks = {p for e in trace["events"] if e["kind"] in ("workers_started", "workers_replaced")
+             for p in (e.get("pids") or {}).values()}
+    samples = collections.defaultdict(list)
+    for row in workers_cpu:
+        samples[row["pid"]].append(row)
+    cpu = collections.defaultdict(lambda: collections.Counter())
+    for pid, rows in samples.items():
+        for a, b in zip(rows, rows[1:]):
+            k = int((b["t"] - t0) // window_s)
+            idle = bool(a["policies"].get("5"))
+            cpu[k]["idle" if idle else "ranks" if pid in ranks else "other"] += (b["ticks"] - a["ticks"]) / 100
+    compute = collections.defaultdict(list)
+    for recs in trace["steps"].values():
+        for _, end, _, compute_s in recs:
+            compute[int((end - t0) // window_s)].append(compute_s)
+    return [{"t_s": k * window_s, "compute_ms": round(statistics.median(compute[k]) * 1e3, 1),
+             "ranks_cores": round(cpu[k]["ranks"] / window_s, 2), "idle_workers_cores": round(cpu[k]["idle"] / window_s, 2)}
+            for k in sorted(compute) if len(compute[k]) >= 10 and k * window_s >= -30]
+
+
+def table(rows: list[dict]) -> None:
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in rows:
         print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+
+
+def main(path: str, workers_cpu: str | None = None) -> int:
+    with _open(path) as f:
+        trace = json.load(f)
+    rows = describe(trace)
+    if not rows:
+        print("no interval with step records", file=sys.stderr)
+        return 1
+    table(rows)
+    if workers_cpu:
+        with _open(workers_cpu) as f:
+            print()
+            table(by_window(trace, [json.loads(line) for line in f]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))
