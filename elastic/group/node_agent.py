@@ -343,6 +343,7 @@ class NodeAgents:
         in_flight = [(node, ref) for node, (ref, _) in self._polls.items()]
         sent = {node: t for node, (_, t) in self._polls.items()}
         self._polls.clear()
+        replies: list[tuple[str, float, NodePoll]] = []
         drains = [(node, self._agents[node].drain.remote(self.epoch, timeout_s))
                   for node in self._watched if node in self._agents]
         for pairs in (in_flight, drains):  # in this order: a drained answer is newer than one in flight
@@ -353,11 +354,10 @@ class NodeAgents:
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
             for node, ref in ((n, r) for n, r in pairs if r in ready):
                 try:
-                    reply = ray.get(ref)
-                    self.settle([(node, sent.get(node, time.monotonic()), reply)], members, time.monotonic(),
-                                float("inf"), answers, silent)
+                    replies.append((node, sent.get(node, time.monotonic()), ray.get(ref)))
                 except Exception:  # noqa: BLE001 - an agent gone: the run loop learns it from its ranks
                     pass
+        self.settle(replies, members, time.monotonic(), float("inf"), answers, silent)  # in order: newest last
         self._since.clear()
         return answers
 

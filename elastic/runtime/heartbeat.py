@@ -35,8 +35,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-STOPPED_STATES = frozenset("TtZXx")
-RECEIVE_BUFFER = 8 << 20  # bytes asked for the pinger's socket (the kernel caps it at net.core.rmem_max)  # stopped, traced, zombie, dead: the process runs no more code
+STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the process runs no more code
+RECEIVE_BUFFER = 8 << 20  # bytes asked for the pinger's socket (the kernel caps it at net.core.rmem_max)
 
 # Run with `python -I -S -c`: stdlib built-ins only, so it starts in milliseconds and never
 # imports elastic (whose import would lower a background spare's priority again).
@@ -210,7 +210,6 @@ class Heartbeats:
         self._seq = 0  # numbers the pings
         self._last_sent = float("-inf")
         self.pings_sent = 0  # datagrams sent, one per node per interval
-        self.round_s = 0.0  # how long the last round of sends took
         # token -> (sent at, ping number) of its oldest ping not answered by it or a later one
         self._pending_since: dict[bytes, tuple[float, int]] = {}
         # token -> (ping number, b"pid state ticks ..."): its newest answer, as sent
@@ -243,7 +242,7 @@ class Heartbeats:
             return
         self._last_sent = now
         self._seq += 1
-        ping, t0 = b":" + str(self._seq).encode(), time.perf_counter()
+        ping = b":" + str(self._seq).encode()
         for i, (ip, port) in enumerate(self._addrs):
             if between is not None and i and not i % 1024:
                 between()
@@ -256,7 +255,6 @@ class Heartbeats:
                                    errno.EPERM, errno.ENOBUFS):
                     raise
             self._pending_since.setdefault(token, (now, self._seq))
-        self.round_s = time.perf_counter() - t0
 
     def _sock(self, family: socket.AddressFamily) -> socket.socket:
         if family not in self._socks:
