@@ -31,7 +31,8 @@ def rendezvous_port() -> int:
     return _STORES[-1].address()[1]
 
 
-def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None, probe=None):
+def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None, probe=None,
+               peer=None):
     os.environ.update(env)
     from elastic.runtime.actor import import_worker
     Worker = import_worker()  # as a Ray worker does it (the collector off while torch's modules import)
@@ -43,6 +44,13 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
     w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
     try:
         out = w.restore(candidates)
+        if peer is not None:  # a fault at step peer["at"]: the ranks not in "sources" are replaced
+            w.run(peer["at"], [])
+            if rank not in peer["sources"]:
+                w.leave()
+                w = Worker(job_json, root)  # nothing built, as a replacement starts
+            w.join("127.0.0.1", port, rank, world, generation=2, pp=pp)
+            out = w.restore_from_peer(peer["sources"][0], peer["sources"])
         restored_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the build's peak
         res = w.run(steps, [])
     except Exception as e:  # noqa: BLE001 - reported (a memory cap that is too low fails here)
@@ -79,11 +87,15 @@ def _vm_data_mb() -> float:
 
 
 def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expect="done",
-              data_limit_mb: int | None = None, probe: str | None = None) -> list[tuple]:
+              data_limit_mb: int | None = None, probe: str | None = None,
+              peer_sources: list[int] | None = None, peer_at: int | None = None) -> list[tuple]:
     """Every rank of `job` as its own process, trained to `steps` (default run.num_steps).
     Returns per rank (rank, status, digest or error, loss, restore source, restored step, extra).
     `data_limit_mb`: each rank's RLIMIT_DATA, set before it builds anything. `probe`:
-    module:function(model) whose answer at the end is extra["probe"]."""
+    module:function(model) whose answer at the end is extra["probe"]. `peer_sources` (one rank
+    per slot) and `peer_at`: a fault after step `peer_at` replaces every other rank with a new
+    Worker (nothing built); the group forms again and restores from the sources' memory
+    (`restore_from_peer`), as after a failure, then trains on."""
     jc = JobConfig.model_validate(job)
     world = jc.scaling.num_workers
     ctx = torch.multiprocessing.get_context("forkserver")
@@ -95,7 +107,9 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     port = rendezvous_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   jc.run.num_steps if steps is None else steps, env or {}, q,
-                                                  data_limit_mb, probe)) for r in range(world)]
+                                                  data_limit_mb, probe,
+                                                  None if peer_sources is None else {"sources": list(peer_sources), "at": peer_at}))
+             for r in range(world)]
     for p in procs:
         p.start()
     out = sorted((q.get(timeout=600) for _ in procs), key=lambda o: o[0])

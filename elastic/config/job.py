@@ -52,7 +52,7 @@ class JobConfig(_Strict):
         bad = {}
         tp = tr.tp.size
         for w in range(sc.min_size, sc.max_size + 1):
-            if w % tp or w % self.hsdp_shards:
+            if w % (tp * self.hsdp_shards):
                 continue  # not a layout this run takes: whole replicas of tp (or HSDP shard) ranks only
             try:
                 batch_plan(tr.global_batch_size, w // tp, tr.micro_batch_size)
@@ -84,29 +84,31 @@ class JobConfig(_Strict):
 
     @property
     def hsdp_shards(self) -> int:
-        """Ranks one HSDP replica group shards the state over (1: not hybrid)."""
+        """Ranks one HSDP replica group shards the state over (1: not hybrid). With tensor
+        parallelism a replica group is shards x tp ranks."""
         r = self.train.fsdp.replicate
-        return self.scaling.num_workers // r if r > 1 else 1
+        return self.scaling.num_workers // (r * self.train.tp.size) if r > 1 else 1
 
     def _check_hsdp(self) -> None:
-        """HSDP: the world is whole replica groups of num_workers / replicate ranks at every size."""
+        """HSDP: the world is whole replica groups of num_workers / replicate ranks at every size
+        (shards x tp ranks each, with tensor parallelism)."""
         sc, tr = self.scaling, self.train
-        r = tr.fsdp.replicate
+        r, tp = tr.fsdp.replicate, tr.tp.size
         if r == 1:
             return
-        if sc.num_workers % r:
-            raise ValueError(f"train.fsdp.replicate={r} does not divide scaling.num_workers={sc.num_workers}: "
+        if sc.num_workers % (r * tp):
+            what = f"train.fsdp.replicate={r} x train.tp.size={tp}" if tp > 1 else f"train.fsdp.replicate={r}"
+            raise ValueError(f"{what} does not divide scaling.num_workers={sc.num_workers}: "
                              f"each replica group shards the state over num_workers / replicate ranks")
-        shards = sc.num_workers // r
+        shards = sc.num_workers // (r * tp)
         if shards == 1:
-            raise ValueError(f"train.fsdp.replicate={r} = scaling.num_workers leaves one rank per group, which "
-                             f"shards nothing: use train.strategy: ddp")
-        if tr.tp.size > 1:
-            raise ValueError("train.fsdp.replicate > 1 with train.tp.size > 1: HSDP x tensor parallelism is not "
-                             "built yet; use one of them")
+            tail = ("use train.strategy: ddp with train.tp.size" if tp > 1 else "use train.strategy: ddp")
+            raise ValueError(f"train.fsdp.replicate={r} leaves one shard per group (scaling.num_workers="
+                             f"{sc.num_workers}), which shards nothing: {tail}")
+        group = shards * tp
         for field, n in (("min_workers", sc.min_size), ("max_workers", sc.max_size)):
-            if n % shards:
-                raise ValueError(f"scaling.{field}={n} is not a multiple of the HSDP group size {shards} "
+            if n % group:
+                raise ValueError(f"scaling.{field}={n} is not a multiple of the HSDP group size {group} "
                                  f"(num_workers / train.fsdp.replicate): the run grows and shrinks by whole groups")
         if self.stragglers.enabled:
             raise ValueError("stragglers.enabled: straggler swaps are not built for HSDP yet; leave it off with "

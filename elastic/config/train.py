@@ -43,10 +43,11 @@ class FsdpSpec(_Strict):
     reduce_dtype: DTYPES = Field("float32", description="Dtype of the gradient reduce-scatter (GPU only).")
     replicate: int = Field(
         1, ge=1, description="HSDP: replica groups at scaling.num_workers. Each group shards the state over "
-                             "num_workers / replicate ranks (FSDP2 on a 2-D mesh); gradients are reduce-scattered "
+                             "num_workers / replicate ranks (FSDP2 on a 2-D mesh; with train.tp.size, each tp slice "
+                             "over num_workers / (replicate x tp) ranks, a 3-D mesh); gradients are reduce-scattered "
                              "within a group and all-reduced across groups. A lost rank is restored from its peer "
-                             "at the same shard in another group's memory; the run grows and shrinks by whole "
-                             "groups. 1: plain FSDP.")
+                             "at the same shard (and tp index) in another group's memory; the run grows and shrinks "
+                             "by whole groups. 1: plain FSDP.")
     offload: bool = Field(
         False, description="CPU offload (FSDP2's CPUOffloadPolicy): the sharded parameters, their gradients and the "
                            "optimizer state live in host memory (pinned on a GPU), each block's parameters are "

@@ -17,10 +17,11 @@ old rank's shards (`elastic.parallel.resharding`).
 CPU offload (`train.fsdp.offload`): FSDP2's `CPUOffloadPolicy`, so every copy, checkpoint and
 re-shard above reads host tensors where it would read device ones.
 
-HSDP (`train.fsdp.replicate` > 1): a 2-D mesh ("dp", "shard"). Each replica
-group shards the state over its "shard" ranks; the ranks at one shard
-coordinate ("dp") hold the same part, so a lost rank is copied from its peer
-at the same shard, like a DDP replica (`broadcast_state`).
+HSDP (`train.fsdp.replicate` > 1): a 2-D mesh ("dp", "shard"), ("dp", "shard",
+"tp") with tensor parallelism. Each replica group shards the state over its
+"shard" ranks (each tp slice, with tp); the ranks at one shard coordinate (and
+tp index) across groups ("dp") hold the same part, so a lost rank is copied
+from its peer at the same coordinate, like a DDP replica (`broadcast_state`).
 """
 from __future__ import annotations
 
@@ -65,10 +66,18 @@ class FullyShardedDataParallel(Strategy):
         return "shard" in (self.mesh.mesh_dim_names or ())
 
     @property
+    def data_mesh(self):
+        """The mesh FSDP shards (and HSDP replicates) over: every axis but tp."""
+        names = tuple(n for n in self.mesh.mesh_dim_names if n != "tp")
+        if len(names) == len(self.mesh.mesh_dim_names):
+            return self.mesh
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+
+    @property
     def layout_key(self):
-        """HSDP: the rank's shard (its parameters' local shapes); else as the base says."""
+        """HSDP: the rank's shard (its parameters' local shapes), and its tp slice; else as the base says."""
         if self.hybrid:
-            return ("shard", self.mesh["shard"].size(), self.mesh.get_local_rank("shard"))
+            return ("shard", self.mesh["shard"].size(), self.mesh.get_local_rank("shard")) + (super().layout_key or ())
         return super().layout_key
 
     @property
@@ -90,9 +99,9 @@ class FullyShardedDataParallel(Strategy):
             dtype = torch.bfloat16 if self.spec.precision == "bf16" else torch.float16
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         # With tensor parallelism the parameters are DTensors on the mesh's tp axis already: sharding
-        # them over its dp axis makes them 2-D (FSDP2 + TP, as torchtitan composes them).
-        # HSDP: the 2-D ("dp", "shard") mesh itself: fully_shard replicates over its first axis.
-        kw = dict(mesh=self.mesh["dp"] if self.tp > 1 else self.mesh, mp_policy=mp)
+        # them over the data axes makes them 2-D (FSDP2 + TP, as torchtitan composes them), 3-D with HSDP.
+        # HSDP: the 2-D ("dp", "shard") mesh: fully_shard replicates over its first axis.
+        kw = dict(mesh=self.data_mesh, mp_policy=mp)
         if fs.offload:  # shards, gradients and (so) the optimizer's state in host memory
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=on_gpu)
         for block in select_blocks(model, fs.blocks):

@@ -9,9 +9,9 @@ strategy's name:
   * staged (pipeline, or any strategy with tensor parallelism): ranks come and go in whole
     replicas of `stages x tp` ranks, along the topology's chain (replicas first, then stages); a
     shrink keeps each survivor on its slot (stage, tp index) where it can.
-  * HSDP (fsdp with `shards` > 1) is staged too: whole replica groups of `shards` ranks, each
-    rank a slot (its shard), restored like a pipeline's stage from another group's rank at the
-    same slot.
+  * HSDP (fsdp with `shards` > 1) is staged too: whole replica groups of `shards` (x tp) ranks,
+    each rank a slot (its shard and tp index), restored like a pipeline's stage from another
+    group's rank at the same slot.
 `sharded` says whether one rank holds the only copy of its part of the state (fsdp): then no
 single survivor holds it all, and a planned change moves every rank's part (fsdp x tp too: each
 tp slice is re-sharded over dp, elastic.parallel.resharding).
@@ -82,5 +82,5 @@ def shape_for(job) -> Shape:
     if tr.strategy == "pipeline":
         return Shape(stages=tr.pipeline.stages, staged=True, tp=tr.tp.size)
     if tr.strategy == "fsdp" and job.hsdp_shards > 1:
-        return Shape(shards=job.hsdp_shards)
+        return Shape(shards=job.hsdp_shards, tp=tr.tp.size)
     return Shape(sharded=tr.strategy == "fsdp", tp=tr.tp.size)

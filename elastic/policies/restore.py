@@ -56,8 +56,9 @@ def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
     step = max(survivor_steps.values())
     if layout is not None and layout.slots > 1:
         sources = slot_sources(layout, {r: r for r in survivor_steps}, layout, survivor_steps)
-        what = ("shard (HSDP)" if layout.shards > 1 else "stage" if layout.tp == 1
-                else "slot (stage x tensor slice)")
+        what = ("shard (HSDP)" if layout.shards > 1 and layout.tp == 1 else
+                "slot (shard x tensor slice)" if layout.shards > 1 else
+                "stage" if layout.tp == 1 else "slot (stage x tensor slice)")
         if sources is None:
             held = sorted({layout.slot_of(r) for r, s in survivor_steps.items() if s == step})
             return FromStorage(), (f"no surviving replica holds every {what} at step {step} (held: {held} of "
