@@ -20,6 +20,7 @@ import pytest
 from elastic import Trainer
 from elastic.workload import NUM_SAMPLES
 from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from tests.spawn_ranks import uninterrupted_digests
 from tests.test_resize import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -74,11 +75,9 @@ def test_hsdp_shrinks_to_one_group_from_memory_and_grows_back(cluster, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def baseline(ray_cluster, tmp_path_factory):  # noqa: F811
-    ray_cluster.ensure_worker_nodes(5)
-    result = Trainer(hsdp_job(tmp_path_factory.mktemp("base"))).fit(progress=False)
-    assert not result.events_of("buddies")  # replica groups hold each other's copies: none taken
-    return result.digests
+def baseline(tmp_path_factory):
+    """From ranks forked without Ray (tests/spawn_ranks.py): the digests a cluster's run ends with."""
+    return uninterrupted_digests(hsdp_job(tmp_path_factory.mktemp("base")))
 
 
 def test_hsdp_node_kill_restores_from_the_other_group(cluster, baseline, tmp_path):  # noqa: F811
@@ -90,6 +89,7 @@ def test_hsdp_node_kill_restores_from_the_other_group(cluster, baseline, tmp_pat
                  num_spares=1, wait_for_spares=True)
     result = Trainer(j).fit(progress=False)
     assert result.digests == baseline
+    assert not result.events_of("buddies")  # replica groups hold each other's copies: none taken
     (rec,) = result.events_of("recovered")
     assert rec["lost_steps"] == 0 and rec["resumed_step"] >= FAULT_STEP, rec
     assert result.events_of("workers_replaced")[0]["how"] == {"1": how}

@@ -22,6 +22,7 @@ import ray
 
 from elastic import Trainer
 from tests.ray_fixtures import assert_exact_once, cluster, ray_cluster  # noqa: F401 - pytest fixtures
+from tests.spawn_ranks import uninterrupted_digests
 from tests.test_resize import Blocker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
@@ -53,18 +54,16 @@ def job(tmp_path, stages, replicas, chaos=(), name=None, steps=NUM_STEPS, **over
 
 
 @pytest.fixture(scope="module")
-def baseline_3x1(ray_cluster, tmp_path_factory):  # noqa: F811
-    ray_cluster.ensure_worker_nodes(4)
-    result = Trainer(job(tmp_path_factory.mktemp("b31"), 3, 1)).fit(progress=False)
-    assert len(set(result.digests.values())) == 3  # three stages, three different states
-    return result.digests
+def baseline_3x1(tmp_path_factory):
+    """Baselines come from ranks forked without Ray (tests/spawn_ranks.py): the same digests."""
+    d = uninterrupted_digests(job(tmp_path_factory.mktemp("b31"), 3, 1))
+    assert len(set(d.values())) == 3  # three stages, three different states
+    return d
 
 
 @pytest.fixture(scope="module")
-def baseline_2x2(ray_cluster, tmp_path_factory):  # noqa: F811
-    ray_cluster.ensure_worker_nodes(4)
-    result = Trainer(job(tmp_path_factory.mktemp("b22"), 2, 2)).fit(progress=False)
-    d = result.digests
+def baseline_2x2(tmp_path_factory):
+    d = uninterrupted_digests(job(tmp_path_factory.mktemp("b22"), 2, 2))
     assert d[0] == d[2] and d[1] == d[3] and d[0] != d[1]  # replicas of a stage agree
     return d
 

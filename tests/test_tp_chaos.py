@@ -33,6 +33,7 @@ import yaml
 from elastic import Trainer
 from elastic.local_cluster import local_cluster
 from tests.ray_fixtures import assert_exact_once
+from tests.spawn_ranks import uninterrupted_digests
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -64,14 +65,11 @@ def gpt_3d(tmp_path, chaos=(), steps=NUM_STEPS, **train) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline_3d(ray_cluster, tmp_path_factory):
-    ray_cluster.ensure_worker_nodes(NODES)
-    result = Trainer(gpt_3d(tmp_path_factory.mktemp("b3d"))).fit(progress=False)
-    d = result.digests
+def baseline_3d(tmp_path_factory):
+    """From ranks forked without Ray (tests/spawn_ranks.py): the digests a cluster's run ends with."""
+    d = uninterrupted_digests(gpt_3d(tmp_path_factory.mktemp("b3d")))
     assert all(d[r] == d[r % 4] for r in range(8))  # replicas of a slot agree
     assert len({d[r] for r in range(4)}) == 2  # a stage's state is one digest (gathered over tp)
-    (placed,) = result.events_of("placement")
-    assert placed["split_groups"] == [], placed
     return d
 
 
@@ -80,6 +78,8 @@ def test_node_kill_in_3d_copies_the_lost_tp_group_from_the_other_replica(cluster
     j["scaling"]["shrink_after_s"] = 120  # wait for the replacements (their start takes seconds here)
     result = Trainer(j).fit(progress=False)
     assert result.digests == baseline_3d
+    placed = result.events_of("placement")[0]  # the first start's
+    assert placed["split_groups"] == [], placed
     (plan,) = result.events_of("restore_plan")
     assert plan["source"] == "FromPeer" and "no storage read" in plan["reason"], plan
     restored = result.events_of("restored")[-1]
@@ -100,7 +100,7 @@ def test_one_replica_pipeline_x_tp_node_kill_restores_the_lost_tp_group_from_mem
         j["scaling"].update(num_workers=4, min_workers=4)
         j["checkpoint"].update(memory_every_steps=1, memory_max_overhead=1.0)  # a copy every step
         return j
-    base = Trainer(one_replica()).fit(progress=False).digests
+    base = uninterrupted_digests(one_replica())
     j = one_replica([{"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}])
     result = Trainer(j).fit(progress=False)
     assert result.digests == base
