@@ -58,6 +58,10 @@ OPTIONS = (
     _opt("--strategy", choices=["ddp", "fsdp"], default="ddp",
          help="what every system trains with: ddp (default) or fsdp (elastic: FSDP2 with its in-memory copies; "
               "Ray Train: FSDP2 and distributed checkpointing)", used_by=("recovery",)),
+    _opt("--copy-budget", type=float, default=None,
+         help="elastic's checkpoint.memory_max_overhead with --strategy fsdp: the share of step time the in-memory "
+              "copies may cost (1: a copy every step, whatever it costs; default: the job's, 0.03)",
+         used_by=("recovery",)),
     _opt("--mtbf-s", type=float, default=30.0, help="mean time between faults, seconds", used_by=("churn",)),
     _opt("--duration-s", type=float, default=600.0, help="length of the fault schedule, seconds", used_by=("churn",)),
     _opt("--replace-after-s", type=float, default=10.0,

@@ -124,10 +124,11 @@ def tp_layout(tp: int) -> dict:
 
 def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str = "kill_node",
                 at_step: int = FAULT_STEPS[0], num_workers: int = NUM_WORKERS, fault_rank: int = 1,
-                gpu: bool = False, strategy: str = "ddp", tp: int = 1) -> dict:
+                gpu: bool = False, strategy: str = "ddp", tp: int = 1, copy_budget: float | None = None) -> dict:
     """The job of one elastic system. `strategy` fsdp: the state is sharded, and a fault restores
-    from the in-memory copies at their default budget (elastic-storage: from the checkpoint).
-    `tp` > 1: examples/gpt.py split over tp ranks by the built-in plan (tp_layout)."""
+    from the in-memory copies at their default budget, or `copy_budget` (checkpoint.memory_max_overhead;
+    elastic-storage: from the checkpoint). `tp` > 1: examples/gpt.py split over tp ranks by the
+    built-in plan (tp_layout)."""
     scaling, failure = ELASTIC_SYSTEMS[system]
     train = {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
              "loss": "elastic.workload:loss_fn", "optimizer": "elastic.workload:build_optimizer",
@@ -144,7 +145,8 @@ def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str
         "run": {"name": f"bench-recovery-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
         "scaling": {**scaling, "num_workers": num_workers, "use_gpu": gpu},
         "failure": {"max_failures": 3, **failure},
-        "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY},
+        "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY,
+                       **({"memory_max_overhead": copy_budget} if copy_budget is not None else {})},
         "train": train,
         "chaos": [{"action": fault, "rank": fault_rank, "at_step": at_step}],
     }
@@ -152,17 +154,18 @@ def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str
 
 def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str, at_step: int,
                 num_workers: int = NUM_WORKERS, fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp",
-                tp: int = 1) -> dict:
+                tp: int = 1, copy_budget: float | None = None) -> dict:
     from elastic import Trainer
     t0 = time.time()
     job = elastic_job(system, storage_uri, storage_options, fault, at_step, num_workers, fault_rank, gpu, strategy,
-                      tp)
+                      tp, copy_budget)
     result = Trainer(job).fit(progress=False)
     rec = result.events_of("recovered")
     r = rec[0] if rec else {}
     restored = result.events_of("restored")[-1]
     (plan,) = result.events_of("restore_plan") or ({},)
     return {"bench": "recovery", "system": system, "strategy": strategy, "tp": tp, "fault": fault,
+            "copy_budget": job["checkpoint"].get("memory_max_overhead"),
             "recover_s": r.get("recover_s"), "restore_source": restored["source"],
             "restore_plan": plan.get("reason"),
             "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
@@ -285,7 +288,8 @@ def main(args) -> int:
                                 print(f"ray-train result is not a fair figure: {rec['sanity']}", file=sys.stderr)
                         else:
                             rec = {**run_elastic(system, storage_uri, storage_options, fault, at_step, world,
-                                                 fault_rank, gpu, strategy, tp), "storage": args.storage}
+                                                 fault_rank, gpu, strategy, tp, getattr(args, "copy_budget", None)),
+                               "storage": args.storage}
                         rec["backend"] = "nccl" if gpu else "gloo"
                         rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
                                    fault_offset=at_step % CKPT_EVERY)
