@@ -331,8 +331,11 @@ def main(args) -> int:
                              f"rank for elastic-spare; Ray Train runs the same split model in TorchTrainer "
                              f"(benchmarks/ray_train_tp.py) with distributed checkpoints")
             if strategy != "ddp":
-                notes.append(f"every system trains with {strategy}: elastic FSDP2 with in-memory copies at their "
-                             f"default budget (elastic-storage: the checkpoint), Ray Train FSDP2 with distributed "
+                budget = getattr(args, "copy_budget", None)
+                at = ("their default budget" if budget is None else
+                      f"checkpoint.memory_max_overhead {budget:g}" + (" (a copy every step)" if budget >= 1 else ""))
+                notes.append(f"every system trains with {strategy}: elastic FSDP2 with in-memory copies at {at} "
+                             f"(elastic-storage: the checkpoint), Ray Train FSDP2 with distributed "
                              f"checkpointing (benchmarks/ray_train_fsdp.py)")
             title = (f"recovery ({fault}, {params / 1e6:.1f} M params{', ' + strategy if strategy != 'ddp' else ''}"
                      f"{f' x tp {tp}' if tp > 1 else ''})")
