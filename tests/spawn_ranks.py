@@ -107,11 +107,10 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     # The controller's part: generation 1 in the fence before the group forms (no fence, no write).
     write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
     port = rendezvous_port()
+    peer = None if peer_sources is None else {"sources": list(peer_sources), "at": peer_at}
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   jc.run.num_steps if steps is None else steps, env or {}, q,
-                                                  data_limit_mb, probe,
-                                                  None if peer_sources is None else {"sources": list(peer_sources), "at": peer_at}))
-             for r in range(world)]
+                                                  data_limit_mb, probe, peer)) for r in range(world)]
     for p in procs:
         p.start()
     out = sorted((q.get(timeout=600) for _ in procs), key=lambda o: o[0])

@@ -156,10 +156,14 @@ def submit(cluster: RayCluster, workdir: Path, **popen) -> subprocess.Popen:
         env=cluster.env, text=True, **popen)
 
 
+def job_text(name: str, storage: Path) -> str:
+    return JOB.replace("NAME", name).replace("STORAGE", str(storage))
+
+
 def job_dir(tmp_path: Path, name: str, storage: Path) -> Path:
     d = tmp_path / f"job-{name}"
     d.mkdir()
-    (d / "job.yaml").write_text(JOB.replace("NAME", name).replace("STORAGE", str(storage)))
+    (d / "job.yaml").write_text(job_text(name, storage))
     return d
 
 
@@ -246,8 +250,7 @@ def test_whole_cluster_killed_mid_run_then_resubmitted_resumes_bit_identical(tmp
     final = [e for e in ev if e["kind"] == "final_state"]
     assert len(final) == 1 and final[0]["step"] == NUM_STEPS
     # The uninterrupted run's digests, from its ranks forked without Ray (tests/spawn_ranks.py).
-    uninterrupted = JOB.replace("NAME", "uninterrupted").replace("STORAGE", str(storage))
-    base_digests = set(uninterrupted_digests(yaml.safe_load(uninterrupted)).values())
+    base_digests = set(uninterrupted_digests(yaml.safe_load(job_text("uninterrupted", storage))).values())
     assert len(base_digests) == 1, base_digests
     assert set(final[0]["digests"].values()) == base_digests, (final[0], base_digests)
     assert f"steps: {NUM_STEPS}" in out and "all ranks hold identical final state: True" in out

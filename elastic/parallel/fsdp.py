@@ -68,10 +68,9 @@ class FullyShardedDataParallel(Strategy):
     @property
     def data_mesh(self):
         """The mesh FSDP shards (and HSDP replicates) over: every axis but tp."""
-        names = tuple(n for n in self.mesh.mesh_dim_names if n != "tp")
-        if len(names) == len(self.mesh.mesh_dim_names):
+        if self.tp == 1:
             return self.mesh
-        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+        return self.mesh[tuple(n for n in self.mesh.mesh_dim_names if n != "tp")]
 
     @property
     def layout_key(self):
