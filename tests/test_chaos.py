@@ -243,7 +243,9 @@ def test_a_rank_whose_python_is_held_is_kept_by_its_heartbeat(cluster, baseline,
     """Rank 1's Python is held for 5 s by one C call that keeps the GIL (as a C extension may): it
     answers no poll and the others wait on it, for far longer than the silence bound (1 s here).
     Its node's heartbeat says the process runs (sleeping or runnable, not stopped): no recovery, the run goes on and ends
-    bit-identical. Without the heartbeat the same hold is taken for a stopped machine."""
+    bit-identical. (Without the heartbeat the same hold is taken for a stopped machine: the
+    controller's decision, checked on a fake clock in tests/test_controller.py, not here, where a
+    second run cost CI about 25 s.)"""
     fault = {"action": "hold_gil", "rank": 1, "at_step": FAULT_STEP, "hold_s": 5}
     result = Trainer(job(tmp_path, [fault], failure={"hang_floor_s": 20})).fit(progress=False)
     assert len(result.digests) == 3 and set(result.digests.values()) == {baseline}
@@ -255,12 +257,6 @@ def test_a_rank_whose_python_is_held_is_kept_by_its_heartbeat(cluster, baseline,
     (fault_ev,) = result.events_of("fault_injected")
     assert fault_ev["hold_s"] == 5 and excused["t"] > fault_ev["fault_t"]
     assert result.events_of("run_finished")[0]["heartbeat_ranks"] == [0, 1, 2]
-
-    off = Trainer(job(tmp_path, [fault], failure={"hang_floor_s": 20, "heartbeat": False})).fit(progress=False)
-    assert set(off.digests.values()) == {baseline}
-    (silence,) = off.events_of("silence_detected")
-    assert silence["ranks"] == [1] and silence["heartbeat"] == {"1": None}
-    assert off.events_of("run_finished")[0]["heartbeat_ranks"] == []
 
 
 def test_frozen_node_survivors_keep_their_state(cluster, baseline, tmp_path):  # noqa: F811

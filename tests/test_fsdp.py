@@ -114,6 +114,8 @@ def test_fsdp_shrinks_and_grows_back_matching_an_unresized_run(cluster, referenc
     done_sizes = [(d["old_world_size"], d["new_world_size"]) for d in done]
     assert done_sizes == [(3, 2), (2, 3)]
     assert "re-sharded in memory from 2 ranks (read parts [], rank to rank from [0, 1])" in done[1]["source"]
+    # The shrink's parts, the lost rank's copy included, come rank to rank from the survivors' memory.
+    assert "(read parts [], rank to rank from [0, 1, 2], copies of step" in done[0]["source"], done[0]
     # The shrink restores the newest step every part has a complete copy of, the one the plan
     # names. Not a fixed distance from the fault: a rank votes against a copy while its last send
     # is on its way, so on a loaded machine the copy before the fault step may not have been taken

@@ -139,7 +139,7 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
     state = strat.state_dict(model, opt)
     parts = resharding.needed_parts(state, old_world, world, rank, tp=tp)
     assert all(p == 0 or p % tp == rank % tp for p in parts), parts  # a tp slice reads its own index's rows
-    assert resharding.exchange(state, None, {p: offers[p] for p in parts}, {}, old_world, world, rank, None,
+    assert resharding.exchange(state, {}, {p: offers[p] for p in parts}, {}, old_world, world, rank, None,
                                tp) == 3
     strat.load_state_dict(model, opt, state)
     full = _full(strat, model, opt)
@@ -157,7 +157,7 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
     opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-2)
     state3 = strat.state_dict(model3, opt3)
     try:
-        resharding.exchange(state3, None, {p: offers[p] for p in parts if p not in drop}, {}, old_world, world, rank,
+        resharding.exchange(state3, {}, {p: offers[p] for p in parts if p not in drop}, {}, old_world, world, rank,
                             None, tp)
         error = None
     except ReshardError as e:
@@ -170,13 +170,25 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
     state4 = strat.state_dict(model4, opt4)
     remote = resharding.needed_parts(state4, old_world, world, rank, frozenset(holders), tp)
     assert not set(remote) & set(holders)
-    own = offers[rank] if rank in holders else None
-    assert resharding.exchange(state4, own, {p: offers[p] for p in remote}, holders, old_world, world, rank,
+    kept = {rank: offers[rank]} if rank in holders else {}
+    assert resharding.exchange(state4, kept, {p: offers[p] for p in remote}, holders, old_world, world, rank,
                                dist.group.WORLD, tp) == 3
     strat.load_state_dict(model4, opt4, state4)
     full_direct = _full(strat, model4, opt4)
+    # 5. After a fault, from in-memory copies: every part kept by some new rank, one rank keeping
+    # several (its own copy and those it holds as a buddy), nothing read from the object store.
+    by = {p: (p // tp) % (world // tp) * tp + p % tp for p in range(old_world)}  # each keeps its tp index
+    model5 = strat.prepare(_model(strat.tp), sync_init=False)
+    opt5 = torch.optim.AdamW(model5.parameters(), lr=1e-2)
+    state5 = strat.state_dict(model5, opt5)
+    assert not resharding.needed_parts(state5, old_world, world, rank, frozenset(by), tp)
+    assert resharding.exchange(state5, {p: offers[p] for p, r in by.items() if r == rank}, {}, by, old_world, world,
+                               rank, dist.group.WORLD, tp) == 3
+    strat.load_state_dict(model5, opt5, state5)
+    full_copies = _full(strat, model5, opt5)
     if rank == 0:
-        torch.save({"memory": full, "storage": full_ckpt, "direct": full_direct}, f"{out_dir}/full_new.pt")
+        torch.save({"memory": full, "storage": full_ckpt, "direct": full_direct, "copies": full_copies},
+                   f"{out_dir}/full_new.pt")
     with open(f"{out_dir}/error_{rank}.txt", "w") as f:
         f.write(repr(error))
     dist.destroy_process_group()
@@ -220,6 +232,7 @@ def _reshard_and_check(tmp_path, old: int, new: int, refused: set[int], tp: int 
     _assert_same_state(full_old, full_new["memory"])
     _assert_same_state(full_old, full_new["storage"])
     _assert_same_state(full_old, full_new["direct"])
+    _assert_same_state(full_old, full_new["copies"])
     errors = {int(p.stem.split("_")[1]): p.read_text() for p in tmp_path.glob("error_*.txt")}
     assert len(errors) == new
     assert {r for r, e in errors.items() if e != "None"} == refused, errors

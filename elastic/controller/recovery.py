@@ -145,6 +145,10 @@ def from_copies(ctl: Controller, answers: dict, storage_why: str):
         count = f" (fallback {ctl.copies_fallbacks} of the run)" if lost else ""
         return FromStorage(), f"{why}: restore from the latest committed checkpoint{count}"
     step, sources = found
+    if ctl.shape.sharded:  # FSDP's rows: each holder sends them rank to rank (resharding.exchange)
+        ctl.group.keep_copies(sources)
+        return FromShards({}, ctl.world_size, step, copies_step=step), why
+    # A one-replica pipeline's stages: by name, through the object store (strategy.assemble).
     return FromShards(ctl.group.memory_parts(sources, step), ctl.world_size, step, ctl.layout.pp), why
 
 

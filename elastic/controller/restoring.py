@@ -22,7 +22,7 @@ def on_restoring(ctl: Controller, _: Restoring) -> State:
     timeout_s = ctl.job.failure.collective_timeout_s
     if isinstance(plan, FromShards):
         try:
-            out = ctl.group.restore_from_shards(plan.offers, plan.old_world, timeout_s, plan.old_pp)
+            out = ctl.group.restore_from_shards(plan.offers, plan.old_world, timeout_s, plan.old_pp, plan.copies_step)
         except GroupError as e:
             return reshard_failed(ctl, e)
         return restored(ctl, out)

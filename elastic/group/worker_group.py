@@ -193,7 +193,8 @@ class WorkerGroup(SparePool):
         return self._all("restore_from_peer", timeout_s, src_rank, list(slot_sources))
 
     def restore_from_shards(self, offers: dict[int, "ray.ObjectRef"], old_world: int,
-                            timeout_s: float, old_pp: int = 1) -> dict[int, RestoreResult]:
+                            timeout_s: float, old_pp: int = 1, copies_step: int | None = None
+                            ) -> dict[int, RestoreResult]:
         # Parts kept by a process that is a member again move rank to rank: old part -> its new rank.
         where = {(m.node_id, m.pid): r for r, m in self.members.items()}
         holders = {p: where.get(key) for p, key in self._kept_by.items()}
@@ -202,8 +203,8 @@ class WorkerGroup(SparePool):
             gone = sorted(p for p, r in holders.items() if r is None)
             raise GroupError(f"old parts {gone} were kept by ranks that are not in the new group", {})
         # Refs nested in a list reach the workers as refs: each fetches only the parts it needs.
-        return self._all("restore_from_shards", timeout_s, [offers[p] for p in range(old_world)], old_world, old_pp,
-                         holders)
+        return self._all("restore_from_shards", timeout_s, [offers.get(p) for p in range(old_world)], old_world,
+                         old_pp, holders, copies_step)
 
     def offer_shards(self, timeout_s: float, keep: frozenset[int] = frozenset()
                      ) -> tuple[dict[int, "ray.ObjectRef"], list[int]]:
@@ -261,8 +262,14 @@ class WorkerGroup(SparePool):
     def memory_parts(self, sources: dict[int, int], step: int) -> dict[int, "ray.ObjectRef"]:
         """Each old rank's in-memory part at `step`, from the member named in `sources` (the rank
         itself, or its buddy): object refs owned by this process, the bytes in the holder's node
-        store, read by the ranks that need them (restore_from_shards)."""
+        store, read by the ranks that need them (restore_from_shards; a pipeline's stages)."""
         return {r: self.members[h].handle.memory_part.remote(r, step, h == r) for r, h in sources.items()}
+
+    def keep_copies(self, sources: dict[int, int]) -> None:
+        """Each old rank's in-memory part stays with the member named in `sources` (the rank
+        itself, or its buddy), which sends its rows rank to rank at the restore
+        (restore_from_shards with copies_step), under whatever number it has by then."""
+        self._kept_by = {p: (self.members[h].node_id, self.members[h].pid) for p, h in sources.items()}
 
     def drain_polls(self, timeout_s: float) -> dict[int, PollReport]:
         """Answers of the polls still in flight, direct and through the nodes' agents (they may

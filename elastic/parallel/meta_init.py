@@ -75,7 +75,7 @@ def materialize(model: nn.Module, template: nn.Module, device: torch.device, see
         for name, module in model.named_modules():
             if not _owns_tensors(module):
                 continue
-            if not fill and not _non_persistent(module):
+            if not fill and not non_persistent(module):
                 for t in (*module._parameters.values(), *module._buffers.values()):
                     if t is not None and t.is_floating_point():
                         t.fill_(float("nan"))
@@ -87,7 +87,7 @@ def materialize(model: nn.Module, template: nn.Module, device: torch.device, see
                         _fill(target, getattr(full, kind)[key])
 
 
-def _non_persistent(module: nn.Module) -> bool:
+def non_persistent(module: nn.Module) -> bool:
     return any(module._buffers.get(k) is not None for k in module._non_persistent_buffers_set)
 
 

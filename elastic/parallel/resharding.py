@@ -10,7 +10,8 @@ replicated tensors and plain values such as Adam's step count and the
 param groups); `exchange` fills a freshly sharded state from the offers.
 
 An old rank that stays in the new group keeps its offer in its own memory, and
-`exchange` moves the rows rank to rank over the new group (gloo send/recv, the
+`exchange` moves the rows rank to rank over the new group (after a fault the same way: each
+survivor keeps its own in-memory copy and those it holds for its buddies) (gloo send/recv, the
 process group's transport). With tensor parallelism (FSDP x TP: 2-D DTensors on a
 ("dp", "tp") mesh) each tp slice is re-sharded on its own: the rows the dp parts split are those
 of the slice's local tensor, and rows move only between ranks of the same tp index (rank =
@@ -160,34 +161,37 @@ def needed_parts(state: dict, old_world: int, new_world: int, new_part: int, hel
     return sorted(parts - set(held))
 
 
-def exchange(state: dict, own: dict | None, fetched: dict[int, dict], holders: dict[int, int], old_world: int,
+def exchange(state: dict, kept: dict[int, dict], fetched: dict[int, dict], holders: dict[int, int], old_world: int,
              new_world: int, new_part: int, group, tp: int = 1) -> int:
     """Fill `state` (this rank's freshly sharded state at `new_world`, same keys as the offers')
     in place. The parts in `holders` (old part -> the new rank that kept it in memory) move rank
-    to rank over `group` (gloo: CPU tensors, whatever the training backend); `own` is this rank's
-    kept offer, if it holds one. The other needed parts are in `fetched` (old part -> offer, read
-    from the object store); with no holders, `group` is not used. Collective: every rank of the
+    to rank over `group` (gloo: CPU tensors, whatever the training backend); `kept` holds the
+    parts this rank keeps (old part -> offer: its own at a planned resize; after a fault, its own
+    in-memory copy and those it holds as a buddy). The other needed parts are in `fetched` (old
+    part -> offer, read from the object store); with no holders, `group` is not used. Collective: every rank of the
     new group calls it with the same holders, and walks the same tensors and pieces in the same
     order, so each send meets its receive. With `tp` > 1, rows move between ranks of the same tp
     index only (a holder keeps its tp index). Returns the step the offers were taken at."""
     held = set(holders)
     if 0 not in held and 0 not in fetched:
         raise ReshardError("no offer of part 0 (it carries the replicated tensors and the step)")
-    if own is not None and holders.get(own["part"]) != new_part:
-        raise ReshardError(f"rank {new_part} holds old part {own['part']}, but holders say {holders}")
+    if any(holders.get(p) != new_part for p in kept) or any(
+            r == new_part and p not in kept for p, r in holders.items()):
+        raise ReshardError(f"rank {new_part} keeps old parts {sorted(kept)}, but holders say {holders}")
     if any(old % tp != new % tp for old, new in holders.items()):
         raise ReshardError(f"holders {holders} move rows across tp indices (tp {tp})")
     # The replicated tensors, plain values and step travel with part 0.
     if 0 in held:
-        box = [(own["other"], own["step"], own["world"]) if holders[0] == new_part else None]
+        box = [(kept[0]["other"], kept[0]["step"], kept[0]["world"]) if holders[0] == new_part else None]
         dist.broadcast_object_list(box, src=holders[0], group=group)
         other, step, world = box[0]
     else:
         other, step, world = fetched[0]["other"], fetched[0]["step"], fetched[0]["world"]
-    if world != old_world or any(o["world"] != old_world or o["step"] != step for o in fetched.values()) or (
-            own is not None and own["step"] != step):
+    if world != old_world or any(o["world"] != old_world or o["step"] != step
+                                 for o in (*fetched.values(), *kept.values())):
         raise ReshardError(f"offers from different layouts or steps: world {world}/{old_world}, step {step}, "
-                           f"fetched {sorted((o['part'], o['world'], o['step']) for o in fetched.values())}")
+                           f"fetched {sorted((o['part'], o['world'], o['step']) for o in fetched.values())}, "
+                           f"kept {sorted((o['part'], o['world'], o['step']) for o in kept.values())}")
     t, old_dp, new_dp = new_part % tp, old_world // tp, new_world // tp
     with torch.no_grad():
         for path, v in flatten(state):
@@ -220,9 +224,9 @@ def exchange(state: dict, own: dict | None, fetched: dict[int, dict], holders: d
                             local[pc.start - lo:pc.stop - lo].copy_(fetched[src]["sharded"][path][
                                 pc.start - a:pc.stop - a])
                     elif holder == new_part and dst == new_part:
-                        local[pc.start - lo:pc.stop - lo].copy_(own["sharded"][path][pc.start - a:pc.stop - a])
+                        local[pc.start - lo:pc.stop - lo].copy_(kept[src]["sharded"][path][pc.start - a:pc.stop - a])
                     elif holder == new_part:
-                        pending.append(dist.isend(own["sharded"][path][pc.start - a:pc.stop - a].contiguous(),
+                        pending.append(dist.isend(kept[src]["sharded"][path][pc.start - a:pc.stop - a].contiguous(),
                                                   dst=dst, group=group))
                     elif dst == new_part:
                         into = local[pc.start - lo:pc.stop - lo]

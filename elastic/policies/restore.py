@@ -27,11 +27,13 @@ class FromStorage:
 
 @dataclass(frozen=True)
 class FromShards:
-    """Re-shard in memory from every old rank's offered part (object refs by old rank)."""
+    """Re-shard in memory from every old rank's offered part (object refs by old rank), or, after
+    a fault (`copies_step`), from the in-memory copies of that step, rank to rank."""
     offers: dict
     old_world: int
     step: int
     old_pp: int = 1  # a pipeline re-partitioned from this many stages (offers by name, rank = old stage)
+    copies_step: int | None = None  # the members keep the parts (group.keep_copies): no offers
 
 
 RestoreSource = FromPeer | FromStorage | FromShards

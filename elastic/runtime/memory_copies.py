@@ -179,6 +179,14 @@ class MemoryCopies:
         with self._lock:
             return self.own[step] if own else self.held[rank][step]
 
+    def parts_at(self, step: int, parts: list[int]) -> dict[int, dict]:
+        """The parts of old ranks `parts` at `step` that this rank keeps (its own, or held for a
+        buddy), for a restore rank to rank. KeyError if one is absent (the restore then fails and
+        falls back to storage)."""
+        with self._lock:
+            mine = self.own.get(step)
+            return {p: mine if mine is not None and mine["part"] == p else self.held[p][step] for p in parts}
+
     def report(self) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
         """(steps of this rank's own parts, {rank: steps of the parts held for it})."""
         with self._lock:

@@ -127,11 +127,13 @@ def offer(w: Worker, publish: bool = True) -> dict:
 
 
 def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
-                holders: dict[int, int] | None = None) -> RestoreResult:
+                holders: dict[int, int] | None = None, copies_step: int | None = None) -> RestoreResult:
     """Memory path of a sharded strategy: a fresh sharded build at the new world size, filled
     from the old ranks' offers (`offers[old_rank]`, object refs), reading only the parts
     this rank's new shards overlap. No storage read. `holders` (old part -> new rank): parts
-    kept in the memory of ranks of the new group, moved rank to rank instead."""
+    kept in the memory of ranks of the new group, moved rank to rank instead: at a planned
+    resize a rank's own offer; after a fault (`copies_step`) the in-memory copies of that step,
+    each survivor's own and those it holds as a buddy (memory_copies.py)."""
     t0 = time.monotonic()
     phases: dict[str, float] = {}
 
@@ -146,6 +148,9 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
     t = phase("build", t0)
     holders = holders or {}
     own, w.kept_offer = w.kept_offer, None
+    kept = {own["part"]: own} if own is not None else {}
+    if copies_step is not None:
+        kept.update(w.copies.parts_at(copies_step, [p for p, r in holders.items() if r == w.rank]))
     pipeline = w.strategy.name == "pipeline"  # by name, from replica 0 of each old stage (rank = stage)
     if pipeline:
         parts = w.strategy.needed_stages(old_pp)
@@ -156,9 +161,9 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
     if pipeline:
         w.step = w.strategy.assemble(st, got)
     else:
-        w.step = resharding.exchange(st, own, got, holders, old_world, w.world_size, w.rank, w.ckpt_pg,
+        w.step = resharding.exchange(st, kept, got, holders, old_world, w.world_size, w.rank, w.ckpt_pg,
                                      w.strategy.tp)
-    del got, own
+    del got, own, kept
     t = phase("assemble", t)
     state.load_state(w, st)
     t = phase("load", t)
@@ -166,7 +171,8 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
     phase("start_checkpointer", t)
     return RestoreResult(step=w.step, restore_s=time.monotonic() - t0, phases=phases,
                          source=f"re-sharded in memory from {old_world} ranks (read parts {parts}"
-                                f"{f', rank to rank from {sorted(holders)}' if holders else ''})")
+                                f"{f', rank to rank from {sorted(holders)}' if holders else ''}"
+                                f"{f', copies of step {copies_step}' if copies_step is not None else ''})")
 
 
 def start_checkpointer(w: Worker) -> None:

@@ -31,8 +31,9 @@ def default_optimizer(params):
 def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
     """Model and optimizer from the seed; once in a group, prepared for the strategy (FSDP
     shards it over the current mesh, so every world size gets a fresh build). `fill=False`: a
-    checkpoint is loaded over it next, so train.meta_init allocates this rank's part without
-    initialising it (meta_init.materialize)."""
+    state is loaded over it next, so train.meta_init allocates this rank's part without
+    initialising it (meta_init.materialize), and a sharded strategy's model builds the same way
+    where it can (`_meta_for_load`)."""
     if w.model is not None:
         # The model being replaced is freed before its successor is built (one model's memory,
         # not two, at the peak); its gradient hooks would otherwise keep it alive for good.
@@ -47,6 +48,8 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
         if w.strategy is None:  # a spare: stays on meta (no memory) until it joins and knows its part
             w.model, w.optimizer, w.built_for = model, None, META
             return
+    elif not fill and (model := _meta_for_load(w)) is not None:
+        template = copy.deepcopy(model)
     elif _builds_on_host(tr):
         # FSDP's CPU offload: fully_shard moves one block at a time to the device, shards it and
         # offloads the shard, so the device never holds more than a block. Moved whole first, the
@@ -72,6 +75,25 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
     if w.job.train.precision == "fp16":
         w.amp = {"good_steps": torch.zeros((), dtype=torch.int64, device=w.device),
                  "scale": torch.full((), LOSS_SCALE_INIT, device=w.device)}
+
+
+def _meta_for_load(w: Worker):
+    """A sharded strategy's model for a restore, which loads every tensor of the state over it:
+    built on the meta device, so that each rank then allocates only its part and runs none of the
+    model's init (at 90 M parameters and 3 ranks on 2 cores the eager build took 5.9 s of a
+    re-shard's 10.3). None where the eager build is needed: a model with non-persistent buffers
+    (no state carries their values; the model function computes them), one that cannot be
+    built on meta, and CPU offload (its build stays in host memory)."""
+    if w.strategy is None or not w.strategy.sharded or _builds_on_host(w.job.train):
+        return None
+    try:
+        with torch.device("meta"):
+            model = w.fns["model"]()
+    except Exception:  # noqa: BLE001 - a model function that needs real tensors: the eager build
+        return None
+    if any(meta_init.non_persistent(m) for m in model.modules()) or not meta_init.on_meta(model):
+        return None
+    return model
 
 
 def _builds_on_host(tr) -> bool:

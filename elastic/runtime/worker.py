@@ -179,10 +179,11 @@ class Worker(GroupMembership):
         return restore.offer(self, publish)
 
     def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1,
-                            holders: dict[int, int] | None = None) -> RestoreResult:
-        """Re-sharded in memory from the old ranks' offers (`holders`: parts moved rank to rank)."""
+                            holders: dict[int, int] | None = None, copies_step: int | None = None) -> RestoreResult:
+        """Re-sharded in memory from the old ranks' offers (`holders`: parts moved rank to rank;
+        `copies_step`: the in-memory copies of that step are those parts)."""
         self.set_progress(holds_state=False)  # the offers hold the state until this one is whole
-        return restore.from_shards(self, offers, old_world, old_pp, holders)
+        return restore.from_shards(self, offers, old_world, old_pp, holders, copies_step)
 
     def hold_copy(self, rank: int, generation: int, part: dict) -> bool:
         """As `rank`'s buddy: keep its part (memory_copies.py). False: from an older group."""

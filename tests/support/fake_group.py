@@ -289,7 +289,8 @@ class FakeGroup:
                           ("restore_from_peer", (src_rank, tuple(slot_sources))))
         return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
 
-    def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1) -> dict[int, RestoreResult]:
+    def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1,
+                            copies_step: int | None = None) -> dict[int, RestoreResult]:
         self.calls.append(("restore_from_shards", old_world) if old_pp == 1 else
                           ("restore_from_shards", (old_world, old_pp)))
         step = max(m.step for m in self.members.values())
@@ -298,6 +299,9 @@ class FakeGroup:
     def memory_parts(self, sources: dict[int, int], step: int) -> dict:
         self.calls.append(("memory_parts", step, tuple(sorted(sources.items()))))
         return {r: ("part", h, step) for r, h in sources.items()}
+
+    def keep_copies(self, sources: dict[int, int]) -> None:
+        self.calls.append(("keep_copies", tuple(sorted(sources.items()))))
 
     def offer_shards(self, timeout_s: float, keep: frozenset = frozenset()):
         self.calls.append(("offer_shards", tuple(sorted(keep))))  # the ranks that keep their part
