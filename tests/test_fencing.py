@@ -278,9 +278,9 @@ def test_metrics_and_ledger_are_written_only_while_the_controller_holds_the_run(
     assert out["status"] == "finished" and c.events.of_kind("run_finished")  # the events log still records
     assert not c.storage.exists(join(c.run_dir, "metrics.json"))
     with pytest.raises(StorageError, match="ledger.json not written: this controller no longer holds the run"):
-        c.run_log.write_ledger(c.storage, c.run_dir, c.fence.holds, 7, 48)
+        c.run_log.write_ledger(c.storage, c.run_dir, c.fence.holds, 7, 48, c.step)
     assert not c.storage.exists(join(c.run_dir, "ledger.json"))
     write_fence(c.storage, c.root, c.generation)
-    c.run_log.write_ledger(c.storage, c.run_dir, c.fence.holds, 7, 48)
+    c.run_log.write_ledger(c.storage, c.run_dir, c.fence.holds, 7, 48, c.step)
     c.run_log.write_metrics(c.storage, c.run_dir, c.fence.holds)
     assert c.storage.exists(join(c.run_dir, "ledger.json")) and c.storage.exists(join(c.run_dir, "metrics.json"))

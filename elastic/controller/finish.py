@@ -21,7 +21,7 @@ def finish(ctl: Controller, done: dict[int, RunResult]) -> Finished | Errored:
     ctl.training.step = max(o.step for o in done.values())
     if ctl.job.run.sample_ledger:
         ctl.run_log.write_ledger(ctl.storage, ctl.run_dir, ctl.fence.holds, ctl.job.run.seed,
-                                 ctl.job.train.global_batch_size)
+                                 ctl.job.train.global_batch_size, ctl.training.step)
     missing = final_checkpoint(ctl)
     digests = {r: o.digest for r, o in done.items()}
     # Replicas of the same stage hold the same state (ddp: every rank; a pipeline: per stage).

@@ -76,7 +76,8 @@ STEP_TIMES_KEPT = 100_000  # step records kept for steps.json, over all ranks (t
 class RunLog:
     """What the run leaves beside its checkpoints: the loss curve (metrics.json), the sample ledger
     (ledger.json), the steps that made no update, and each rank's latest step times (steps.json,
-    the trace's compute and waiting) (owner: reports.py folds, finish.py writes)."""
+    the trace's compute and waiting) (owner: reports.py folds, restoring.py notes where each group
+    starts, finish.py writes)."""
 
     loss_curve: dict = field(default_factory=dict)  # step -> (global mean loss, world size)
     # rank -> its newest (step, t_end, step_s, compute_s), at most STEP_TIMES_KEPT / world size each
@@ -86,6 +87,8 @@ class RunLog:
     num_samples: int = 0  # the dataset's length, as the ranks' ledger entries report it
     skipped: dict = field(default_factory=dict)  # step -> why it made no update (bad step, fp16 overflow, rollback)
     skip_steps: set = field(default_factory=set)  # steps whose batches a rollback skips (no update)
+    # (step a group restored, its data world), in order: the group that trained each later step
+    eras: list = field(default_factory=list)
 
     def write_metrics(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]]) -> None:
         """metrics.json: the loss of every step and the world size it ran at (redone steps: the
@@ -123,12 +126,14 @@ class RunLog:
             log.warning("steps.json not written: %s", e)
 
     def write_ledger(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]],
-                     seed: int, global_batch_size: int) -> None:
-        """ledger.json: for every step, the world size it ran at and each rank's sample ids. Only
-        while `holds()` says this controller still holds the run; StorageError otherwise."""
+                     seed: int, global_batch_size: int, upto: int) -> None:
+        """ledger.json: for every step up to `upto` (the final state's), the world size it ran at
+        and each rank's sample ids. Only while `holds()` says this controller still holds the run;
+        StorageError otherwise."""
         held, why = holds()
         if not held:
             raise StorageError(f"ledger.json not written: this controller no longer holds the run ({why})")
+        self._fill_unreported(upto)
         body = {}
         for s, (w, by_rank) in sorted(self.ledger.items()):
             derived = _derive_missing(s, w, by_rank, self.num_samples, seed, global_batch_size)
@@ -136,6 +141,21 @@ class RunLog:
                             **({"derived": derived} if derived else {}),
                             **({"skipped": self.skipped[s]} if s in self.skipped else {})}
         storage.write_bytes(join(run_dir, "ledger.json"), json.dumps(body).encode())
+
+
+    def _fill_unreported(self, upto: int) -> None:
+        """Steps no rank's report reached: a step's share is reported by one rank per replica (with
+        a pipeline, its first stage's first tp slice), so a node lost with every reporter of a
+        replica takes their unpolled steps along. Each step up to `upto` that some group trained
+        (after it restored, `eras`) is in the final state, which a restore took from a state that
+        had trained it; its slices are the plan's (_derive_missing marks them all derived), at the
+        data world of the last group to start before it."""
+        for s in range(1, upto + 1):
+            if s in self.ledger:
+                continue
+            world = next((w for start, w in reversed(self.eras) if start < s), None)
+            if world is not None:
+                self.ledger[s] = (world, {})
 
 
 def _derive_missing(step: int, world: int, by_rank: dict, num_samples: int, seed: int,

@@ -134,6 +134,7 @@ def restored(ctl: Controller, out: dict[int, RestoreResult]) -> State:
     tr = ctl.training
     reached = tr.max_step_seen  # the furthest any rank had trained before this restore
     tr.step = tr.max_step_seen = r0.step
+    ctl.run_log.eras.append((r0.step, ctl.layout.data_world))  # the ledger's world for the steps it trains
     ctl.offers = {}
     slowest = max(out.values(), key=lambda o: o.restore_s)
     restore_s = slowest.restore_s
