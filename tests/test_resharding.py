@@ -140,7 +140,7 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
     parts = resharding.needed_parts(state, old_world, world, rank, tp=tp)
     assert all(p == 0 or p % tp == rank % tp for p in parts), parts  # a tp slice reads its own index's rows
     assert resharding.exchange(state, {}, {p: offers[p] for p in parts}, {}, old_world, world, rank, None,
-                               tp) == 3
+                               tp).step == 3
     strat.load_state_dict(model, opt, state)
     full = _full(strat, model, opt)
     # Training goes on at the new size: one more step must work on the re-sharded state.
@@ -172,7 +172,7 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
     assert not set(remote) & set(holders)
     kept = {rank: offers[rank]} if rank in holders else {}
     assert resharding.exchange(state4, kept, {p: offers[p] for p in remote}, holders, old_world, world, rank,
-                               dist.group.WORLD, tp) == 3
+                               dist.group.WORLD, tp).step == 3
     strat.load_state_dict(model4, opt4, state4)
     full_direct = _full(strat, model4, opt4)
     # 5. After a fault, from in-memory copies: every part kept by some new rank, one rank keeping
@@ -183,7 +183,7 @@ def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
     state5 = strat.state_dict(model5, opt5)
     assert not resharding.needed_parts(state5, old_world, world, rank, frozenset(by), tp)
     assert resharding.exchange(state5, {p: offers[p] for p, r in by.items() if r == rank}, {}, by, old_world, world,
-                               rank, dist.group.WORLD, tp) == 3
+                               rank, dist.group.WORLD, tp).step == 3
     strat.load_state_dict(model5, opt5, state5)
     full_copies = _full(strat, model5, opt5)
     if rank == 0:

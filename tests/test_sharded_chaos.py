@@ -52,6 +52,7 @@ def _assert_from_memory(result, baseline, tmp_path, j):
     assert restored["uri"] is None and restored["source"].startswith("re-sharded in memory"), restored
     # Every part from a member's memory, rank to rank (nothing read through the object store).
     assert "(read parts [], rank to rank from [0, 1, 2], copies of step" in restored["source"], restored
+    assert restored["received_bytes"] > 0 and restored["transfer_gb_per_s"] > 0, restored  # the lost part, sent
     (rec,) = result.events_of("recovered")
     assert rec["resumed_step"] in (FAULT_STEP - 1, FAULT_STEP) and rec["lost_steps"] <= 1, rec
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH, NUM_SAMPLES,

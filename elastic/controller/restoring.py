@@ -164,7 +164,13 @@ def transfer_stats(out: dict[int, RestoreResult]) -> dict:
     """For the `restored` event of a restore from a peer: the state one rank holds and the rate it
     crossed at. A broadcast: that state over the slowest rank's transfer (every rank of the group
     spends it at once). Point to point: how many holders sent, to how many ranks, and the rate of
-    the receiver that took longest; no rate when every rank held the state already."""
+    the receiver that took longest; no rate when every rank held the state already. A re-shard
+    rank to rank: the bytes of the rank that received the most, over its `assemble` phase."""
+    shards = [o for o in out.values() if o.received_bytes and (o.phases or {}).get("assemble")]
+    if shards:
+        most = max(shards, key=lambda o: o.received_bytes)
+        return {"received_bytes": most.received_bytes,
+                "transfer_gb_per_s": round(most.received_bytes / most.phases["assemble"] / 1e9, 3)}
     timed = [o for o in out.values() if o.state_bytes and (o.phases or {}).get("transfer")]
     if not timed:
         return {}

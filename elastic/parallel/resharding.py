@@ -161,8 +161,14 @@ def needed_parts(state: dict, old_world: int, new_world: int, new_part: int, hel
     return sorted(parts - set(held))
 
 
+@dataclass(frozen=True)
+class Exchanged:
+    step: int  # the step the offers were taken at
+    received_bytes: int  # rows this rank received rank to rank
+
+
 def exchange(state: dict, kept: dict[int, dict], fetched: dict[int, dict], holders: dict[int, int], old_world: int,
-             new_world: int, new_part: int, group, tp: int = 1) -> int:
+             new_world: int, new_part: int, group, tp: int = 1) -> Exchanged:
     """Fill `state` (this rank's freshly sharded state at `new_world`, same keys as the offers')
     in place. The parts in `holders` (old part -> the new rank that kept it in memory) move rank
     to rank over `group` (gloo: CPU tensors, whatever the training backend); `kept` holds the
@@ -171,7 +177,8 @@ def exchange(state: dict, kept: dict[int, dict], fetched: dict[int, dict], holde
     part -> offer, read from the object store); with no holders, `group` is not used. Collective: every rank of the
     new group calls it with the same holders, and walks the same tensors and pieces in the same
     order, so each send meets its receive. With `tp` > 1, rows move between ranks of the same tp
-    index only (a holder keeps its tp index). Returns the step the offers were taken at."""
+    index only (a holder keeps its tp index). Returns the step the offers were taken at and the
+    bytes this rank received rank to rank."""
     held = set(holders)
     if 0 not in held and 0 not in fetched:
         raise ReshardError("no offer of part 0 (it carries the replicated tensors and the step)")
@@ -193,6 +200,7 @@ def exchange(state: dict, kept: dict[int, dict], fetched: dict[int, dict], holde
                            f"fetched {sorted((o['part'], o['world'], o['step']) for o in fetched.values())}, "
                            f"kept {sorted((o['part'], o['world'], o['step']) for o in kept.values())}")
     t, old_dp, new_dp = new_part % tp, old_world // tp, new_world // tp
+    received = 0
     with torch.no_grad():
         for path, v in flatten(state):
             name = ".".join(map(str, path))
@@ -234,10 +242,11 @@ def exchange(state: dict, kept: dict[int, dict], fetched: dict[int, dict], holde
                         buf = into if into.is_contiguous() and into.device.type == "cpu" else torch.empty(
                             into.shape, dtype=into.dtype)
                         pending.append(dist.irecv(buf, src=holder, group=group))
+                        received += buf.numel() * buf.element_size()
                         if buf is not into:
                             landing.append((into, buf))
             for work in pending:
                 work.wait()
             for into, buf in landing:
                 into.copy_(buf)
-    return step
+    return Exchanged(step, received)

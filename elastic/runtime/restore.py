@@ -158,18 +158,20 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
         parts = resharding.needed_parts(st, old_world, w.world_size, w.rank, frozenset(holders), w.strategy.tp)
     got = dict(zip(parts, ray.get([offers[p] for p in parts])))
     t = phase("fetch", t)
+    received = None
     if pipeline:
         w.step = w.strategy.assemble(st, got)
     else:
-        w.step = resharding.exchange(st, kept, got, holders, old_world, w.world_size, w.rank, w.ckpt_pg,
-                                     w.strategy.tp)
+        moved = resharding.exchange(st, kept, got, holders, old_world, w.world_size, w.rank, w.ckpt_pg,
+                                    w.strategy.tp)
+        w.step, received = moved.step, moved.received_bytes or None
     del got, own, kept
     t = phase("assemble", t)
     state.load_state(w, st)
     t = phase("load", t)
     start_checkpointer(w)
     phase("start_checkpointer", t)
-    return RestoreResult(step=w.step, restore_s=time.monotonic() - t0, phases=phases,
+    return RestoreResult(step=w.step, restore_s=time.monotonic() - t0, phases=phases, received_bytes=received,
                          source=f"re-sharded in memory from {old_world} ranks (read parts {parts}"
                                 f"{f', rank to rank from {sorted(holders)}' if holders else ''}"
                                 f"{f', copies of step {copies_step}' if copies_step is not None else ''})")
