@@ -199,12 +199,16 @@ def test_a_killed_node_agent_takes_its_ranks_and_ends_bit_identical(cluster, bas
     assert all(d == baseline for d in result.digests.values()) and len(result.digests) == 3, result.digests
     (fault,) = [f for f in result.events_of("fault_injected") if f["action"] == "kill_agent"]
     assert fault["step"] == 5
-    # The workers trained on until the agent's death was seen: resumed at or after the fault's step.
-    (rec,) = result.events_of("recovered")
-    assert rec["resumed_step"] >= 5 and rec["lost_steps"] == 0
-    assert result.events_of("restored")[-1]["source"].startswith("peer rank")
     (detected,) = result.events_of("failure_detected")
     assert [(x["rank"], x["cause"]) for x in detected["lost"]] == [(1, "process_died")]
+    # The workers trained on until the agent's death was seen: restored from a survivor at or after
+    # the step it was seen at. On a fast machine that can be the last step (a CI simulation: seen at
+    # step 27 of 30, restored at 30), and then no step follows to close the recovery with its
+    # `recovered` event; where one does, it says nothing was redone.
+    restored = result.events_of("restored")[-1]
+    assert restored["source"].startswith("peer rank") and restored["step"] >= max(5, detected["step"]), restored
+    for rec in result.events_of("recovered"):
+        assert rec["resumed_step"] >= 5 and rec["lost_steps"] == 0, rec
     assert result.events_of("run_finished")[0]["control_traffic"]["agent_polls"] > 0
 
 
@@ -233,7 +237,9 @@ def _assert_silence_recovery(result, baseline, action, rank=1):
     beat = silence["heartbeat"][str(rank)]
     assert beat is not None, silence
     if action == "freeze_node":
-        assert beat["age_s"] > 1.0, beat
+        # Silent past ping_timeout_s (1 s): the decision takes an age over it, the event rounds to
+        # 0.01 s (a CI simulation read 1.0).
+        assert beat["age_s"] >= 1.0, beat
     else:
         assert beat["state"] == "T", beat
     assert result.events_of("run_finished")[0]["heartbeat_ranks"] == [0, 1, 2]
