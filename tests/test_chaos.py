@@ -191,9 +191,10 @@ class _Hold:
 def test_a_killed_node_agent_takes_its_ranks_and_ends_bit_identical(cluster, baseline, tmp_path):  # noqa: F811
     """The agent of rank 1's node (elastic/group/node_agent.py) is SIGKILLed; the workers run on.
     Its node's rank is lost with it, replaced, and restored from a survivor's memory."""
-    # Every rank computes 4x slower from the start (the same numbers, later): the steps left after
-    # the fault outlast the agent's death being seen, so the run cannot end first.
-    slow = [{"action": "slow", "rank": r, "at_step": 0, "factor": 4.0} for r in range(3)]
+    # Every rank computes 12x slower from the fault's step (the same numbers, later): the 25 steps
+    # left outlast the agent's death being seen (~2.4 s), so the run cannot end first. At 4x from
+    # step 0, a fast machine ran them in 2.3 s and once finished before the death was seen.
+    slow = [{"action": "slow", "rank": r, "at_step": 5, "factor": 12.0} for r in range(3)]
     result = Trainer(job(tmp_path, slow + [{"action": "kill_agent", "rank": 1, "at_step": 5}])).fit(progress=False)
     assert result.metrics["step"] == NUM_STEPS
     assert all(d == baseline for d in result.digests.values()) and len(result.digests) == 3, result.digests
