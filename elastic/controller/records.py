@@ -142,7 +142,6 @@ class RunLog:
                             **({"skipped": self.skipped[s]} if s in self.skipped else {})}
         storage.write_bytes(join(run_dir, "ledger.json"), json.dumps(body).encode())
 
-
     def _fill_unreported(self, upto: int) -> None:
         """Steps no rank's report reached: a step's share is reported by one rank per replica (with
         a pipeline, its first stage's first tp slice), so a node lost with every reporter of a

@@ -10,9 +10,9 @@ replicated tensors and plain values such as Adam's step count and the
 param groups); `exchange` fills a freshly sharded state from the offers.
 
 An old rank that stays in the new group keeps its offer in its own memory, and
-`exchange` moves the rows rank to rank over the new group (after a fault the same way: each
-survivor keeps its own in-memory copy and those it holds for its buddies) (gloo send/recv, the
-process group's transport). With tensor parallelism (FSDP x TP: 2-D DTensors on a
+`exchange` moves the rows rank to rank over the new group (gloo send/recv, the process group's
+transport); after a fault the same way, each survivor keeping its own in-memory copy and those it
+holds for its buddies. With tensor parallelism (FSDP x TP: 2-D DTensors on a
 ("dp", "tp") mesh) each tp slice is re-sharded on its own: the rows the dp parts split are those
 of the slice's local tensor, and rows move only between ranks of the same tp index (rank =
 dp index x tp + tp index; tp is fixed for a run). An old rank that leaves (a dropped or swapped rank,
