@@ -75,6 +75,9 @@ def test_copies_are_taken_where_state_is_held_once():
     assert has_copies(1, sharded=True, pp=1, dp=2, tp=2)  # FSDP x TP: 2-D shards
     assert has_copies(1, sharded=False, pp=3, dp=1, tp=2)  # a one-replica pipeline's tensor slices
     assert not has_copies(0, sharded=True, pp=1, dp=3, tp=1)  # turned off
+    assert has_copies(1, sharded=False, pp=1, dp=1, tp=1, shards=2)  # HSDP shrunk to one replica group
+    assert has_copies(1, sharded=False, pp=1, dp=1, tp=2, shards=2)  # the same with tensor slices
+    assert not has_copies(1, sharded=False, pp=1, dp=2, tp=1, shards=2)  # HSDP: the other group is the copy
 
 
 def test_a_shrink_keeps_a_restore_from_copies():
@@ -165,4 +168,6 @@ def test_which_jobs_take_copies_and_at_what_world_size(tmp_path):
     assert world({"num_workers": 3}) == 3
     assert world({"num_workers": 4, "min_workers": 2}) == 2  # the largest share: at the smallest world
     assert world({"num_workers": 4}, fsdp={"replicate": 2}) is None  # the other group is the copy
+    # ... until the run shrinks to one group, where HSDP's shards are held once.
+    assert world({"num_workers": 4, "min_workers": 2}, fsdp={"replicate": 2}) == 2
     assert world({"num_workers": 4}, strategy="ddp") is None

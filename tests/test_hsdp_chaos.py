@@ -8,7 +8,9 @@ shard 1. A node killed between checkpoints takes rank 1: its shard lives on in r
     survivors finished the fault step; their all-reduce across groups had the lost rank's
     contribution). The run ends bit-identical to an uninterrupted one.
   * without one: the group shrinks to one replica group (1 x 2), each shard from a survivor that
-    holds it, then grows back to 2 x 2 when a node joins, the new group copying from the old.
+    holds it. There the state is held once, so each rank's shards are copied to the other's node;
+    a process killed at 1 x 2 is restored from those copies, rank to rank. Then the group grows
+    back to 2 x 2 when a node joins, the new group copying from the old.
 Every sample is seen once either way (sample ledger)."""
 from __future__ import annotations
 
@@ -52,16 +54,23 @@ def _assert_from_the_other_group(result, tmp_path, j, steps=NUM_STEPS):
                       seed=SEED, lost_rank_upto=(1, FAULT_STEP))
 
 
-def test_hsdp_shrinks_to_one_group_from_memory_and_grows_back(cluster, tmp_path):  # noqa: F811
-    # 4 ranks on the 4 nodes: the killed node's rank has nowhere to go, so the run shrinks.
-    steps = 60
-    j = hsdp_job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}], steps=steps,
+def test_hsdp_shrinks_to_one_group_from_memory_keeps_copies_there_and_grows_back(cluster, tmp_path):  # noqa: F811
+    # 4 ranks on the 4 nodes: the killed node's rank has nowhere to go, so the run shrinks. At
+    # one group the state is held once: each rank's shards are copied to the other's node, and a
+    # process killed there is restored from those copies, not from storage.
+    steps, second = 70, 24
+    j = hsdp_job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP},
+                            {"action": "kill_process", "rank": 1, "at_step": second}], steps=steps,
                  loss="tests.support.workloads:loss_slower_while_shrunk",
                  min_workers=2, max_workers=4, shrink_after_s=2, grow_check_s=1)
+    j["checkpoint"]["memory_max_overhead"] = 1.0  # a copy at every step the last one's send allows
+    j["failure"]["max_failures"] = 3
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))
     t.start()
-    wait_for(tmp_path / "runs" / j["run"]["name"] / "events.jsonl", "resized", lambda e: e["new_world_size"] == 2)
+    events = tmp_path / "runs" / j["run"]["name"] / "events.jsonl"
+    wait_for(events, "resized", lambda e: e["new_world_size"] == 2)
+    wait_for(events, "restored", lambda e: "copies of step" in e["source"], timeout_s=180)
     cluster.ensure_worker_nodes(4)  # a node joins: the group grows back by a whole replica group
     t.join(timeout=280)
     result = out["result"]
@@ -71,7 +80,23 @@ def test_hsdp_shrinks_to_one_group_from_memory_and_grows_back(cluster, tmp_path)
     assert done[0]["lost_steps"] == 0 and done[0]["resumed_step"] >= FAULT_STEP, done[0]
     assert done[1]["lost_steps"] == 0, done[1]
     assert result.metrics["step"] == steps
-    _assert_from_the_other_group(result, tmp_path, j, steps)
+    # Copies only while one group held the state: buddies on other nodes, then none at 2 x 2 again.
+    (pairs,) = {tuple(sorted(b["buddies"].items())) for b in result.events_of("buddies")}
+    assert len(pairs) == 2 and all(r != b for r, b in pairs), pairs
+    plans = result.events_of("restore_plan")
+    assert [p["source"] for p in plans] == ["FromPeer", "FromShards"], plans
+    assert "every shard (HSDP) from a surviving replica" in plans[0]["reason"], plans[0]
+    (rec,) = [e for e in result.events_of("recovered") if e["fault_step"] >= second]  # (the shrink's is first)
+    assert rec["lost_steps"] <= 1 and rec["resumed_step"] >= second - 1, rec  # a copy every step: <= 1 redone
+    restored = result.events_of("restored")
+    assert all(e["uri"] is None for e in restored), restored  # no storage read, either fault
+    (copied,) = [e for e in restored if "copies of step" in e["source"]]
+    assert "re-sharded in memory from 2 ranks (read parts [], rank to rank from [0, 1]" in copied["source"], copied
+    assert copied["received_bytes"] > 0, copied  # the lost rank's shards came from its buddy
+    # The second lost rank is rank 1 again (the shrunk group's): its unpolled reports, up to its
+    # fault, are completed from the plan.
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", steps, BATCH, NUM_SAMPLES,
+                      seed=SEED, lost_rank_upto=(1, second))
 
 
 @pytest.fixture(scope="module")

@@ -326,3 +326,73 @@ def test_checkpoint_moves_between_ddp_and_fsdp_at_another_world_size(tmp_path):
     saved = torch.load(tmp_path / "full_saved.pt")
     _assert_same_state(saved, torch.load(tmp_path / "full_fsdp3.pt"))
     _assert_same_state(saved, torch.load(tmp_path / "full_ddp2.pt"))
+
+
+# ---------------------------------------------------------------- HSDP at one replica group
+def _hsdp(rank, world, port, out_dir, groups, tp):
+    """HSDP (train.fsdp.replicate) on a ("dp", "shard"[, "tp"]) mesh of `groups` replica groups:
+    trained 3 steps, every rank's part offered, then a fresh build filled from the parts rank to
+    rank, each part kept by another rank (a buddy, same tp index) as after a fault."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic.parallel.strategies import STRATEGIES
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    shards = world // (groups * tp)
+    shape, names = (groups, shards), ("dp", "shard")
+    if tp > 1:
+        shape, names = shape + (tp,), names + ("tp",)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    tp_spec = TensorParallelSpec(size=tp, plan="tests.test_resharding:tp_plan") if tp > 1 else TensorParallelSpec()
+    strat = STRATEGIES["fsdp"](mesh, SimpleNamespace(fsdp=FsdpSpec(replicate=groups), precision="fp32", tp=tp_spec,
+                                                     activation_checkpointing=None))
+    assert strat.hybrid
+    model = strat.prepare(_model(tp), sync_init=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, strat, rank, world, steps=3)  # each shard of a group reads its own samples
+    try:
+        mine = resharding.offer(strat.state_dict(model, opt), rank, world, step=3, tp=tp)
+    except ReshardError as e:
+        with open(f"{out_dir}/refused_{rank}.txt", "w") as f:
+            f.write(str(e))
+        dist.destroy_process_group()
+        return
+    offers = [None] * world
+    dist.all_gather_object(offers, mine)
+    full = _full(strat, model, opt)
+    by = {p: ((p // tp + 1) % shards) * tp + p % tp for p in range(world)}  # a buddy on the next shard
+    model2 = strat.prepare(_model(tp), sync_init=False)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    state2 = strat.state_dict(model2, opt2)
+    assert not resharding.needed_parts(state2, world, world, rank, frozenset(by), tp)
+    moved = resharding.exchange(state2, {p: offers[p] for p, r in by.items() if r == rank}, {}, by, world, world,
+                                rank, dist.group.WORLD, tp)
+    assert moved.step == 3 and moved.received_bytes > 0
+    strat.load_state_dict(model2, opt2, state2)
+    restored = _full(strat, model2, opt2)
+    # Training goes on from the restored state exactly as from the original.
+    _train(model, opt, strat, rank, world, steps=1)
+    _train(model2, opt2, strat, rank, world, steps=1)
+    after = {"next": _full(strat, model, opt), "next_restored": _full(strat, model2, opt2)}
+    if rank == 0:
+        torch.save({"old": full, "restored": restored, **after}, f"{out_dir}/hsdp.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("groups,tp,world", [(1, 1, 2), (1, 2, 4), (2, 1, 4)])
+def test_hsdp_at_one_group_is_held_once_and_restores_from_copies_rank_to_rank(tmp_path, groups, tp, world):
+    """At one replica group (the run shrunk to it) HSDP's state is held once, split over the
+    "shard" axis (each tp slice's rows, with tp) like FSDP's over "dp": every part, kept by its
+    buddy, fills a fresh build bit-identically and training goes on alike. With two groups the
+    offer is refused: the other group holds every part already."""
+    _spawn(_hsdp, world, str(tmp_path), groups, tp)
+    if groups > 1:
+        refused = [p.read_text() for p in tmp_path.glob("refused_*.txt")]
+        assert len(refused) == world and all("HSDP with 2 replica groups" in r for r in refused), refused
+        return
+    out = torch.load(tmp_path / "hsdp.pt")
+    assert any(k[0] == "optim" and k[-1] == "exp_avg_sq" for k in out["old"]), "optimizer moments are compared too"
+    _assert_same_state(out["old"], out["restored"])
+    _assert_same_state(out["next"], out["next_restored"])

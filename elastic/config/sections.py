@@ -112,7 +112,7 @@ class CheckpointConfig(_Strict):
     every_steps: int = Field(10, ge=1, description="Checkpoint after every this many steps.")
     num_to_keep: int = Field(3, ge=1, description="Committed checkpoints kept; the newest is never removed.")
     memory_every_steps: int = Field(
-        1, ge=0, description="State held once (fsdp; a pipeline with one replica): at most every this many steps "
+        1, ge=0, description="State held once (fsdp; a pipeline with one replica; HSDP at one replica group): at most every this many steps "
                              "each rank copies its part into the host memory of a rank on another node (its buddy), "
                              "in the background; a fault restores from those copies and the survivors' own, with no "
                              "storage read. Copies are spaced further while one is on its way or to keep their "

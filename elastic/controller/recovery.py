@@ -93,7 +93,8 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     ctl.restore_plan, why = choose_restore(ctl.survivor_steps, cfg, ctl.shape.sharded, ctl.layout)
     lay = ctl.layout
     if (isinstance(ctl.restore_plan, FromStorage) and cfg.peer_restore
-            and has_copies(ctl.job.checkpoint.memory_every_steps, ctl.shape.sharded, lay.pp, lay.dp, lay.tp)):
+            and has_copies(ctl.job.checkpoint.memory_every_steps, ctl.shape.sharded, lay.pp, lay.dp, lay.tp,
+                           lay.shards)):
         ctl.restore_plan, why = from_copies(ctl, answers, why)
     ctl.events.emit("restore_plan", source=type(ctl.restore_plan).__name__, reason=why)
     sc = ctl.job.scaling
@@ -133,7 +134,7 @@ def slow_returns(ctl: Controller, late: dict[int, str], unanswered: dict[int, st
 
 
 def from_copies(ctl: Controller, answers: dict, storage_why: str):
-    """State held once (FSDP's shards, a one-replica pipeline's stages): the newest step every old
+    """State held once (FSDP's shards, HSDP's at one group, a one-replica pipeline's stages): the newest step every old
     rank's part has an in-memory copy of, in a survivor's memory (its own, or its buddy's copy),
     re-sharded (or re-partitioned, by name) into the new group from there. Storage when no such
     step exists (a rank lost with its buddy), said in the reason and counted."""
@@ -145,7 +146,7 @@ def from_copies(ctl: Controller, answers: dict, storage_why: str):
         count = f" (fallback {ctl.copies_fallbacks} of the run)" if lost else ""
         return FromStorage(), f"{why}: restore from the latest committed checkpoint{count}"
     step, sources = found
-    if ctl.shape.sharded:  # FSDP's rows: each holder sends them rank to rank (resharding.exchange)
+    if ctl.shape.sharded or ctl.shape.shards > 1:  # FSDP's (HSDP's at one group) rows: rank to rank
         ctl.group.keep_copies(sources)
         return FromShards({}, ctl.world_size, step, copies_step=step), why
     # A one-replica pipeline's stages: by name, through the object store (strategy.assemble).

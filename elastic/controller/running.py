@@ -36,10 +36,10 @@ def on_running(ctl: Controller, st: Running) -> State:
 
 def buddies(ctl: Controller) -> dict[int, int]:
     """Who keeps whose in-memory copy in this group (state held once: FSDP, a pipeline with one
-    replica; checkpoint.memory_every_steps), said in a `buddies` event; {} where the state is
+    replica, HSDP at one replica group; checkpoint.memory_every_steps), said in a `buddies` event; {} where the state is
     replicated (a replica is the copy)."""
     lay = ctl.layout
-    if not has_copies(ctl.job.checkpoint.memory_every_steps, ctl.shape.sharded, lay.pp, lay.dp, lay.tp):
+    if not has_copies(ctl.job.checkpoint.memory_every_steps, ctl.shape.sharded, lay.pp, lay.dp, lay.tp, lay.shards):
         return {}
     pairs, alone = choose_buddies({r: m.node_id for r, m in ctl.group.members.items()})
     ctl.events.emit("buddies", generation=ctl.generation, buddies=pairs, alone=alone,

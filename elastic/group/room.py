@@ -16,7 +16,7 @@ def copies_world(job: JobConfig) -> int | None:
     shape = shape_for(job)
     every = job.checkpoint.memory_every_steps
     sizes = [lay.world_size for lay in chain(shape.layout(job.scaling.max_size), job.scaling.min_size)
-             if has_copies(every, shape.sharded, lay.pp, lay.dp, lay.tp)]
+             if has_copies(every, shape.sharded, lay.pp, lay.dp, lay.tp, lay.shards)]
     if not shape.staged and has_copies(every, shape.sharded, 1, job.scaling.min_size, 1):
         sizes.append(job.scaling.min_size)  # flat: any size down to min_workers
     return min(sizes) if sizes else None

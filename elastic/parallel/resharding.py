@@ -15,10 +15,11 @@ transport); after a fault the same way, each survivor keeping its own in-memory 
 holds for its buddies. With tensor parallelism (FSDP x TP: 2-D DTensors on a
 ("dp", "tp") mesh) each tp slice is re-sharded on its own: the rows the dp parts split are those
 of the slice's local tensor, and rows move only between ranks of the same tp index (rank =
-dp index x tp + tp index; tp is fixed for a run). An old rank that leaves (a dropped or swapped rank,
-killed right after) returns its offer from a task instead, so the object lives
-in its node's shared memory, owned by the controller, and outlives the rank's
-process; a receiver reads only the parts it needs. If a part is missing (its
+dp index x tp + tp index; tp is fixed for a run). HSDP at one replica group is held once too:
+its "shard" axis splits the rows as "dp" does FSDP's (its "dp" axis has size 1). An old rank
+that leaves (a dropped or swapped rank, killed right after) returns its offer from a task
+instead, so the object lives in its node's shared memory, owned by the controller, and outlives
+the rank's process; a receiver reads only the parts it needs. If a part is missing (its
 node died), the re-shard raises and the controller falls back to the newest
 committed checkpoint, which DCP re-shards on load.
 """
@@ -97,17 +98,24 @@ class Rows:
 
 def rows(v) -> Rows | None:
     """The dp split of `v` when it is a DTensor sharded along dim 0 over the mesh's "dp" axis
-    (FSDP2's shards, 1-D or with a tp axis beside it); None for anything else that is not a
-    DTensor or is a scalar. ReshardError for a DTensor laid out some other way."""
+    (FSDP2's shards, 1-D or with a tp axis beside it), or over its "shard" axis at one HSDP
+    replica group (the "dp" axis of size 1: the state is held once, like FSDP's); None for
+    anything else that is not a DTensor or is a scalar. ReshardError for a DTensor laid out some
+    other way."""
     if not isinstance(v, DTensor) or v.ndim == 0:
         return None
     mesh, placements = v.device_mesh, tuple(v.placements)
     names = mesh.mesh_dim_names or ()
     coord = mesh.get_coordinate()
     by = dict(zip(names, zip(placements, coord, mesh.shape)))
-    dp, tp = by.get("dp"), by.get("tp")
-    if dp is None or set(names) - {"dp", "tp"}:
+    if set(names) - {"dp", "shard", "tp"} or "dp" not in by:
         raise ReshardError(f"placement {placements} on mesh {names}: not sharded over a dp axis")
+    if "shard" in by:  # HSDP: held once only at one replica group, where the shard axis splits it
+        if by["dp"][2] != 1:
+            raise ReshardError(f"placement {placements} on mesh {names}: HSDP with {by['dp'][2]} replica groups "
+                               f"(each group's ranks at a shard hold it; it is copied, not re-sharded)")
+        by["dp"] = by.pop("shard")
+    dp, tp = by["dp"], by.get("tp")
     n = v.shape[0]
     row_split_by_tp = tp is not None and isinstance(tp[0], Shard) and tp[0].dim == 0
     if tp is not None and not isinstance(tp[0], (Shard, Replicate)):

@@ -20,11 +20,13 @@ class NodeRoom:
     memory_bytes: float
 
 
-def has_copies(every_steps: int, sharded: bool, pp: int, dp: int, tp: int) -> bool:
+def has_copies(every_steps: int, sharded: bool, pp: int, dp: int, tp: int, shards: int = 1) -> bool:
     """Whether a layout's state needs in-memory copies: it is held once (FSDP's shards, with or
     without tensor slices; the stages of a pipeline with one replica, with or without tensor
-    slices). Replicated state has its copy already, in the replica."""
-    return bool(every_steps) and ((sharded and pp == 1) or (pp > 1 and dp == 1 and not sharded))
+    slices; HSDP's `shards` at one replica group). Replicated state has its copy already, in the
+    replica (HSDP's other groups)."""
+    return bool(every_steps) and ((sharded and pp == 1) or (pp > 1 and dp == 1 and not sharded)
+                                  or (shards > 1 and dp == 1))
 
 
 def choose_buddies(nodes: dict[int, str]) -> tuple[dict[int, int], list[int]]:
