@@ -21,6 +21,8 @@ node, and the fifth node has room for a lost node's replacements).
   copies (no storage read), then grows back with every kept part moved rank to rank; every sample
   is seen once. (The fixed-layout restore from copies ending bit-identical is test_sharded_chaos's;
   the 2-D re-shard's exactness is test_resharding's.)
+* ddp x tp with a warm spare, rank 1's process killed: the replacement starts on its tp group's
+  node (the dead process's slot) rather than take the spare on another node; bit-identical.
 """
 from __future__ import annotations
 
@@ -80,6 +82,8 @@ def test_node_kill_in_3d_copies_the_lost_tp_group_from_the_other_replica(cluster
     assert result.digests == baseline_3d
     placed = result.events_of("placement")[0]  # the first start's
     assert placed["split_groups"] == [], placed
+    (rep,) = result.events_of("workers_replaced")  # the lost tp group's two ranks: together on a free node
+    assert rep["tp_split_groups"] == [] and rep["nodes"]["0"] == rep["nodes"]["1"], rep
     (plan,) = result.events_of("restore_plan")
     assert plan["source"] == "FromPeer" and "no storage read" in plan["reason"], plan
     restored = result.events_of("restored")[-1]
@@ -147,6 +151,31 @@ def test_fsdp_tp_node_kill_shrinks_and_grows_back_from_memory_copies(cluster, tm
     assert "rank to rank" in restored[1]["source"], restored  # the grow: kept parts sent over the group
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", SHRINK_STEPS, BATCH, _num_samples(),
                       seed=0, lost_rank_upto=(0, FAULT_STEP))
+
+
+def test_a_replacement_starts_beside_its_tp_group_rather_than_take_a_spare_elsewhere(cluster, tmp_path):
+    """ddp x tp, rank 1's process killed, a warm spare on another node: its tp group's node has
+    the dead process's slot, so the replacement starts there (taking the spare would put every
+    tensor-parallel collective of the group across nodes for the rest of the run). The slot comes
+    from the other replica's memory, and the run ends bit-identical to an uninterrupted one."""
+    def ddp_tp(chaos=()):
+        j = gpt_3d(tmp_path / f"r{len(chaos)}", chaos, strategy="ddp", pipeline=None, loss="examples.gpt:loss_fn")
+        j["scaling"].update(num_workers=4, min_workers=4, num_spares=1, wait_for_spares=True)
+        return j
+    base = uninterrupted_digests(ddp_tp())
+    j = ddp_tp([{"action": "kill_process", "rank": 1, "at_step": FAULT_STEP}])
+    result = Trainer(j).fit(progress=False)
+    assert result.digests == base
+    started = result.events_of("workers_started")[0]["nodes"]
+    assert result.events_of("placement")[0]["split_groups"] == [] and started["0"] == started["1"], started
+    fault_t = result.events_of("failure_detected")[0]["t"]
+    spare_nodes = {e["node"][:12] for e in result.events_of("spare_ready") if e["t"] < fault_t}
+    assert spare_nodes and started["0"] not in spare_nodes, (spare_nodes, started)  # the warm spare is elsewhere
+    (rep,) = result.events_of("workers_replaced")
+    assert rep["how"] == {"1": "started on demand"} and rep["nodes"]["1"] == started["0"], rep
+    assert rep["tp_split_groups"] == [], rep
+    (plan,) = result.events_of("restore_plan")
+    assert plan["source"] == "FromPeer" and "no storage read" in plan["reason"], plan
 
 
 def _num_samples() -> int:

@@ -14,6 +14,7 @@ from elastic.controller.states import Errored, Forming, Recovering, State
 from elastic.group.worker_group import GroupError, cause_of
 from elastic.policies.failure import FailureObservation, LostRank, Raise, decide_failure
 from elastic.policies.buddies import choose_copies, has_copies
+from elastic.policies.placement import split_groups
 from elastic.policies.restore import FromShards, FromStorage, choose_restore
 from elastic.protocol import LostCause
 from elastic.storage import call_within
@@ -108,9 +109,12 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
             return Errored(f"{e}; scaling.min_workers={sc.min_size}; "
                            f"last committed checkpoint: {ctl.last_committed or 'none'}")
         return shrink(ctl, str(e), t0)
+    tp = ctl.job.train.tp.size
+    split = split_groups({r: m.node_id for r, m in group.members.items()}, tp) if tp > 1 else []
     ctl.events.emit("workers_replaced", ranks=missing, start_s=ctl.now() - t0, how=how,
                     nodes={r: group.members[r].node_id[:12] for r in missing},
-                    pids={r: group.members[r].pid for r in missing})
+                    pids={r: group.members[r].pid for r in missing},
+                    **({"tp_split_groups": split} if tp > 1 else {}))
     return merge_overlapping(ctl)
 
 

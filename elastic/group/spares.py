@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.group.member import GroupError, Member, gather, kill_member
 from elastic.group.node_agent import NodeAgents
 from elastic.group.prestart import PrestartPool, release_slot
+from elastic.policies.placement import replacement_homes
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
 from elastic.runtime.actor import WorkerActor
@@ -78,6 +79,7 @@ class SparePool:
         # Nodes that hosted a rank lost to silence (stopped, partitioned, dead). Ray may list such a
         # node as alive for a while; nothing new goes there until it answers again (see `probe_suspects`).
         self.suspect_nodes: set[str] = set()
+        self.vacated: dict[int, str] = {}  # rank -> the node of its member killed since it was last filled
         self._probes: dict[str, "ray.ObjectRef"] = {}  # suspect node -> probe task in flight
         self._kept_off: dict["ray.ObjectRef", frozenset] = {}  # pending spare -> the suspect nodes it avoids
         # Pre-started workers (elastic/group/prestart.py): taken before a process is started on demand.
@@ -234,7 +236,7 @@ class SparePool:
 
     # ---------------------------------------------------------------- the pool
     def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
-                   calibrate: bool | None = None, near: tuple[str, ...] = ()) -> None:
+                   calibrate: bool | None = None, near: tuple[str, ...] = (), at: tuple[str, ...] = ()) -> None:
         """Start n spare workers in the background; they warm up (build the model) on their own.
         `on_demand`: wanted by a recovery in progress (no calibration). `background`: refilling the
         pool while the group trains; they start at the lowest CPU priority, so that on CPUs they
@@ -242,13 +244,14 @@ class SparePool:
         compute before the spare counts as ready (default: unless on demand); one left
         uncalibrated is calibrated when a straggler decision first weighs it (calibrate_spares).
         On demand, pre-started workers are taken first (`near`: the nodes whose slots were just
-        freed, tried first); processes are started only for the rest."""
+        freed, tried first); processes are started only for the rest. `at`: the nodes the first
+        processes started belong on (a soft affinity: elsewhere if the node is full)."""
         if on_demand:
-            n -= self._take_prestarted(n, near)
+            n -= self._take_prestarted(n, near or at)
         low = background and not on_demand and self.job.scaling.low_priority_refills
         calibrate = not on_demand if calibrate is None else calibrate
-        for _ in range(max(0, n)):
-            h = self._new_actor(background=low)
+        for i in range(max(0, n)):
+            h = self._new_actor(background=low, node=at[i] if i < len(at) else None)
             ref = h.warm.remote(calibrate=calibrate)
             self._pending_spares[ref] = h
             self._kept_off[ref] = frozenset(self.suspect_nodes)
@@ -372,23 +375,34 @@ class SparePool:
     def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]:
         """Fill `ranks` with spares: live warm ones first, then ones still warming (waited for), then
         freshly started workers. A spare that dies or goes silent before it gets its rank is
-        replaced in turn, until `timeout_s` runs out. Returns {rank: how it was filled}."""
+        replaced in turn, until `timeout_s` runs out. Returns {rank: how it was filled}.
+        With tensor parallelism a rank whose tp group's node has room (a spare there, or a free
+        slot) is filled there: by a spare on that node, else by a worker started there for it (a
+        warm spare on another node would split the group). Other ranks take any spare, as before."""
         how: dict[int, str] = {}
         need = list(ranks)
         deadline = time.monotonic() + timeout_s
+        self.lost_spares.extend(self.refresh_spares())
+        homes = self._replacement_homes(need)
+
+        def rank_for(m: Member) -> int | None:
+            here = [r for r in need if homes.get(r) == m.node_id]
+            free_to_go = [r for r in need if r not in homes or m.on_demand]  # started for this, or no home
+            return (here or free_to_go or [None])[0]
 
         def take_ready(label_if_planned: str) -> None:
             for m in list(self.ready_spares):
-                if not need:
-                    return
-                if not self._spare_alive(m, ping_timeout_s):
+                r = rank_for(m) if need else None
+                if r is None or not self._spare_alive(m, ping_timeout_s):
                     continue
-                r = need.pop(0)
+                need.remove(r)
                 self._assign(r, m)
                 how[r] = "pre-started" if m.prestarted else "started on demand" if m.on_demand else label_if_planned
 
-        self.lost_spares.extend(self.refresh_spares())
         take_ready("warm spare")
+        homed = [r for r in need if r in homes]
+        if homed:  # started on their tp group's node, before the loop starts the rest anywhere
+            self.add_spares(len(homed), on_demand=True, at=tuple(homes[r] for r in homed))
         if need:
             # A spare still warming at low priority is now wanted: it finishes at full priority
             # (the call runs once its constructor has, beside warm()).
@@ -405,4 +419,23 @@ class SparePool:
         if need:
             raise GroupError(f"no worker could be started for ranks {need} within {timeout_s:.0f}s; is there a free "
                              f"slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", {r: "unavailable" for r in need})
+        for r in ranks:
+            self.vacated.pop(r, None)
         return how
+
+    def _replacement_homes(self, ranks: list[int]) -> dict[int, str]:
+        """With tensor parallelism, the node each of `ranks` belongs on (policies/placement.py):
+        room is a ready spare, a free slot Ray shows, or the slot of the rank's own killed process
+        on a node still up (Ray may not show it free yet)."""
+        tp = self.job.train.tp.size
+        if tp == 1 or not ranks:
+            return {}
+        cpus = self.job.scaling.cpus_per_worker
+        free = {n: c for n, c in free_cpus_by_node().items() if n not in self.suspect_nodes}
+        for r in ranks:
+            n = self.vacated.get(r)
+            if n in free:
+                free[n] = max(free[n], cpus * sum(1 for q in ranks if self.vacated.get(q) == n))
+        return replacement_homes(ranks, tp, {r: m.node_id for r, m in self.members.items()},
+                                 [m.node_id for m in self.ready_spares if m.node_id not in self.suspect_nodes],
+                                 free, cpus)

@@ -94,6 +94,7 @@ class WorkerGroup(SparePool):
             self.kill(o)
         self.members = {mapping[o]: replace(m, rank=mapping[o]) for o, m in self.members.items()}
         self._polls.clear()
+        self.vacated.clear()  # by old ranks
         self.agents.new_epoch()
         return mapping
 
@@ -351,6 +352,7 @@ class WorkerGroup(SparePool):
         m = self.members.pop(rank, None)
         self._polls.pop(rank, None)
         if m is not None:
+            self.vacated[rank] = m.node_id
             kill_member(m)
 
     def where(self, ranks, timeout_s: float) -> dict[int, str | None]:

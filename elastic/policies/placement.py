@@ -45,3 +45,42 @@ def place_tp_groups(ranks: list[int], tp: int, free_cpus: dict[str, float], cpus
         free[fits[0]] -= need
         nodes.update({r: fits[0] for r in members})
     return Placement(nodes, tuple(split))
+
+
+def split_groups(nodes: dict[int, str], tp: int) -> list[int]:
+    """First ranks of the tp groups whose ranks (`nodes`: rank -> node id) span nodes."""
+    groups: dict[int, set[str]] = {}
+    for r, n in nodes.items():
+        groups.setdefault(r // tp, set()).add(n)
+    return [g * tp for g, ns in sorted(groups.items()) if len(ns) > 1]
+
+
+def replacement_homes(missing: list[int], tp: int, member_nodes: dict[int, str], spare_nodes: list[str],
+                      free_cpus: dict[str, float], cpus_per_worker: float) -> dict[int, str]:
+    """Where each replacement for `missing` belongs so its tp group stays on one node: the node of
+    the group's surviving members (the one most of them are on), or, for a group lost whole, the
+    node that can take the most of it. A node takes a rank for each ready spare on it
+    (`spare_nodes`, one entry per spare) and each free slot (`free_cpus` / `cpus_per_worker`).
+    A rank left out (its group's node is full) is placed as before, wherever a worker is: its
+    group then spans nodes. Groups in rank order; a node's room is taken once."""
+    room: dict[str, int] = {n: int(c / cpus_per_worker + 1e-9) for n, c in free_cpus.items()}
+    for n in spare_nodes:
+        room[n] = room.get(n, 0) + 1
+    by_group: dict[int, list[int]] = {}
+    for r in sorted(missing):
+        by_group.setdefault(r // tp, []).append(r)
+    homes: dict[int, str] = {}
+    for g, ranks in sorted(by_group.items()):
+        on = [member_nodes[r] for r in range(g * tp, (g + 1) * tp) if r in member_nodes and r not in ranks]
+        if on:
+            home = max(sorted(set(on)), key=on.count)
+        else:  # the whole group is gone: the node with the most room for it (a fixed order on ties)
+            fits = sorted((n for n, k in room.items() if k > 0), key=lambda n: (-min(room[n], len(ranks)), n))
+            if not fits:
+                continue
+            home = fits[0]
+        for r in ranks:
+            if room.get(home, 0) > 0:
+                homes[r] = home
+                room[home] -= 1
+    return homes

@@ -1,0 +1,33 @@
+"""Where replacements go with tensor parallelism (elastic/policies/placement.py): pure decisions.
+The drill on a real cluster is tests/test_tp_placement.py."""
+from __future__ import annotations
+
+from elastic.policies.placement import replacement_homes, split_groups
+
+
+# ---------------------------------------------------------------- replacements beside their tp group
+def test_a_replacement_goes_to_its_tp_groups_node_when_it_has_room():
+    members = {0: "A", 2: "B", 3: "B"}  # rank 1 (tp group 0, on A) was lost; its slot on A is free
+    # A warm spare on C does not pull rank 1 off its group's node: A has the room.
+    assert replacement_homes([1], 2, members, ["C"], {"A": 1.0, "B": 0.0, "C": 0.0}, 1.0) == {1: "A"}
+    # A spare on A is the best of both.
+    assert replacement_homes([1], 2, members, ["A", "C"], {"A": 0.0, "B": 0.0, "C": 0.0}, 1.0) == {1: "A"}
+    # No room on A: no home; the rank goes wherever a worker is (its group then spans nodes).
+    assert replacement_homes([1], 2, members, ["C"], {"A": 0.0, "B": 0.0, "C": 0.0}, 1.0) == {}
+    # Slots count in workers' CPUs.
+    assert replacement_homes([1], 2, members, [], {"A": 1.0}, 2.0) == {}
+
+
+def test_a_tp_group_lost_whole_goes_where_most_of_it_fits():
+    members = {2: "B", 3: "B"}  # tp group 0 (ranks 0, 1) lost with node A
+    assert replacement_homes([0, 1], 2, members, ["C"], {"B": 0.0, "C": 1.0, "D": 1.0}, 1.0) == {0: "C", 1: "C"}
+    # Room for one rank only, on each of two nodes: one rank there, the other placed as before.
+    assert replacement_homes([0, 1], 2, members, [], {"C": 1.0, "D": 1.0}, 1.0) == {0: "C"}
+    # Two groups lost: each takes room once, in rank order.
+    got = replacement_homes([0, 1, 2, 3], 2, {}, [], {"C": 2.0, "D": 2.0}, 1.0)
+    assert got == {0: "C", 1: "C", 2: "D", 3: "D"}
+
+
+def test_split_groups_names_the_tp_groups_that_span_nodes():
+    assert split_groups({0: "A", 1: "A", 2: "B", 3: "C"}, 2) == [2]
+    assert split_groups({0: "A", 1: "A"}, 2) == []
