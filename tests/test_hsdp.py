@@ -61,7 +61,6 @@ def test_a_lost_rank_is_restored_from_its_peer_at_the_same_shard(tmp_path):
     ({"train": {"fsdp": {"replicate": 4}}}, r"replicate=4 leaves one shard per group"),
     ({"train": {"tp": {"size": 2}}}, r"train.fsdp.replicate=2 leaves one shard per group .* train.tp.size"),
     ({"scaling": {"min_workers": 3}}, r"scaling.min_workers=3 is not a multiple of the HSDP group size 2"),
-    ({"stragglers": {"enabled": True}}, r"straggler swaps are not built for HSDP"),
     ({"train": {"strategy": "ddp"}}, r"train.fsdp is set but train.strategy=ddp"),
 ])
 def test_bad_hsdp_layouts_are_refused_naming_the_field(tmp_path, over, match):

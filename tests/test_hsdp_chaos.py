@@ -105,6 +105,28 @@ def baseline(tmp_path_factory):
     return uninterrupted_digests(hsdp_job(tmp_path_factory.mktemp("base")))
 
 
+def test_an_hsdp_straggler_is_swapped_for_a_spare_from_the_other_group(cluster, baseline, tmp_path):  # noqa: F811
+    """Rank 1 computes 3x slower from step 4, inside its forward and backward: its shard peer
+    (rank 0) waits for it inside its own all-gathers and reduce-scatters, so by the wall clock
+    both look slow; by CPU time (elastic/runtime/compute_clock.py) only rank 1 does. It is swapped
+    for the warm spare, which takes shard 1 from rank 3's memory; the run ends bit-identical."""
+    cluster.ensure_worker_nodes(5)
+    j = hsdp_job(tmp_path, [{"action": "slow", "rank": 1, "at_step": 4, "factor": 3}], num_spares=1,
+                 wait_for_spares=True)
+    j["stragglers"] = {"enabled": True, "window_steps": 4, "consecutive_windows": 2, "cooldown_s": 60}
+    result = Trainer(j).fit(progress=False)
+    assert result.digests == baseline
+    (swap,) = [d for d in result.events_of("decision") if d["decision"] == "Swap"]
+    assert swap["ranks"] == [1], swap
+    assert not [d for d in result.events_of("decision") if d["decision"] in ("Drop", "Restart")]
+    (swapped,) = result.events_of("swapped")
+    assert swapped["rank"] == 1 and swapped["how"] == "warm spare", swapped
+    restored = result.events_of("restored")[-1]
+    assert restored["uri"] is None and restored["source"].startswith("slot replicas"), restored
+    assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH, NUM_SAMPLES,
+                      seed=SEED)
+
+
 def test_hsdp_node_kill_restores_from_the_other_group(cluster, baseline, tmp_path):  # noqa: F811
     """With a warm spare (its model built for no shard yet: it builds shard 1's). A replacement
     started on demand restores the same way (DDP's and the pipeline's drills take that path)."""

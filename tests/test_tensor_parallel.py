@@ -119,7 +119,6 @@ class _Attn(nn.Module):
 @pytest.mark.parametrize("over, match", [
     ({"scaling": {"num_workers": 6}}, r"scaling.num_workers=6 is not a multiple of train.tp.size=4"),
     ({"scaling": {"num_workers": 8, "min_workers": 6}}, r"scaling.min_workers=6 is not a multiple"),
-    ({"stragglers": {"enabled": True}}, r"straggler swaps are not built for tensor parallelism"),
     ({"train": {"tp": {"size": 1, "plan": "examples.gpt:build_model"}}}, r"train.tp.plan is set but train.tp.size is 1"),
     ({"train": {"tp": {"size": 1, "sequence_parallel": True}}}, r"train.tp.sequence_parallel is set but train.tp.size is 1"),
     ({"train": {"tp": {"size": 4, "sequence_parallel": True, "plan": "examples.gpt:build_model"}}},
@@ -130,6 +129,17 @@ def test_bad_tp_layouts_are_refused_naming_the_field(tmp_path, over, match):
     for k, v in over.items():
         job[k] = {**job.get(k, {}), **v}
     with pytest.raises(ValueError, match=match):
+        JobConfig.model_validate(job)
+
+
+def test_straggler_swaps_are_allowed_with_tp_but_not_in_a_pipeline(tmp_path):
+    for strategy in ("ddp", "fsdp"):
+        job = gpt_job(tmp_path, strategy=strategy)
+        job["stragglers"] = {"enabled": True}
+        JobConfig.model_validate(job)
+    job = gpt_job(tmp_path, strategy="pipeline", stages=2)
+    job["stragglers"] = {"enabled": True}
+    with pytest.raises(ValueError, match=r"straggler swaps are not built for pipelines"):
         JobConfig.model_validate(job)
 
 

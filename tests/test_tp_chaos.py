@@ -178,6 +178,35 @@ def test_a_replacement_starts_beside_its_tp_group_rather_than_take_a_spare_elsew
     assert plan["source"] == "FromPeer" and "no storage read" in plan["reason"], plan
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_tp_straggler_is_swapped_not_its_tp_peer(cluster, tmp_path, strategy):
+    """dp 2 x tp 2, rank 1 computes 3x slower from step 3, inside its forward and backward: its tp
+    peer (rank 0) waits for it in every layer's all-reduce, so by the wall clock both are slow.
+    By CPU time (elastic/runtime/compute_clock.py) only rank 1 is, and it alone is swapped for the
+    warm spare: the slot comes from the other replica's memory (ddp x tp) or is re-sharded from the
+    parts offered at the stop (fsdp x tp). The run ends bit-identical to an uninterrupted one."""
+    steps = 24
+    def job(chaos=()):
+        loss = "examples.gpt:loss_fn"
+        # Not meta_init: a spare then holds no values to time its compute with (it is never weighed).
+        j = gpt_3d(tmp_path / f"r{len(chaos)}", chaos, steps=steps, strategy=strategy, pipeline=None, loss=loss,
+                   meta_init=False)
+        j["scaling"].update(num_workers=4, min_workers=4, num_spares=1, wait_for_spares=True)
+        j["stragglers"] = {"enabled": True, "window_steps": 4, "consecutive_windows": 2, "cooldown_s": 60}
+        return j
+    base = uninterrupted_digests(job())
+    j = job([{"action": "slow", "rank": 1, "at_step": 3, "factor": 3}])
+    result = Trainer(j).fit(progress=False)
+    assert result.digests == base
+    acts = [d for d in result.events_of("decision") if d["decision"] in ("Swap", "Drop", "Report", "Restart")]
+    assert [(d["decision"], d["ranks"]) for d in acts] == [("Swap", [1])], acts
+    (swapped,) = result.events_of("swapped")
+    assert swapped["rank"] == 1 and swapped["how"] == "warm spare", swapped
+    assert all(e["uri"] is None for e in result.events_of("restored")), result.events_of("restored")
+    assert_exact_once(tmp_path / "r1" / "runs" / j["run"]["name"] / "ledger.json", steps, BATCH, _num_samples(),
+                      seed=0)
+
+
 def _num_samples() -> int:
     from examples.gpt import build_dataset
     return len(build_dataset())

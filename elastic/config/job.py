@@ -110,9 +110,6 @@ class JobConfig(_Strict):
             if n % group:
                 raise ValueError(f"scaling.{field}={n} is not a multiple of the HSDP group size {group} "
                                  f"(num_workers / train.fsdp.replicate): the run grows and shrinks by whole groups")
-        if self.stragglers.enabled:
-            raise ValueError("stragglers.enabled: straggler swaps are not built for HSDP yet; leave it off with "
-                             "train.fsdp.replicate > 1")
 
     def _check_tp(self) -> None:
         """With tensor parallelism, every world size the run may take is whole replicas of
@@ -140,9 +137,6 @@ class JobConfig(_Strict):
             if n % unit:
                 raise ValueError(f"scaling.{field}={n} is not a multiple of {what}: the world is replicas x "
                                  f"stages x tp, and grows and shrinks by whole replicas of {unit} ranks")
-        if self.stragglers.enabled:
-            raise ValueError("stragglers.enabled: straggler swaps are not built for tensor parallelism yet (a tp "
-                             "rank's step time includes waiting for its group); leave it off with train.tp.size > 1")
 
     def _check_pipeline(self) -> None:
         """Every layout the run may take (replicas dropped, then stages: elastic.parallel.topology.chain)

@@ -66,7 +66,8 @@ _CATALOGUE = (
            "1 / the slowest rank's last step time: the rate training runs at between stalls."),
     Metric("elastic_step_seconds", "gauge", "Wall time of the rank's last step.", ("run", "rank")),
     Metric("elastic_compute_seconds", "gauge",
-           "The rank's own compute in its last step (forward and backward, not the all-reduce wait).",
+           "The rank's own compute in its last step (forward and backward, not the all-reduce wait; CPU "
+           "time for fsdp, HSDP and tp on a CPU).",
            ("run", "rank")),
     Metric("elastic_loss", "gauge", "Global mean loss of the last step."),
     Metric("elastic_world_size", "gauge", "Ranks in the training group."),

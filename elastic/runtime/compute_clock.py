@@ -10,6 +10,16 @@ synchronisation of its own.
 
 What the interval holds is the same on both: reading and moving the batch, forward, backward,
 and the gradient all-reduces launched during backward (asynchronous: their waits come later).
+
+Where the forward and backward hold collectives of their own (FSDP's all-gathers and
+reduce-scatters, HSDP's, tensor parallelism's all-reduces), a rank waits inside them for the
+slowest rank of its group, so every rank's wall clock shows the straggler's time and none stands
+out. On a CPU the clock then reads CPU time instead (`cpu_time`): gloo's waits block, so they
+take none (measured: a rank waiting 1 s in an all-reduce used 0.2 ms of its thread's CPU), and
+what is left is the rank's own work. The training thread's, when torch computes on it alone (one
+intra-op thread); the process's otherwise. A rank slowed by a slower or throttled core is found
+this way; one slowed only by another process taking turns on its core keeps its CPU time and is
+not. On a GPU such a strategy's interval still holds the collectives' waits (not solved here).
 """
 from __future__ import annotations
 
@@ -18,21 +28,32 @@ import time
 import torch
 
 
+def cpu_time_counts(job) -> bool:
+    """Whether a job's compute holds collectives that straggler detection must see through (fsdp,
+    HSDP, tensor parallelism), so that on a CPU its ranks are timed by CPU time (see above). A
+    pipeline's stages wait for each other too, but have no straggler swaps: wall clock."""
+    tr = job.train
+    return tr.strategy == "fsdp" or tr.tp.size > 1
+
+
 class ComputeClock:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_time: bool = False):
         self.cuda = device.type == "cuda"
         self._t0 = self._t1 = 0.0
         self._events: tuple | None = None
+        self._now = time.perf_counter
+        if cpu_time and not self.cuda:
+            self._now = time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()
+        self._t0 = self._now()
         if self.cuda:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
 
     def stop(self) -> None:
         """The rank's own work of the step is queued (GPU) or done (CPU)."""
-        self._t1 = time.perf_counter()
+        self._t1 = self._now()
         if self.cuda:
             self._events[1].record()
 

@@ -28,7 +28,7 @@ from elastic.parallel.buffers import StepBuffers
 from elastic.protocol import LedgerEntry, StepRecord
 from elastic.runtime import chaos
 from elastic.runtime.collectives import GroupAborted
-from elastic.runtime.compute_clock import ComputeClock
+from elastic.runtime.compute_clock import ComputeClock, cpu_time_counts
 
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
@@ -155,6 +155,8 @@ class StepRunner:
         self._ahead: dict = {}  # this step's prefetched batches: micro-batch sample ids -> future
         self._upcoming: dict = {}  # the next step's
         self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
+        self._cpu_time = cpu_time_counts(worker.job)  # how the compute is timed (see compute_clock)
+        self._work_s: float | None = None  # the last step's own compute, without a chaos slowdown
 
     def take(self) -> tuple[tuple[StepRecord, ...], tuple[LedgerEntry, ...], tuple[tuple[int, str], ...]]:
         """(compute log, ledger, skipped steps) since the last take, emptied. The caller holds
@@ -179,7 +181,7 @@ class StepRunner:
         w = self.w
         tr = w.job.train
         t_start = time.perf_counter()
-        clock = ComputeClock(w.device)  # the rank's own work, on a GPU too (see compute_clock)
+        clock = ComputeClock(w.device, self._cpu_time)  # the rank's own work, on a GPU too (see compute_clock)
         clock.start()
         # One seed per slot group: the tp ranks of a slot draw alike (dropout on replicated activations).
         seed = step_seed(w.job.run.seed, w.step, w.rank // w.layout.tp)
@@ -208,6 +210,9 @@ class StepRunner:
         scale = w.amp["scale"] if w.amp else None
         if scale is not None:  # fp16: scale the loss so small gradients survive; unscaled below
             loss_fn = _scaled(loss_fn, scale)
+        burn = self._slowdown()
+        if burn is not None:
+            loss_fn = _slowed(loss_fn, burn)
         try:
             with torch.autocast(w.device.type, dtype=_AUTOCAST[tr.precision], enabled=tr.precision != "fp32"):
                 local_loss = w.strategy.train_step(w.model, idx, self._load, loss_fn, micro)
@@ -220,10 +225,12 @@ class StepRunner:
             self._ahead, self._upcoming = self._upcoming, {}  # what was not used is not kept
         if scale is not None:
             local_loss = local_loss / scale
-        if w.slow_factor > 1.0:
+        burned = burn[1] if burn is not None else 0.0
+        if w.slow_factor > 1.0 and burn is None:
             if w.device.type == "cuda":  # a chaos drill only: slow by the work done, not by its launch
                 torch.cuda.synchronize(w.device)
-            chaos.busy_wait((w.slow_factor - 1.0) * (time.perf_counter() - t_start))
+            burned = (w.slow_factor - 1.0) * (time.perf_counter() - t_start)
+            chaos.busy_wait(burned)
         clock.stop()
         try:
             # The step's statistics, summed over the whole world: every rank agrees on the stop,
@@ -255,6 +262,7 @@ class StepRunner:
         # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
         agreed = StepStats.read(stats.cpu())
         compute_s = clock.seconds()  # on a GPU, read now that the host copy has synchronised the stream
+        self._work_s = max(0.0, compute_s - burned)
         self._update(tr, grads, agreed, grad_norm)
         w.set_progress(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or w.amp else None)
         w.step += 1
@@ -309,6 +317,18 @@ class StepRunner:
                 w.amp["scale"].mul_(2.0)
                 w.amp["good_steps"].zero_()
 
+    def _slowdown(self) -> list | None:
+        """A "slow" chaos fault's burn for this step, done inside the compute: (factor - 1) x the
+        last step's own work ([seconds left to burn, seconds burned]). None where it is burned
+        after the step instead: no fault, a pipeline (its loss runs on the last stage only), a GPU
+        (a burn on the host between calls that only queue kernels slows nothing), or no step
+        timed yet on this process."""
+        w = self.w
+        if (w.slow_factor <= 1.0 or w.job.train.strategy == "pipeline" or w.device.type == "cuda"
+                or self._work_s is None):
+            return None
+        return [(w.slow_factor - 1.0) * self._work_s, 0.0]
+
     def _skip(self, step: int, why: str) -> None:
         with self._lock:
             self.skipped.append((step, why))
@@ -329,7 +349,7 @@ class StepRunner:
         idx = list(range(min(per_rank, len(w.dataset))))
         times = []
         for _ in range(reps + 1):
-            clock = ComputeClock(w.device)  # the work, not its launch (see compute_clock)
+            clock = ComputeClock(w.device, self._cpu_time)  # the work, timed as the ranks' is
             clock.start()
             for i in range(0, len(idx), micro):
                 batch = to_device(default_collate([w.dataset[j] for j in idx[i:i + micro]]), w.device)
@@ -419,6 +439,20 @@ _AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float1
 
 def _scaled(loss_fn, scale: torch.Tensor):
     return lambda *args: loss_fn(*args) * scale
+
+
+def _slowed(loss_fn, burn: list):
+    """The "slow" chaos fault inside the compute: the first micro-batch's loss burns `burn[0]`
+    seconds of CPU between its forward and its backward, so that peers whose backward holds
+    collectives with this rank (fsdp, tp) wait for it inside their own compute, as they would for
+    a slower machine."""
+    def slowed(*args):
+        loss = loss_fn(*args)
+        if burn[0] > 0:
+            chaos.busy_wait(burn[0])
+            burn[1], burn[0] = burn[0], 0.0
+        return loss
+    return slowed
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device, weights: list[float] | None = None) -> torch.Tensor:
