@@ -57,7 +57,8 @@ OPTIONS = (
               "state); default: the common workload's 1.3 M", used_by=("recovery", "resize")),
     _opt("--strategy", choices=["ddp", "fsdp"], default="ddp",
          help="what every system trains with: ddp (default) or fsdp (elastic: FSDP2 with its in-memory copies; "
-              "Ray Train: FSDP2 and distributed checkpointing)", used_by=("recovery",)),
+              "Ray Train: FSDP2 and distributed checkpointing; straggler: elastic's strategy)",
+         used_by=("recovery", "straggler")),
     _opt("--copy-budget", type=float, default=None,
          help="elastic's checkpoint.memory_max_overhead with --strategy fsdp: the share of step time the in-memory "
               "copies may cost (1: a copy every step, whatever it costs; default: the job's, 0.03)",

@@ -18,7 +18,7 @@ NUM_WORKERS, NUM_STEPS, SLOW_STEP, FACTOR, GLOBAL_BATCH = 3, 300, 10, 3.0, 1536
 CONFIGS = ["no-slowdown", "off", "on"]
 
 
-def job(config: str, storage_uri: str) -> dict:
+def job(config: str, storage_uri: str, strategy: str = "ddp") -> dict:
     j = {
         "run": {"name": f"bench-straggler-{uuid.uuid4().hex[:8]}", "num_steps": NUM_STEPS, "seed": 0},
         # A spare in every configuration, so that only the mitigation differs.
@@ -27,7 +27,7 @@ def job(config: str, storage_uri: str) -> dict:
         "checkpoint": {"storage_uri": storage_uri, "every_steps": 50},
         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
                   "loss": "elastic.workload:loss_fn", "optimizer": "elastic.workload:build_optimizer",
-                  "global_batch_size": GLOBAL_BATCH},
+                  "global_batch_size": GLOBAL_BATCH, "strategy": strategy},
     }
     if config != "no-slowdown":
         j["chaos"] = [{"action": "slow", "rank": 1, "at_step": SLOW_STEP, "factor": FACTOR}]
@@ -63,17 +63,20 @@ def main(args) -> int:
             rates = {}
             for config in CONFIGS:
                 cluster.ensure_worker_nodes(NUM_WORKERS + 1)
-                result = Trainer(job(config, storage_uri)).fit(progress=False)
+                result = Trainer(job(config, storage_uri, args.strategy)).fit(progress=False)
                 rates[config] = steps_per_s(result)
                 swaps = result.events_of("swapped")
-                rec = {"bench": "straggler", "system": "elastic", "mitigation": config, "rep": rep,
+                rec = {"bench": "straggler", "system": "elastic", "strategy": args.strategy, "mitigation": config,
+                       "rep": rep,
                        "steps_per_s": rates[config], "num_swaps": len(swaps),
                        "swap_after_steps": (result.events_of("restored")[-1]["step"] - SLOW_STEP) if swaps else None,
                        # the last step the policy had seen when it decided (the rest is the planned stop)
                        "decided_after_steps": next((d["step"] - SLOW_STEP for d in result.events_of("decision")
                                                     if d["decision"] == "Swap" and d.get("step") is not None), None),
                        "factor": FACTOR, "slow_from_step": SLOW_STEP, "num_steps": NUM_STEPS,
-                       "global_batch": GLOBAL_BATCH, "replicas_identical": len(set(result.digests.values())) == 1}
+                       "global_batch": GLOBAL_BATCH,
+                       # ddp: every replica's digest; fsdp: the whole state, gathered (one digest)
+                       "replicas_identical": len(set(result.digests.values())) == 1}
                 if config != "no-slowdown":
                     rec["straggler_ratio"] = rates[config] / rates["no-slowdown"]
                 after = steps_per_s_after_swap(result)
@@ -85,8 +88,8 @@ def main(args) -> int:
     metrics = ["straggler_ratio", "steady_ratio_after_swap", "steps_per_s", "decided_after_steps", "swap_after_steps"]
     med = medians(slowed, metrics, key="mitigation")
     base = medians([r for r in records if r["mitigation"] == "no-slowdown"], ["steps_per_s"], key="mitigation")
-    notes = [f"rank 1 computes {FACTOR:g}x slower from step {SLOW_STEP} of {NUM_STEPS}; {NUM_WORKERS} workers + 1 "
-             f"spare on a local cluster; MLP 1.3M params, global batch {GLOBAL_BATCH}; "
+    notes = [f"rank 1 computes {FACTOR:g}x slower from step {SLOW_STEP} of {NUM_STEPS}; {args.strategy}, "
+             f"{NUM_WORKERS} workers + 1 spare on a local cluster; MLP 1.3M params, global batch {GLOBAL_BATCH}; "
              f"no-slowdown median {base['no-slowdown']['steps_per_s']:.2f} steps/s; "
              "straggler_ratio = whole-run steps/s / no-slowdown steps/s of the same repetition; "
              "steady_ratio_after_swap = the same from the swapped-in group's first step to the end; "

@@ -165,7 +165,7 @@ class FakeGroup:
             self.members[r] = self._new_rank(r)
 
     def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
-                   calibrate: bool | None = None, near: tuple[str, ...] = ()) -> None:
+                   calibrate: bool | None = None, near: tuple[str, ...] = (), at: tuple[str, ...] = ()) -> None:
         if n > 0:
             self.spare_starts.append((n, on_demand, background))
             self.calibrated_starts.append(not on_demand if calibrate is None else calibrate)
