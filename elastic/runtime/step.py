@@ -156,7 +156,9 @@ class StepRunner:
         self._upcoming: dict = {}  # the next step's
         self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
         self._cpu_time = cpu_time_counts(worker.job)  # how the compute is timed (see compute_clock)
-        self._work_s: float | None = None  # the last step's own compute, without a chaos slowdown
+        # The last step's compute by the wall clock, without a chaos slowdown: what a "slow" fault
+        # multiplies, the same whichever clock the straggler policy reads.
+        self._work_s: float | None = None
 
     def take(self) -> tuple[tuple[StepRecord, ...], tuple[LedgerEntry, ...], tuple[tuple[int, str], ...]]:
         """(compute log, ledger, skipped steps) since the last take, emptied. The caller holds
@@ -232,6 +234,7 @@ class StepRunner:
             burned = (w.slow_factor - 1.0) * (time.perf_counter() - t_start)
             chaos.busy_wait(burned)
         clock.stop()
+        work_s = time.perf_counter() - t_start - burned
         try:
             # The step's statistics, summed over the whole world: every rank agrees on the stop,
             # whatever its stage.
@@ -262,7 +265,7 @@ class StepRunner:
         # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
         agreed = StepStats.read(stats.cpu())
         compute_s = clock.seconds()  # on a GPU, read now that the host copy has synchronised the stream
-        self._work_s = max(0.0, compute_s - burned)
+        self._work_s = max(0.0, work_s)
         self._update(tr, grads, agreed, grad_norm)
         w.set_progress(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or w.amp else None)
         w.step += 1
@@ -319,7 +322,7 @@ class StepRunner:
 
     def _slowdown(self) -> list | None:
         """A "slow" chaos fault's burn for this step, done inside the compute: (factor - 1) x the
-        last step's own work ([seconds left to burn, seconds burned]). None where it is burned
+        last step's compute by the wall clock ([seconds left to burn, seconds burned]). None where it is burned
         after the step instead: no fault, a pipeline (its loss runs on the last stage only), a GPU
         (a burn on the host between calls that only queue kernels slows nothing), or no step
         timed yet on this process."""
