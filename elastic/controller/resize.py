@@ -187,8 +187,7 @@ def on_swapping(ctl: Controller, st: Swapping) -> State:
     failed = leave_for_planned_change(ctl, leaving=st.rank)
     if failed:
         return failed
-    # (with tp a spare's calibration is of the whole model: elastic/controller/stragglers.py)
-    max_calib = ctl.job.stragglers.threshold * ctl.swap_healthy_s * ctl.job.train.tp.size
+    max_calib = ctl.job.stragglers.threshold * ctl.swap_healthy_s
     old = ctl.group.members[st.rank]
     ctl.group.kill(st.rank)
     spare = ctl.group.take_spare_for(st.rank, max_calib, cfg.ping_timeout_s)

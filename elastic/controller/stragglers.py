@@ -41,19 +41,16 @@ def check(ctl: Controller) -> Swapping | Dropping | None:
                    if r not in suspects and state.compute_s.get(r)]
         healthy_s = statistics.median(healthy) if healthy else 0.0
         ctl.group.refresh_spares()
-        # A spare times the whole model on a replica's share of the batch, where a tp rank computes
-        # its slices of it: tp x a rank's time bounds the whole model's from above (the layers tp
-        # does not split are counted tp times), so a spare is weighed against that, leniently.
-        tp = ctl.job.train.tp.size
         # A spare started on demand for a recovery and kept has not been calibrated yet: six
-        # computes of a rank's share; a spare that needs more than ten healthy ones is no use.
+        # computes of a rank's share (with tp, of the whole model: tp x longer); a spare that needs
+        # more than ten healthy ones is no use.
         ctl.group.lost_spares += ctl.group.calibrate_spares(max(ctl.job.failure.ping_timeout_s * 5,
-                                                                10 * tp * healthy_s))
+                                                                10 * ctl.job.train.tp.size * healthy_s))
         # Dropping one rank keeps a flat world (ddp, fsdp); a staged one (HSDP, tp) loses whole
         # replicas only, which is not worth one slow rank: there a straggler is swapped or reported.
         may_shrink = ctl.world_size > ctl.job.scaling.min_size and not ctl.shape.staged
         decision, reason = decide_straggler(state, sc, ctl.now(),
-                                            [m.calib_s / tp for m in ctl.group.ready_spares if m.calib_s],
+                                            [m.calib_s for m in ctl.group.ready_spares if m.calib_s],
                                             healthy_s, may_shrink=may_shrink)
         if isinstance(decision, Report) and decision.rank not in state.reported:
             state.reported.add(decision.rank)

@@ -123,6 +123,45 @@ def busy_wait(seconds: float) -> None:
         x += 1
 
 
+class SlowCompute:
+    """The "slow" fault of one process: each step's compute made `factor` x longer by the wall
+    clock, burning (factor - 1) x the last step's compute. Inside the compute where it can be
+    (between the first micro-batch's forward and backward: peers whose backward holds collectives
+    with this rank, fsdp and tp, then wait for it inside their own compute, as for a slower
+    machine); after it otherwise (a pipeline's loss runs on its last stage only; on a GPU a burn
+    between calls that only queue kernels slows nothing), and on the first step timed."""
+
+    def __init__(self):
+        self._work_s: float | None = None  # the last step's compute by the wall clock, less its burn
+        self._left = 0.0  # to burn inside this step's compute
+        self._burned = 0.0
+
+    def wrap(self, loss_fn, factor: float, inside: bool):
+        """At the step's start: `loss_fn`, burning inside the compute where it can."""
+        self._burned = 0.0
+        self._left = (factor - 1.0) * self._work_s if factor > 1.0 and inside and self._work_s is not None else 0.0
+        if not self._left:
+            return loss_fn
+
+        def slowed(*args):
+            loss = loss_fn(*args)
+            if self._left > 0:
+                busy_wait(self._left)
+                self._burned, self._left = self._left, 0.0
+            return loss
+        return slowed
+
+    def finish(self, factor: float, t_start: float, synchronize=None) -> None:
+        """Where the compute ends: burn now if nothing was burned inside (`synchronize` first: a
+        GPU's queued work is the work done), and note this step's compute for the next."""
+        if factor > 1.0 and not self._burned:
+            if synchronize is not None:
+                synchronize()
+            self._burned = (factor - 1.0) * (time.perf_counter() - t_start)
+            busy_wait(self._burned)
+        self._work_s = max(0.0, time.perf_counter() - t_start - self._burned)
+
+
 def hold_gil(seconds: float) -> None:
     """Hold this process's Python for `seconds` in one C call that keeps the GIL, as a C
     extension may (ctypes.PyDLL does not release it): no other thread of the process, the one

@@ -156,9 +156,7 @@ class StepRunner:
         self._upcoming: dict = {}  # the next step's
         self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
         self._cpu_time = cpu_time_counts(worker.job)  # how the compute is timed (see compute_clock)
-        # The last step's compute by the wall clock, without a chaos slowdown: what a "slow" fault
-        # multiplies, the same whichever clock the straggler policy reads.
-        self._work_s: float | None = None
+        self._slow = chaos.SlowCompute()  # the "slow" fault, if this process is given one
 
     def take(self) -> tuple[tuple[StepRecord, ...], tuple[LedgerEntry, ...], tuple[tuple[int, str], ...]]:
         """(compute log, ledger, skipped steps) since the last take, emptied. The caller holds
@@ -212,9 +210,8 @@ class StepRunner:
         scale = w.amp["scale"] if w.amp else None
         if scale is not None:  # fp16: scale the loss so small gradients survive; unscaled below
             loss_fn = _scaled(loss_fn, scale)
-        burn = self._slowdown()
-        if burn is not None:
-            loss_fn = _slowed(loss_fn, burn)
+        loss_fn = self._slow.wrap(loss_fn, w.slow_factor,
+                                  inside=tr.strategy != "pipeline" and w.device.type != "cuda")
         try:
             with torch.autocast(w.device.type, dtype=_AUTOCAST[tr.precision], enabled=tr.precision != "fp32"):
                 local_loss = w.strategy.train_step(w.model, idx, self._load, loss_fn, micro)
@@ -227,14 +224,9 @@ class StepRunner:
             self._ahead, self._upcoming = self._upcoming, {}  # what was not used is not kept
         if scale is not None:
             local_loss = local_loss / scale
-        burned = burn[1] if burn is not None else 0.0
-        if w.slow_factor > 1.0 and burn is None:
-            if w.device.type == "cuda":  # a chaos drill only: slow by the work done, not by its launch
-                torch.cuda.synchronize(w.device)
-            burned = (w.slow_factor - 1.0) * (time.perf_counter() - t_start)
-            chaos.busy_wait(burned)
+        self._slow.finish(w.slow_factor, t_start,
+                          (lambda: torch.cuda.synchronize(w.device)) if w.device.type == "cuda" else None)
         clock.stop()
-        work_s = time.perf_counter() - t_start - burned
         try:
             # The step's statistics, summed over the whole world: every rank agrees on the stop,
             # whatever its stage.
@@ -265,7 +257,6 @@ class StepRunner:
         # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
         agreed = StepStats.read(stats.cpu())
         compute_s = clock.seconds()  # on a GPU, read now that the host copy has synchronised the stream
-        self._work_s = max(0.0, work_s)
         self._update(tr, grads, agreed, grad_norm)
         w.set_progress(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or w.amp else None)
         w.step += 1
@@ -320,18 +311,6 @@ class StepRunner:
                 w.amp["scale"].mul_(2.0)
                 w.amp["good_steps"].zero_()
 
-    def _slowdown(self) -> list | None:
-        """A "slow" chaos fault's burn for this step, done inside the compute: (factor - 1) x the
-        last step's compute by the wall clock ([seconds left to burn, seconds burned]). None where it is burned
-        after the step instead: no fault, a pipeline (its loss runs on the last stage only), a GPU
-        (a burn on the host between calls that only queue kernels slows nothing), or no step
-        timed yet on this process."""
-        w = self.w
-        if (w.slow_factor <= 1.0 or w.job.train.strategy == "pipeline" or w.device.type == "cuda"
-                or self._work_s is None):
-            return None
-        return [(w.slow_factor - 1.0) * self._work_s, 0.0]
-
     def _skip(self, step: int, why: str) -> None:
         with self._lock:
             self.skipped.append((step, why))
@@ -341,7 +320,10 @@ class StepRunner:
         after one untimed warm-up: how fast a spare can be, measured before it is trusted with a
         rank. The best of several, not the median: other processes on the machine (a group
         restoring, training beside it) only ever add time, and a spare that is slow itself is
-        slow in every repetition. None for a pipeline (a stage's compute needs its peers)."""
+        slow in every repetition. None for a pipeline (a stage's compute needs its peers). With
+        tensor parallelism the spare runs the whole model, where a rank computes its slices: its
+        time / tp, a lower bound of a rank's (the layers tp does not split count once), so a spare
+        is weighed leniently."""
         w = self.w
         tr = w.job.train
         if tr.strategy == "pipeline":
@@ -360,7 +342,7 @@ class StepRunner:
             clock.stop()
             times.append(clock.seconds() * w.slow_factor)
         w.model.zero_grad(set_to_none=True)
-        return min(times[1:])  # the first allocates gradients and warms caches: not timed
+        return min(times[1:]) / tr.tp.size  # the first allocates gradients and warms caches: not timed
 
     # ---------------------------------------------------------------- data
     def micro_batch(self) -> int:
@@ -442,20 +424,6 @@ _AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float1
 
 def _scaled(loss_fn, scale: torch.Tensor):
     return lambda *args: loss_fn(*args) * scale
-
-
-def _slowed(loss_fn, burn: list):
-    """The "slow" chaos fault inside the compute: the first micro-batch's loss burns `burn[0]`
-    seconds of CPU between its forward and its backward, so that peers whose backward holds
-    collectives with this rank (fsdp, tp) wait for it inside their own compute, as they would for
-    a slower machine."""
-    def slowed(*args):
-        loss = loss_fn(*args)
-        if burn[0] > 0:
-            chaos.busy_wait(burn[0])
-            burn[1], burn[0] = burn[0], 0.0
-        return loss
-    return slowed
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device, weights: list[float] | None = None) -> torch.Tensor:
