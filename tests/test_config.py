@@ -170,6 +170,16 @@ def test_hold_gil_needs_its_duration_and_nothing_else_takes_one():
     assert parse_job(job(chaos=[{"action": "hold_gil", "rank": 1, "at_step": 2, "hold_s": 3}])).chaos[0].hold_s == 3
 
 
+def test_slow_copies_needs_its_delay_and_memory_sync_needs_copies():
+    with pytest.raises(ConfigError, match="slow_copies needs delay_s"):
+        parse_job(job(chaos=[{"action": "slow_copies", "rank": 1, "at_step": 2}]))
+    with pytest.raises(ConfigError, match="delay_s is for slow_copies, not slow"):
+        parse_job(job(chaos=[{"action": "slow", "rank": 1, "at_step": 2, "delay_s": 1}]))
+    with pytest.raises(ConfigError, match="memory_sync=true.*memory_every_steps=0"):
+        parse_job(job(checkpoint={"memory_every_steps": 0, "memory_sync": True}))
+    assert parse_job(job(checkpoint={"memory_sync": True})).checkpoint.memory_sync
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parent.parent / "examples").glob("*.yaml")))
 def test_every_example_job_passes_the_checks_before_any_worker(name):
     """What `elastic train examples/<name>` checks before starting anything: the schema, the

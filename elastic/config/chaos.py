@@ -13,13 +13,15 @@ class ChaosFault(_Strict):
     when it has completed `at_step` steps and before it starts the next one."""
 
     action: Literal["kill_node", "kill_process", "freeze_node", "freeze_process", "hang", "slow", "hold_gil",
-                    "kill_agent"] = Field(
+                    "kill_agent", "slow_copies"] = Field(
         description="kill_node: SIGKILL the raylet and every process on the rank's node; kill_process: SIGKILL the "
                     "rank's worker; freeze_node: SIGSTOP the raylet and every process on the node (a machine that "
                     "loses power: nothing exits, no socket closes); freeze_process: SIGSTOP the worker only; hang: "
                     "SIGSTOP the rank (alive, silent, holding its sockets); slow: the process computes factor x "
                     "slower from then on; hold_gil: the rank's Python held hold_s seconds (busy, not lost); kill_agent: "
-                    "SIGKILL the node agent of the rank's node, workers left running (its ranks are lost with it).")
+                    "SIGKILL the node agent of the rank's node, workers left running (its ranks are lost with it); "
+                    "slow_copies: each of the rank's in-memory copies from then on reaches its buddy delay_s "
+                    "seconds late (a slow link to the buddy).")
     rank: int = Field(ge=0, description="The rank the fault hits (below scaling.num_workers).")
     at_step: int = Field(ge=0, description="Fires right after the rank has completed this many steps (below "
                                            "run.num_steps).")
@@ -31,6 +33,9 @@ class ChaosFault(_Strict):
         None, gt=0, le=3600, description="hold_gil only: the rank's Python is held this many seconds by one C call "
                                          "that keeps the GIL (as a C extension may): its polls go unanswered while "
                                          "its process sleeps; it then trains on")
+    delay_s: float | None = Field(
+        None, gt=0, le=600, description="slow_copies only: seconds each in-memory copy of the rank is held back "
+                                        "before it is sent to its buddy")
     during_upload: bool = Field(
         False, description="at at_step, first wait until this rank's checkpoint is being written to storage, then "
                            "fire: the drill for a machine lost mid-upload. Waits at most "
@@ -51,4 +56,7 @@ class ChaosFault(_Strict):
         if (self.hold_s is None) != (self.action != "hold_gil"):
             raise ValueError("hold_gil needs hold_s (seconds the rank's Python is held)" if self.hold_s is None
                              else f"hold_s is for hold_gil, not {self.action}")
+        if (self.delay_s is None) != (self.action != "slow_copies"):
+            raise ValueError("slow_copies needs delay_s (seconds each copy to the buddy is held back)"
+                             if self.delay_s is None else f"delay_s is for slow_copies, not {self.action}")
         return self

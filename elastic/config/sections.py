@@ -121,6 +121,14 @@ class CheckpointConfig(_Strict):
                              "holds its own last two parts and its buddies' last two. 0: off (a fault restores "
                              "the latest committed checkpoint). Replicated state restores from a surviving "
                              "replica without copies.")
+    memory_sync: bool = Field(
+        False, description="In-memory copies on the critical path: a copied step counts as done (reported, "
+                           "its samples in the ledger) only once every rank's copy of it is at its buddy (each "
+                           "rank waits for its buddy's answer, then one small all-reduce). A fault then redoes "
+                           "no step with memory_every_steps 1 (the step under way when it strikes is lost, "
+                           "never counted done), at the cost of every copy's send in each step's time "
+                           "(memory_max_overhead does not apply). Off: copies go in the background, and up to "
+                           "the steps since the last copy that reached its buddy are redone.")
     memory_max_overhead: float = Field(
         0.03, gt=0, le=1, description="The share of training time in-memory copies may cost: a copy is taken "
                                       "once the steps since the last one have run for its cost / this. A copy's "
@@ -164,6 +172,10 @@ class CheckpointConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_storage_timeouts(self) -> "CheckpointConfig":
+        if self.memory_sync and not self.memory_every_steps:
+            raise ValueError("checkpoint.memory_sync=true waits for in-memory copies, but "
+                             "checkpoint.memory_every_steps=0 takes none: set memory_every_steps to 1 (a copy "
+                             "every step, nothing redone after a fault) or leave memory_sync off")
         # s3fs bounds each request (connect_timeout 5 s, read_timeout 15 s, then its retries); None or
         # 0 given here would let one request that is never answered hold a persist or the controller.
         given = self.storage_options.get("config_kwargs") or {}

@@ -28,6 +28,9 @@ def fire_fault(w: Worker, fault: dict) -> None:
     if fault["action"] == "slow":
         w.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
         return
+    if fault["action"] == "slow_copies":
+        w.copies.delay_s = fault["delay_s"]  # a slow link to the buddy, from now on
+        return
     if fault["action"] == "kill_agent":
         chaos.kill_own_agent()  # then trains on: the controller replaces this node's ranks
         return

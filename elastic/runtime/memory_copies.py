@@ -19,6 +19,11 @@ does not (a GPU trains, spare cores serialise) it is little, and copies come mor
 keeps its last two parts and its buddies' last two: the newer may not have reached every buddy
 when a fault comes, the older has (its sends had ended before the newer began).
 A copy being received never replaces the last complete one: it is kept beside it until whole.
+
+With checkpoint.memory_sync the send is on the critical path instead: the rank waits for its
+buddy's answer before the step counts as done (the worker then holds the step's report until
+every rank's copy is in: one small all-reduce), so a step the controller has seen done always
+has every part at a buddy, and a fault redoes none of them at memory_every_steps 1.
 """
 from __future__ import annotations
 
@@ -68,12 +73,36 @@ def from_wire(part: dict) -> dict:
     return map_leaves(part, lambda v: v.tensor() if isinstance(v, _Array) else v)
 
 
+def _wait_held(ref, aborted, timeout_s: float) -> None:
+    """Wait for a buddy's answer to a copy, in slices: a group aborted meanwhile (the buddy's
+    node may be the one lost, and Ray may take long to say so) ends the wait at once."""
+    from elastic.runtime.collectives import GroupAborted
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready, _ = ray.wait([ref], timeout=0.1)
+        if ready:
+            try:
+                held = ray.get(ready[0])
+            except Exception as e:  # noqa: BLE001 - the buddy died: the group is failing with it
+                raise GroupAborted(f"in-memory copy not taken by its buddy: {type(e).__name__}: {e}") from e
+            if not held:
+                raise GroupAborted("in-memory copy refused by its buddy (it is in a newer group)")
+            return
+        if aborted():
+            raise GroupAborted("collective aborted while an in-memory copy was on its way (a peer went silent)")
+        if time.monotonic() > deadline:
+            raise GroupAborted(f"in-memory copy not at its buddy after {timeout_s:.0f} s "
+                               "(failure.collective_timeout_s)")
+
+
 class MemoryCopies:
     """One rank's own parts by step, and the parts it holds for other ranks (its buddies')."""
 
-    def __init__(self, every_steps: int, max_overhead: float = 0.03):
+    def __init__(self, every_steps: int, max_overhead: float = 0.03, sync: bool = False):
         self.every = every_steps
         self.max_overhead = max_overhead
+        self.sync = sync  # checkpoint.memory_sync: take() returns once the buddy holds the copy
+        self.delay_s = 0.0  # the slow_copies chaos fault: each send held back this long (a slow link)
         self.cost_s = 0.0  # what the last copy cost training: taking it, and its send's slowdown of steps
         self.last_step: int | None = None  # the step of the last copy taken
         self._base = deque(maxlen=9)  # times of the latest steps run with no send on its way
@@ -112,7 +141,10 @@ class MemoryCopies:
         slot; one vote skips it on every rank): its last send is still on its way (or its cost is
         not counted yet), fewer than BASE_STEPS steps without one have been timed, or the steps
         since its last copy have not yet earned that copy's cost within the budget
-        (cost <= max_overhead x steps x step time: copies spaced so they cost at most that share)."""
+        (cost <= max_overhead x steps x step time: copies spaced so they cost at most that share).
+        Never with memory_sync: its copies are never spaced (and never on their way between steps)."""
+        if self.sync:
+            return False
         if self.sending() or self._extra_s is not None or len(self._base) < BASE_STEPS:
             return True
         if self.last_step is None or not step_s or not self.cost_s:
@@ -135,8 +167,15 @@ class MemoryCopies:
     def due(self, step: int, copying: bool) -> bool:
         return bool(self.every) and self.buddy is not None and step % self.every == 0 and not copying
 
-    def take(self, w: Worker) -> None:
-        """This rank's part at its current step, kept, and sent to its buddy in the background."""
+    def holds_report(self, step: int) -> bool:
+        """With memory_sync, whether `step`'s report waits for its copies (a copy is due at it)."""
+        return self.sync and self.due(step, False)
+
+    def take(self, w: Worker, aborted=lambda: False, timeout_s: float = 120.0) -> None:
+        """This rank's part at its current step, kept, and sent to its buddy in the background;
+        with memory_sync, waited for here until the buddy holds it. That wait ends with
+        GroupAborted once `aborted()` (the group was aborted: a peer went silent), or with
+        TimeoutError after `timeout_s`; the controller then restores from the copies before."""
         t0 = time.perf_counter()
         part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step)
         self.cost_s = time.perf_counter() - t0  # on the training thread; the send's share follows (note_step)
@@ -148,9 +187,18 @@ class MemoryCopies:
                 del self.own[old]
         _, handle = self.buddy
         gen = self.generation
+        delay_s = self.delay_s
+        if self.sync:
+            if delay_s:
+                time.sleep(delay_s)
+            _wait_held(handle.hold_copy.remote(w.rank, gen, to_wire(part)), aborted, timeout_s)
+            self.cost_s, self._extra_s = time.perf_counter() - t0, None  # the whole of it held the step
+            return
 
         def send() -> None:
             try:
+                if delay_s:
+                    time.sleep(delay_s)
                 ray.get(handle.hold_copy.remote(w.rank, gen, to_wire(part)))
             except Exception:  # noqa: BLE001 - the buddy is gone: its copies are too, and the polls say so
                 pass

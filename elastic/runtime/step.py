@@ -157,6 +157,7 @@ class StepRunner:
         self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
         self._cpu_time = cpu_time_counts(worker.job)  # how the compute is timed (see compute_clock)
         self._slow = chaos.SlowCompute()  # the "slow" fault, if this process is given one
+        self.held_report = None  # memory_sync: the last step's report, until its copies are in
 
     def take(self) -> tuple[tuple[StepRecord, ...], tuple[LedgerEntry, ...], tuple[tuple[int, str], ...]]:
         """(compute log, ledger, skipped steps) since the last take, emptied. The caller holds
@@ -263,14 +264,32 @@ class StepRunner:
         if w.scheduler is not None:
             w.scheduler.step()  # once per step, skipped or not: the schedule is a function of the step
         loss = agreed.loss_sum / w.strategy.loss_ranks
-        now, step_s = time.time(), time.perf_counter() - t_start
-        with self._lock:
-            self.compute_log.append(StepRecord(w.step, compute_s, loss, now, step_s))
-            if w.job.run.sample_ledger and lay.stage_of(w.rank) == lay.tp_of(w.rank) == 0:  # one rank per share
-                self.ledger.append(LedgerEntry(w.step, lay.data_world, replica, tuple(idx), w.order.num_samples))
-        w.set_progress(step=w.step, loss=loss, step_end=now, step_s=step_s, compute_s=compute_s,
-                       first_step_end=w._progress.get("first_step_end") or now)
+        step = w.step
+        ledger = (LedgerEntry(step, lay.data_world, replica, tuple(idx), w.order.num_samples)
+                  if w.job.run.sample_ledger and lay.stage_of(w.rank) == lay.tp_of(w.rank) == 0 else None)  # one rank per share
+
+        def report() -> None:
+            """The step, done: what the next poll tells the controller (its time counts the wait
+            for the copies where they held the report)."""
+            now, step_s = time.time(), time.perf_counter() - t_start
+            with self._lock:
+                self.compute_log.append(StepRecord(step, compute_s, loss, now, step_s))
+                if ledger is not None:
+                    self.ledger.append(ledger)
+            w.set_progress(step=step, loss=loss, step_end=now, step_s=step_s, compute_s=compute_s,
+                           first_step_end=w._progress.get("first_step_end") or now)
+
+        if w.copies.holds_report(step):  # memory_sync: reported once every rank's copy of it is in
+            self.held_report = report
+        else:
+            report()
         return agreed
+
+    def report_held(self) -> None:
+        """Report the step whose report waited for its in-memory copies (memory_sync)."""
+        report, self.held_report = self.held_report, None
+        if report is not None:
+            report()
 
     def _update(self, tr, grads: list[torch.Tensor], stats: StepStats, grad_norm: torch.Tensor) -> None:
         """The optimizer step of step `worker.step + 1`, decided the same way on every rank from the

@@ -96,7 +96,8 @@ class Worker(GroupMembership):
         self.factory_lrs: list[float] = []  # each param group's learning rate as built: where a schedule starts
         self.amp: dict[str, torch.Tensor] = {}  # fp16: {"scale", "good_steps"}, saved and restored with the state
         self.kept_offer: dict | None = None  # this rank's part, kept for a rank-to-rank re-shard
-        self.copies = MemoryCopies(self.job.checkpoint.memory_every_steps, self.job.checkpoint.memory_max_overhead)  # sharded state's in-memory copies
+        self.copies = MemoryCopies(self.job.checkpoint.memory_every_steps, self.job.checkpoint.memory_max_overhead,
+                                   self.job.checkpoint.memory_sync)  # sharded state's in-memory copies
         # What is alive now (imported modules, the job's functions, the dataset) lives as long as the
         # worker: moved out of the cyclic collector's reach, so that a full collection scans only
         # what training creates. Without this, a full collection of this process's ~300,000
@@ -234,7 +235,9 @@ class Worker(GroupMembership):
                 agreed = self.runner.train_step(micro)
                 if self._progress["step_s"] is not None:
                     self.copies.note_step(self._progress["step_s"])
-                if self.copies.due(self.step, agreed.copying):
+                if self.copies.holds_report(self.step):
+                    self._copy_before_report()
+                elif self.copies.due(self.step, agreed.copying):
                     self.copies.take(self)
                 self._stop_agreed = agreed.stop
                 self._persist_busy = agreed.persist_busy  # on any rank: agreed, like the stop
@@ -277,6 +280,18 @@ class Worker(GroupMembership):
             self._running.clear()
         self.set_progress(status=RankStatus.DONE)
         return RunResult(RunStatus.DONE, self.step, generation, digest=self.state_digest())
+
+    def _copy_before_report(self) -> None:
+        """checkpoint.memory_sync: this step's copy at its buddy, then every rank's (one small
+        all-reduce: none passes it before all are in), then the step reported. A failure on the
+        way leaves the step unreported: the restore takes the copies before it, none redone."""
+        try:
+            self.copies.take(self, aborted=lambda: self._abort is not None and self._abort.aborted,
+                             timeout_s=self.job.failure.collective_timeout_s)
+            torch.distributed.all_reduce(torch.zeros(1, device=self.device))
+        except (RuntimeError, torch.distributed.DistError) as e:
+            raise CollectiveError(f"{type(e).__name__}: {e}") from e
+        self.runner.report_held()
 
     def save_again(self) -> int:
         """The run's last checkpoint did not commit: save the final state again (every rank at
