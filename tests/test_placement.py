@@ -1,8 +1,8 @@
 """Where replacements go with tensor parallelism (elastic/policies/placement.py): pure decisions.
-The drill on a real cluster is tests/test_tp_placement.py."""
+The drills on a real cluster are in tests/test_tp_chaos.py."""
 from __future__ import annotations
 
-from elastic.policies.placement import replacement_homes, split_groups
+from elastic.policies.placement import group_node, pick_spare, replacement_homes, split_groups
 
 
 # ---------------------------------------------------------------- replacements beside their tp group
@@ -31,3 +31,19 @@ def test_a_tp_group_lost_whole_goes_where_most_of_it_fits():
 def test_split_groups_names_the_tp_groups_that_span_nodes():
     assert split_groups({0: "A", 1: "A", 2: "B", 3: "C"}, 2) == [2]
     assert split_groups({0: "A", 1: "A"}, 2) == []
+
+
+# ---------------------------------------------------------------- a straggler's spare beside its tp group
+def test_a_stragglers_spare_is_taken_on_its_tp_groups_node_first():
+    members = {0: "A", 1: "A", 2: "B", 3: "B"}
+    assert group_node(1, 2, members) == "A"  # its peer's node, not its own entry
+    assert group_node(1, 2, {0: "C", 1: "A"}) == "C"
+    assert group_node(1, 1, members) is None  # no tp: no group to keep together
+    spares = [("C", 0.10), ("A", 0.12), ("A", 0.30)]
+    # The fastest fast-enough spare on A, though one elsewhere is faster.
+    assert pick_spare(spares, 0.2, "A") == 1
+    # None on A fast enough: the fastest anywhere (the group then spans nodes).
+    assert pick_spare(spares, 0.11, "A") == 0
+    assert pick_spare(spares, 0.2, None) == 0
+    # Too slow, or never calibrated: none.
+    assert pick_spare([("A", None), ("C", 0.5)], 0.2, "A") is None

@@ -202,6 +202,9 @@ def test_a_tp_straggler_is_swapped_not_its_tp_peer(cluster, tmp_path, strategy):
     assert [(d["decision"], d["ranks"]) for d in acts] == [("Swap", [1])], acts
     (swapped,) = result.events_of("swapped")
     assert swapped["rank"] == 1 and swapped["how"] == "warm spare", swapped
+    # The only spare is on another node (rank 1's tp peer fills the rest of its node): the group
+    # now spans two nodes, and the event says so.
+    assert swapped["tp_split_groups"] == [0] and swapped["new_node"] != swapped["old_node"], swapped
     assert all(e["uri"] is None for e in result.events_of("restored")), result.events_of("restored")
     assert_exact_once(tmp_path / "r1" / "runs" / j["run"]["name"] / "ledger.json", steps, BATCH, _num_samples(),
                       seed=0)

@@ -13,6 +13,7 @@ from elastic.controller.states import Dropping, Forming, Growing, Recovering, St
 from elastic.group.worker_group import GroupError, cause_of
 from elastic.parallel.topology import Layout
 from elastic.policies.failure import LostRank
+from elastic.policies.placement import split_groups
 from elastic.policies.restore import RestoreSource, path_of, planned_restore, restore_after_shrink
 from elastic.protocol import LostCause
 
@@ -198,7 +199,9 @@ def on_swapping(ctl: Controller, st: Swapping) -> State:
     src = min(r for r in ctl.group.members if r != st.rank)
     ctl.restore_plan = planned_restore(ctl.shape, cfg.peer_restore, ctl.step, ctl.offers, ctl.world_size, src,
                                        old_layout=ctl.layout, new_layout=ctl.layout, swapped=st.rank)
+    tp = ctl.job.train.tp.size
+    split = split_groups({r: m.node_id for r, m in ctl.group.members.items()}, tp) if tp > 1 else []
     ctl.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
                     new_node=ctl.group.members[st.rank].node_id[:12], swap_s=ctl.now() - t0,
-                    spare_calib_s=spare.calib_s if spare else None)
+                    spare_calib_s=spare.calib_s if spare else None, **({"tp_split_groups": split} if tp > 1 else {}))
     return Forming()

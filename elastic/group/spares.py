@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.group.member import GroupError, Member, gather, kill_member
 from elastic.group.node_agent import NodeAgents
 from elastic.group.prestart import PrestartPool, release_slot
-from elastic.policies.placement import replacement_homes
+from elastic.policies.placement import group_node, pick_spare, replacement_homes
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
 from elastic.runtime.actor import WorkerActor
@@ -344,13 +344,15 @@ class SparePool:
 
     # ---------------------------------------------------------------- spares take ranks
     def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float) -> Member | None:
-        """Give `rank` to the fastest live ready spare whose calibration is at most max_calib_s."""
+        """Give `rank` to the fastest live ready spare whose calibration is at most max_calib_s;
+        with tensor parallelism, to one on its tp group's node first (policies/placement.py)."""
         self.refresh_spares()
+        home = group_node(rank, self.job.train.tp.size, {r: m.node_id for r, m in self.members.items()})
         while True:
-            ok = [m for m in self.ready_spares if m.calib_s is not None and m.calib_s <= max_calib_s]
-            if not ok:
+            i = pick_spare([(m.node_id, m.calib_s) for m in self.ready_spares], max_calib_s, home)
+            if i is None:
                 return None
-            m = min(ok, key=lambda m: m.calib_s)
+            m = self.ready_spares[i]
             if self._spare_alive(m, ping_timeout_s):
                 self._assign(rank, m)
                 return m

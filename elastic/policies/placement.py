@@ -84,3 +84,24 @@ def replacement_homes(missing: list[int], tp: int, member_nodes: dict[int, str],
                 homes[r] = home
                 room[home] -= 1
     return homes
+
+
+def group_node(rank: int, tp: int, member_nodes: dict[int, str]) -> str | None:
+    """The node most of `rank`'s tp peers (not `rank` itself) are on: where a replacement for it
+    keeps the group whole. None without tensor parallelism, or when no peer is placed."""
+    if tp == 1:
+        return None
+    g = rank // tp
+    on = [member_nodes[r] for r in range(g * tp, (g + 1) * tp) if r != rank and r in member_nodes]
+    return max(sorted(set(on)), key=on.count) if on else None
+
+
+def pick_spare(spares: list[tuple[str, float | None]], max_calib_s: float, home: str | None) -> int | None:
+    """Which ready spare (`spares`: (node, calibrated step seconds or None)) takes a straggler's
+    rank: one calibrated at most `max_calib_s`, on `home` (its tp group's node) if one is there,
+    else the fastest anywhere (the group then spans nodes: said in the `swapped` event). Index,
+    or None when no spare is fast enough."""
+    ok = [i for i, (_, c) in enumerate(spares) if c is not None and c <= max_calib_s]
+    if not ok:
+        return None
+    return min(ok, key=lambda i: (spares[i][0] != home, spares[i][1], i))
