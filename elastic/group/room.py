@@ -1,5 +1,6 @@
-"""What the cluster's nodes can hold, asked of Ray before any worker starts: here, whether the
-in-memory copies of state held once fit each node's memory budget (checkpoint.memory_max_host_share)."""
+"""What the cluster's nodes can hold, asked of Ray: before any worker starts, whether the in-memory
+copies of state held once fit each node's memory budget (checkpoint.memory_max_host_share); while
+the group runs, each node's free CPUs (where a worker can start now)."""
 from __future__ import annotations
 
 import ray
@@ -53,3 +54,21 @@ def check_copies_room(job: JobConfig, model_fn, make_opt=None) -> None:
         raise ConfigError(f"checkpoint.memory_max_host_share={job.checkpoint.memory_max_host_share:g}: {why}. Set "
                           f"checkpoint.memory_every_steps: 0 (faults restore from storage), raise "
                           f"memory_max_host_share, or spread the ranks over more nodes")
+
+
+def free_cpus_by_node() -> dict[str, float]:
+    """Each alive node's CPUs that no task or actor holds now (the head included)."""
+    out: dict[str, float] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            out[node["NodeID"]] = 0.0
+    for node_id, res in _available_by_node().items():
+        if node_id in out:
+            out[node_id] = res.get("CPU", 0.0)
+    return out
+
+
+def _available_by_node() -> dict[str, dict]:
+    # Ray has no public per-node view of available resources (ray.available_resources() sums
+    # the cluster); this is what `ray status` reads.
+    return ray._private.state.available_resources_per_node()

@@ -18,7 +18,8 @@ from ray.exceptions import RayActorError
 
 from elastic.group.rendezvous import Rendezvous
 from elastic.group.member import GroupError, Member, Members, cause_of, death_cause, gather, kill_member, short_reason
-from elastic.group.spares import SparePool, free_cpus_by_node
+from elastic.group.room import free_cpus_by_node
+from elastic.group.spares import SparePool
 from elastic.policies.failure import formation_silent
 from elastic.policies.placement import Placement, place_tp_groups
 from elastic.protocol import AbortResult, LostCause, PollReport, RestoreResult, RunResult
