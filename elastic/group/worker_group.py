@@ -258,7 +258,8 @@ class WorkerGroup(SparePool):
         self.agents.new_epoch()
         buddies = buddies or {}
         return {r: m.handle.run.remote(num_steps, faults, list(skip_steps),
-                                       (buddies[r], self.members[buddies[r]].handle) if r in buddies else None)
+                                       (buddies[r], self.members[buddies[r]].handle) if r in buddies else None,
+                                       tuple(q for q, b in sorted(buddies.items()) if b == r))
                 for r, m in self.members.items()}
 
     def memory_parts(self, sources: dict[int, int], step: int) -> dict[int, "ray.ObjectRef"]:

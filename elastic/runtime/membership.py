@@ -70,6 +70,10 @@ class GroupMembership:
             # Checkpoint collectives run on their own group, from the persist thread, concurrently
             # with training collectives on the default group.
             self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
+            # checkpoint.memory_sync's copies go rank to rank over gloo: on CPUs the training
+            # group (the training thread waits for them), beside NCCL a gloo group of their own.
+            self.copies_pg = (dist.new_group(backend="gloo", timeout=timedelta(seconds=fc.collective_timeout_s))
+                              if self.job.scaling.use_gpu and self.job.checkpoint.memory_sync else None)
         finally:
             self._joining = None
         self._join_phase = ("sharing its transports for an abort", time.monotonic())

@@ -20,10 +20,11 @@ keeps its last two parts and its buddies' last two: the newer may not have reach
 when a fault comes, the older has (its sends had ended before the newer began).
 A copy being received never replaces the last complete one: it is kept beside it until whole.
 
-With checkpoint.memory_sync the send is on the critical path instead: the rank waits for its
-buddy's answer before the step counts as done (the worker then holds the step's report until
-every rank's copy is in: one small all-reduce), so a step the controller has seen done always
-has every part at a buddy, and a fault redoes none of them at memory_every_steps 1.
+With checkpoint.memory_sync the copy is on the critical path instead: every rank sends its part
+to its buddy rank to rank over gloo and receives the parts it keeps (copy_exchange.py), and the
+step counts as done only then (the worker holds the step's report until every rank's copies are
+in: one small all-reduce), so a step the controller has seen done always has every part at a
+buddy, and a fault redoes none of them at memory_every_steps 1.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import ray
 import torch
 
 from elastic.parallel.resharding import map_leaves
+from elastic.runtime.copy_exchange import exchange_parts
 from elastic.runtime import state
 
 if TYPE_CHECKING:
@@ -73,28 +75,6 @@ def from_wire(part: dict) -> dict:
     return map_leaves(part, lambda v: v.tensor() if isinstance(v, _Array) else v)
 
 
-def _wait_held(ref, aborted, timeout_s: float) -> None:
-    """Wait for a buddy's answer to a copy, in slices: a group aborted meanwhile (the buddy's
-    node may be the one lost, and Ray may take long to say so) ends the wait at once."""
-    from elastic.runtime.collectives import GroupAborted
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ready, _ = ray.wait([ref], timeout=0.1)
-        if ready:
-            try:
-                held = ray.get(ready[0])
-            except Exception as e:  # noqa: BLE001 - the buddy died: the group is failing with it
-                raise GroupAborted(f"in-memory copy not taken by its buddy: {type(e).__name__}: {e}") from e
-            if not held:
-                raise GroupAborted("in-memory copy refused by its buddy (it is in a newer group)")
-            return
-        if aborted():
-            raise GroupAborted("collective aborted while an in-memory copy was on its way (a peer went silent)")
-        if time.monotonic() > deadline:
-            raise GroupAborted(f"in-memory copy not at its buddy after {timeout_s:.0f} s "
-                               "(failure.collective_timeout_s)")
-
-
 class MemoryCopies:
     """One rank's own parts by step, and the parts it holds for other ranks (its buddies')."""
 
@@ -113,16 +93,17 @@ class MemoryCopies:
         self._held_gen: dict[int, int] = {}  # rank -> the group its held parts belong to
         self.generation: int | None = None  # the group the parts belong to
         self.buddy = None  # (rank, actor handle) that holds this rank's parts, or None
+        self.holds_for: tuple[int, ...] = ()  # the ranks whose buddy this rank is (memory_sync receives their parts)
         self._sender: threading.Thread | None = None
 
     # ---------------------------------------------------------------- in a group
-    def start(self, generation: int, buddy) -> None:
+    def start(self, generation: int, buddy, holds_for: tuple[int, ...] = ()) -> None:
         """A new group's run: parts of an older group are dropped (their layout is gone)."""
         with self._lock:
             if generation != self.generation:
                 self.own = {}
                 self.held = {r: s for r, s in self.held.items() if self._held_gen.get(r) == generation}
-            self.generation, self.buddy = generation, buddy
+            self.generation, self.buddy, self.holds_for = generation, buddy, tuple(holds_for)
 
     def clear(self) -> None:
         """After a restore: the state is the restored one; copies start again from it (and the
@@ -173,9 +154,10 @@ class MemoryCopies:
 
     def take(self, w: Worker, aborted=lambda: False, timeout_s: float = 120.0) -> None:
         """This rank's part at its current step, kept, and sent to its buddy in the background;
-        with memory_sync, waited for here until the buddy holds it. That wait ends with
-        GroupAborted once `aborted()` (the group was aborted: a peer went silent), or with
-        TimeoutError after `timeout_s`; the controller then restores from the copies before."""
+        with memory_sync, exchanged here rank to rank (its own sent, its buddies' received and
+        kept). That exchange ends with GroupAborted once `aborted()` (the group was aborted: a
+        peer went silent) or after `timeout_s`; the controller then restores from the copies
+        before."""
         t0 = time.perf_counter()
         part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step)
         self.cost_s = time.perf_counter() - t0  # on the training thread; the send's share follows (note_step)
@@ -191,7 +173,9 @@ class MemoryCopies:
         if self.sync:
             if delay_s:
                 time.sleep(delay_s)
-            _wait_held(handle.hold_copy.remote(w.rank, gen, to_wire(part)), aborted, timeout_s)
+            got = exchange_parts(part, self.buddy[0], list(self.holds_for), w.copies_pg, aborted, timeout_s)
+            for rank, held in got.items():
+                self.keep(rank, gen, held)
             self.cost_s, self._extra_s = time.perf_counter() - t0, None  # the whole of it held the step
             return
 
@@ -208,8 +192,11 @@ class MemoryCopies:
 
     # ---------------------------------------------------------------- as a buddy
     def hold(self, rank: int, generation: int, part: dict) -> bool:
-        """Keep `rank`'s part (already whole: Ray hands it over complete); its last KEEP only."""
-        part = from_wire(part)
+        """Keep `rank`'s part as sent through Ray (already whole: Ray hands it over complete)."""
+        return self.keep(rank, generation, from_wire(part))
+
+    def keep(self, rank: int, generation: int, part: dict) -> bool:
+        """Keep `rank`'s part (tensors of this process's own); its last KEEP only."""
         with self._lock:
             if self.generation is not None and generation < self.generation:
                 return False  # a send from an older group, arriving late

@@ -200,13 +200,15 @@ class Worker(GroupMembership):
         return state.digest(self)
 
     # ---------------------------------------------------------------- training
-    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = (), buddy=None) -> RunResult:
+    def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = (), buddy=None,
+            holds_for: tuple[int, ...] = ()) -> RunResult:
         """Train until `num_steps` steps are done. Returns how it ended (`RunStatus`: done,
         stopped, aborted, user_error, rollback); a collective failure aborts (the controller
         decides what next). `skip_steps`: steps trained without an update (the batches a
-        rollback skips). `buddy`: (rank, handle) that keeps this rank's in-memory copies."""
+        rollback skips). `buddy`: (rank, handle) that keeps this rank's in-memory copies;
+        `holds_for`: the ranks whose copies this rank keeps."""
         tr = self.job.train
-        self.copies.start(self.generation, buddy)
+        self.copies.start(self.generation, buddy, holds_for)
         self.runner.skip_steps = set(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
         micro = self.runner.micro = self.runner.micro_batch()
