@@ -63,6 +63,9 @@ OPTIONS = (
          help="elastic's checkpoint.memory_max_overhead with --strategy fsdp: the share of step time the in-memory "
               "copies may cost (1: a copy every step, whatever it costs; default: the job's, 0.03)",
          used_by=("recovery",)),
+    _opt("--copy-sync", action="store_true",
+         help="elastic's checkpoint.memory_sync with --strategy fsdp: a copy every step, each at its buddy before "
+              "the step is reported (no step redone after a fault)", used_by=("recovery",)),
     _opt("--mtbf-s", type=float, default=30.0, help="mean time between faults, seconds", used_by=("churn",)),
     _opt("--duration-s", type=float, default=600.0, help="length of the fault schedule, seconds", used_by=("churn",)),
     _opt("--replace-after-s", type=float, default=10.0,

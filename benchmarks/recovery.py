@@ -124,10 +124,12 @@ def tp_layout(tp: int) -> dict:
 
 def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str = "kill_node",
                 at_step: int = FAULT_STEPS[0], num_workers: int = NUM_WORKERS, fault_rank: int = 1,
-                gpu: bool = False, strategy: str = "ddp", tp: int = 1, copy_budget: float | None = None) -> dict:
+                gpu: bool = False, strategy: str = "ddp", tp: int = 1, copy_budget: float | None = None,
+                copy_sync: bool = False) -> dict:
     """The job of one elastic system. `strategy` fsdp: the state is sharded, and a fault restores
     from the in-memory copies at their default budget, or `copy_budget` (checkpoint.memory_max_overhead;
-    elastic-storage: from the checkpoint). `tp` > 1: examples/gpt.py split over tp ranks by the
+    elastic-storage: from the checkpoint), or a copy every step waited for (`copy_sync`:
+    checkpoint.memory_sync). `tp` > 1: examples/gpt.py split over tp ranks by the
     built-in plan (tp_layout)."""
     scaling, failure = ELASTIC_SYSTEMS[system]
     train = {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
@@ -146,7 +148,8 @@ def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str
         "scaling": {**scaling, "num_workers": num_workers, "use_gpu": gpu},
         "failure": {"max_failures": 3, **failure},
         "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": CKPT_EVERY,
-                       **({"memory_max_overhead": copy_budget} if copy_budget is not None else {})},
+                       **({"memory_max_overhead": copy_budget} if copy_budget is not None else {}),
+                       **({"memory_sync": True} if copy_sync and system != "elastic-storage" else {})},
         "train": train,
         "chaos": [{"action": fault, "rank": fault_rank, "at_step": at_step}],
     }
@@ -154,11 +157,11 @@ def elastic_job(system: str, storage_uri: str, storage_options: dict, fault: str
 
 def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str, at_step: int,
                 num_workers: int = NUM_WORKERS, fault_rank: int = 1, gpu: bool = False, strategy: str = "ddp",
-                tp: int = 1, copy_budget: float | None = None) -> dict:
+                tp: int = 1, copy_budget: float | None = None, copy_sync: bool = False) -> dict:
     from elastic import Trainer
     t0 = time.time()
     job = elastic_job(system, storage_uri, storage_options, fault, at_step, num_workers, fault_rank, gpu, strategy,
-                      tp, copy_budget)
+                      tp, copy_budget, copy_sync)
     result = Trainer(job).fit(progress=False)
     rec = result.events_of("recovered")
     r = rec[0] if rec else {}
@@ -166,6 +169,7 @@ def run_elastic(system: str, storage_uri: str, storage_options: dict, fault: str
     (plan,) = result.events_of("restore_plan") or ({},)
     return {"bench": "recovery", "system": system, "strategy": strategy, "tp": tp, "fault": fault,
             "copy_budget": job["checkpoint"].get("memory_max_overhead"),
+            "copy_sync": job["checkpoint"].get("memory_sync", False),
             "recover_s": r.get("recover_s"), "restore_source": restored["source"],
             "restore_plan": plan.get("reason"),
             "lost_steps": r.get("lost_steps"), "detect_s": r.get("detect_s"), "fault_step": r.get("fault_step"),
@@ -288,7 +292,8 @@ def main(args) -> int:
                                 print(f"ray-train result is not a fair figure: {rec['sanity']}", file=sys.stderr)
                         else:
                             rec = {**run_elastic(system, storage_uri, storage_options, fault, at_step, world,
-                                                 fault_rank, gpu, strategy, tp, getattr(args, "copy_budget", None)),
+                                                 fault_rank, gpu, strategy, tp, getattr(args, "copy_budget", None),
+                                                 bool(getattr(args, "copy_sync", False))),
                                "storage": args.storage}
                         rec["backend"] = "nccl" if gpu else "gloo"
                         rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
@@ -334,6 +339,8 @@ def main(args) -> int:
                 budget = getattr(args, "copy_budget", None)
                 at = ("their default budget" if budget is None else
                       f"checkpoint.memory_max_overhead {budget:g}" + (" (a copy every step)" if budget >= 1 else ""))
+                if getattr(args, "copy_sync", False):
+                    at = "a copy every step, each in before its step is reported (checkpoint.memory_sync)"
                 notes.append(f"every system trains with {strategy}: elastic FSDP2 with in-memory copies at {at} "
                              f"(elastic-storage: the checkpoint), Ray Train FSDP2 with distributed "
                              f"checkpointing (benchmarks/ray_train_fsdp.py)")
