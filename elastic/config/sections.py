@@ -123,8 +123,9 @@ class CheckpointConfig(_Strict):
                              "replica without copies.")
     memory_sync: bool = Field(
         False, description="In-memory copies on the critical path: a copied step counts as done (reported, "
-                           "its samples in the ledger) only once every rank's copy of it is at its buddy (each "
-                           "rank waits for its buddy's answer, then one small all-reduce). A fault then redoes "
+                           "its samples in the ledger) only once every rank's copy of it is at its buddy (every "
+                           "rank sends its part to its buddy and receives the parts it keeps, rank to rank over "
+                           "gloo, then one small all-reduce). A fault then redoes "
                            "no step with memory_every_steps 1 (the step under way when it strikes is lost, "
                            "never counted done), at the cost of every copy's send in each step's time "
                            "(memory_max_overhead does not apply). Off: copies go in the background, and up to "

@@ -81,7 +81,7 @@ class MemoryCopies:
     def __init__(self, every_steps: int, max_overhead: float = 0.03, sync: bool = False):
         self.every = every_steps
         self.max_overhead = max_overhead
-        self.sync = sync  # checkpoint.memory_sync: take() returns once the buddy holds the copy
+        self.sync = sync  # checkpoint.memory_sync: take() exchanges the copies rank to rank before it returns
         self.delay_s = 0.0  # the slow_copies chaos fault: each send held back this long (a slow link)
         self.cost_s = 0.0  # what the last copy cost training: taking it, and its send's slowdown of steps
         self.last_step: int | None = None  # the step of the last copy taken

@@ -209,6 +209,7 @@ class Worker(GroupMembership):
         `holds_for`: the ranks whose copies this rank keeps."""
         tr = self.job.train
         self.copies.start(self.generation, buddy, holds_for)
+        self.runner.held_report = None  # a report held when the last run failed is never made
         self.runner.skip_steps = set(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
         micro = self.runner.micro = self.runner.micro_batch()
