@@ -1,6 +1,7 @@
 """memory_sync's copies rank to rank (elastic/runtime/copy_exchange.py), on spawned gloo ranks: a
-ring of buddies gets every part whole, bit for bit, whatever its dtypes and shapes; a silent buddy
-ends the wait once the group is aborted, not at the collective timeout."""
+ring of buddies gets every part whole, bit for bit, whatever its dtypes and shapes, the next one
+into the last one's tensors; a silent buddy ends the wait once the group is aborted, not at the
+collective timeout."""
 from __future__ import annotations
 
 import os
@@ -39,7 +40,14 @@ def _ring(rank: int, world: int, port: int, q) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     buddy, source = (rank + 1) % world, (rank - 1) % world  # each rank keeps its predecessor's part
     got = exchange_parts(_part(rank), buddy, [source], None)
-    q.put((rank, sorted(got), _same(got[source], _part(source))))
+    first = got[source]["sharded"][("net", "0", "weight")]
+    whole = _same(got[source], _part(source))  # before the next exchange overwrites it
+    # The next exchange lands in the first one's tensors (reused), with the new values.
+    newer = {**_part(rank + 10), "part": rank}
+    again = exchange_parts(newer, buddy, [source], None, reuse={source: got[source]})
+    second = again[source]["sharded"][("net", "0", "weight")]
+    q.put((rank, sorted(got), whole and _same(again[source], {**_part(source + 10), "part": source}),
+           second.data_ptr() == first.data_ptr()))
     dist.destroy_process_group()
 
 
@@ -83,7 +91,7 @@ def _spawn(fn, world: int) -> list:
 
 def test_a_ring_of_buddies_gets_every_part_whole():
     out = _spawn(_ring, 3)
-    assert out == [(0, [2], True), (1, [0], True), (2, [1], True)]
+    assert out == [(0, [2], True, True), (1, [0], True, True), (2, [1], True, True)]
 
 
 def test_a_silent_buddy_ends_the_wait_when_the_group_is_aborted():

@@ -130,10 +130,11 @@ class Strategy(ABC):
             local_loss = loss.detach() if local_loss is None else local_loss + loss.detach()
         return local_loss
 
-    def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:
-        """This rank's part of the state for a re-shard in memory at a planned resize."""
+    def offer(self, state: dict, rank: int, world: int, step: int, into: dict | None = None) -> dict | None:
+        """This rank's part of the state for a re-shard in memory at a planned resize (copied into
+        `into`'s tensors, an older part no longer needed, where they match)."""
         from elastic.parallel import resharding
-        return resharding.offer(state, rank, world, step, self.tp)
+        return resharding.offer(state, rank, world, step, self.tp, into)
 
     def prepare(self, model: nn.Module, sync_init: bool) -> nn.Module:
         """Wrap a freshly built model for this strategy. `sync_init`: make every rank's initial

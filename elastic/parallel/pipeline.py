@@ -245,17 +245,19 @@ class Pipeline(DataParallel):
             out.append({**hyper, "params": list(full["params"])})
         return out
 
-    def offer(self, state: dict, rank: int, world: int, step: int) -> dict | None:
+    def offer(self, state: dict, rank: int, world: int, step: int, into: dict | None = None) -> dict | None:
         """This stage's state by name, as CPU copies (replica 0 only; the other replicas hold the
         same): for a planned re-partition, and as the in-memory copy of a pipeline with one
         replica (elastic/runtime/memory_copies.py), which training goes on past. With tensor
-        parallelism, this rank's tensor slice of each tensor (its local part)."""
+        parallelism, this rank's tensor slice of each tensor (its local part). Copied into `into`'s
+        tensors (an older part no longer needed) where they match."""
         if self.replica != 0:
             return None
-        from elastic.parallel.resharding import flatten
+        from elastic.parallel.resharding import copy_into, flatten
         from elastic.parallel.tensor import local
+        old = (into or {}).get("tensors", {})
         return {"step": step, "stage": self.stage, "tp_index": self.tp_index,
-                "tensors": {k: local(v).detach().to("cpu", copy=True) for k, v in flatten(state)
+                "tensors": {k: copy_into(local(v), old.get(k)) for k, v in flatten(state)
                             if isinstance(v, torch.Tensor)}}
 
     def needed_stages(self, old_pp: int) -> list[int]:

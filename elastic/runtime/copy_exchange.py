@@ -78,7 +78,22 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _post_and_wait(part: dict | None, buddy: int | None, sources: list[int], group) -> dict[int, dict]:
+def _landing(slots: list[_Slot], old: dict | None) -> list[torch.Tensor]:
+    """Where a source's tensors land: the tensors of its older part (`old`, no longer needed)
+    where dtype and shape match, else new ones."""
+    mine: list[torch.Tensor] = []
+    if old is not None:
+        _describe(old, mine)
+    out = []
+    for sl in slots:
+        t = mine[sl.index] if sl.index < len(mine) else None
+        ok = t is not None and t.dtype == sl.dtype and tuple(t.shape) == sl.shape and t.is_contiguous()
+        out.append(t if ok else torch.empty(sl.shape, dtype=sl.dtype))
+    return out
+
+
+def _post_and_wait(part: dict | None, buddy: int | None, sources: list[int], group,
+                   reuse: dict[int, dict]) -> dict[int, dict]:
     """The exchange itself (on the helper thread): returns {source: its part}."""
     tensors: list[torch.Tensor] = []
     desc = pickle.dumps(_describe(part, tensors)) if buddy is not None else b""
@@ -99,8 +114,7 @@ def _post_and_wait(part: dict | None, buddy: int | None, sources: list[int], gro
     for t in tensors:
         if t.numel():  # an empty tensor has nothing to send: its description is all of it
             sends.append(dist.isend(_bytes(t), buddy, group=group))
-    landed = {s: [torch.empty(sl.shape, dtype=sl.dtype) for sl in sorted(_slots(tree, []), key=lambda sl: sl.index)]
-              for s, tree in trees.items()}
+    landed = {s: _landing(sorted(_slots(tree, []), key=lambda sl: sl.index), reuse.get(s)) for s, tree in trees.items()}
     recvs = [dist.irecv(_bytes(t), s, group=group) for s, ts in landed.items() for t in ts if t.numel()]
     for w in recvs + sends:
         w.wait()
@@ -108,10 +122,12 @@ def _post_and_wait(part: dict | None, buddy: int | None, sources: list[int], gro
 
 
 def exchange_parts(part: dict | None, buddy: int | None, sources: list[int], group, aborted=lambda: False,
-                   timeout_s: float = 120.0) -> dict[int, dict]:
+                   timeout_s: float = 120.0, reuse: dict[int, dict] | None = None) -> dict[int, dict]:
     """Send `part` to rank `buddy` (None: this rank has no buddy) and receive the part of each rank
     in `sources` (those whose buddy this rank is), over `group` (gloo). Returns {source: part},
-    every tensor one of this process's own. GroupAborted once `aborted()` or after `timeout_s`."""
+    every tensor one of this process's own: received into the tensors of `reuse[source]` (an
+    older part of that source's, no longer needed) where they match, else new ones.
+    GroupAborted once `aborted()` or after `timeout_s`."""
     if buddy is None and not sources:
         return {}
     out: dict = {}
@@ -119,7 +135,7 @@ def exchange_parts(part: dict | None, buddy: int | None, sources: list[int], gro
 
     def work() -> None:
         try:
-            out["parts"] = _post_and_wait(part, buddy, sources, group)
+            out["parts"] = _post_and_wait(part, buddy, sources, group, reuse or {})
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
             out["error"] = e
         finally:

@@ -159,7 +159,10 @@ class MemoryCopies:
         peer went silent) or after `timeout_s`; the controller then restores from the copies
         before."""
         t0 = time.perf_counter()
-        part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step)
+        # memory_sync: the oldest part kept (never needed again once this one is in) is reused
+        # as this one's memory, here and at the buddies (a send in the background may still read it).
+        into = self._evict_oldest(self.own) if self.sync else None
+        part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step, into=into)
         self.cost_s = time.perf_counter() - t0  # on the training thread; the send's share follows (note_step)
         self._extra_s = 0.0
         self.last_step = w.step
@@ -173,7 +176,10 @@ class MemoryCopies:
         if self.sync:
             if delay_s:
                 time.sleep(delay_s)
-            got = exchange_parts(part, self.buddy[0], list(self.holds_for), w.copies_pg, aborted, timeout_s)
+            reuse = {r: self._evict_oldest(self.held.get(r, {})) for r in self.holds_for
+                     if self._held_gen.get(r) == gen}
+            got = exchange_parts(part, self.buddy[0], list(self.holds_for), w.copies_pg, aborted, timeout_s,
+                                 reuse={r: p for r, p in reuse.items() if p is not None})
             for rank, held in got.items():
                 self.keep(rank, gen, held)
             self.cost_s, self._extra_s = time.perf_counter() - t0, None  # the whole of it held the step
@@ -189,6 +195,12 @@ class MemoryCopies:
 
         self._sender = threading.Thread(target=send, name="memory-copy", daemon=True)
         self._sender.start()
+
+    def _evict_oldest(self, parts: dict[int, dict]) -> dict | None:
+        """Remove and return the oldest of `parts` (step -> part) when KEEP are kept: the newer
+        one is complete everywhere, so the oldest is never needed again once the next is in."""
+        with self._lock:
+            return parts.pop(min(parts)) if len(parts) >= KEEP else None
 
     # ---------------------------------------------------------------- as a buddy
     def hold(self, rank: int, generation: int, part: dict) -> bool:
