@@ -13,8 +13,9 @@ node, and the fifth node has room for a lost node's replacements).
   re-bound to each new mesh, the replicas end equal and every sample is seen once. (At 8 ranks,
   dp x pp x tp, this drill took 55 to 94 s of a 2-core machine; the slots along pp are the
   pipeline drills' business.)
-* pp 2 x tp 2 with one replica (copies every step), rank 0's node killed: stage 0's tp group
-  comes back from its copies at the buddies, no storage read, bit-identical.
+* pp 2 x tp 2 with one replica (a copy every step with checkpoint.memory_sync), rank 0's node
+  killed: stage 0's tp group comes back from its copies at the buddies, no storage read, no step
+  redone, bit-identical.
 * fsdp x tp (2-D shards, copies every step), rank 0's node killed with replacements too slow to
   wait for: no survivor holds the lost tp group's shards, but their copies at the buddies on
   another node do. The group shrinks to one replica, each tp slice re-sharded over dp from the
@@ -102,7 +103,7 @@ def test_one_replica_pipeline_x_tp_node_kill_restores_the_lost_tp_group_from_mem
     def one_replica(chaos=()):
         j = gpt_3d(tmp_path / f"r{len(chaos)}", chaos)
         j["scaling"].update(num_workers=4, min_workers=4)
-        j["checkpoint"].update(memory_every_steps=1, memory_max_overhead=1.0)  # a copy every step
+        j["checkpoint"].update(memory_every_steps=1, memory_sync=True)  # a copy every step, in before it is reported
         return j
     base = uninterrupted_digests(one_replica())
     j = one_replica([{"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}])
@@ -113,7 +114,7 @@ def test_one_replica_pipeline_x_tp_node_kill_restores_the_lost_tp_group_from_mem
     restored = result.events_of("restored")[-1]
     assert restored["uri"] is None and "in memory" in restored["source"], restored
     (rec,) = result.events_of("recovered")
-    assert rec["lost_steps"] <= 1, rec  # a copy every step: back at most the one in flight
+    assert rec["lost_steps"] == 0 and rec["resumed_step"] == FAULT_STEP, rec  # memory_sync: nothing redone
     assert_exact_once(tmp_path / "r1" / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, BATCH,
                       _num_samples(), seed=0, lost_rank_upto=(0, FAULT_STEP))
 
