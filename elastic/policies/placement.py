@@ -71,10 +71,8 @@ def replacement_homes(missing: list[int], tp: int, member_nodes: dict[int, str],
         by_group.setdefault(r // tp, []).append(r)
     homes: dict[int, str] = {}
     for g, ranks in sorted(by_group.items()):
-        on = [member_nodes[r] for r in range(g * tp, (g + 1) * tp) if r in member_nodes and r not in ranks]
-        if on:
-            home = max(sorted(set(on)), key=on.count)
-        else:  # the whole group is gone: the node with the most room for it (a fixed order on ties)
+        home = _majority_node(g, tp, member_nodes, ranks)
+        if home is None:  # the whole group is gone: the node with the most room for it (a fixed order on ties)
             fits = sorted((n for n, k in room.items() if k > 0), key=lambda n: (-min(room[n], len(ranks)), n))
             if not fits:
                 continue
@@ -89,10 +87,13 @@ def replacement_homes(missing: list[int], tp: int, member_nodes: dict[int, str],
 def group_node(rank: int, tp: int, member_nodes: dict[int, str]) -> str | None:
     """The node most of `rank`'s tp peers (not `rank` itself) are on: where a replacement for it
     keeps the group whole. None without tensor parallelism, or when no peer is placed."""
-    if tp == 1:
-        return None
-    g = rank // tp
-    on = [member_nodes[r] for r in range(g * tp, (g + 1) * tp) if r != rank and r in member_nodes]
+    return None if tp == 1 else _majority_node(rank // tp, tp, member_nodes, (rank,))
+
+
+def _majority_node(group: int, tp: int, member_nodes: dict[int, str], without) -> str | None:
+    """The node most members of tp group `group` other than `without` are on (name order breaks
+    ties); None when none of them is placed."""
+    on = [member_nodes[r] for r in range(group * tp, (group + 1) * tp) if r in member_nodes and r not in without]
     return max(sorted(set(on)), key=on.count) if on else None
 
 

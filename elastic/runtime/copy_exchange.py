@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from elastic.parallel.resharding import flatten, map_leaves
 from elastic.runtime.collectives import GroupAborted
 
 SLICE_S = 0.001  # how often the training thread looks whether the helper is done (or the group aborted)
@@ -40,37 +41,23 @@ class _Slot:
 
 
 def _describe(tree, tensors: list[torch.Tensor]):
-    """`tree` with each CPU tensor replaced by a `_Slot` (the tensor appended to `tensors`)."""
-    if isinstance(tree, dict):
-        return {k: _describe(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_describe(v, tensors) for v in tree)
-    if isinstance(tree, torch.Tensor):
-        tensors.append(tree.detach().cpu().contiguous())
-        return _Slot(len(tensors) - 1, tree.dtype, tuple(tree.shape))
-    return tree
+    """`tree` with each tensor replaced by a `_Slot` (the tensor, as a contiguous CPU tensor,
+    appended to `tensors`)."""
+    def slot(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        tensors.append(v.detach().cpu().contiguous())
+        return _Slot(len(tensors) - 1, v.dtype, tuple(v.shape))
+    return map_leaves(tree, slot)
 
 
 def _fill(tree, tensors: list[torch.Tensor]):
-    if isinstance(tree, dict):
-        return {k: _fill(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_fill(v, tensors) for v in tree)
-    if isinstance(tree, _Slot):
-        return tensors[tree.index]
-    return tree
+    return map_leaves(tree, lambda v: tensors[v.index] if isinstance(v, _Slot) else v)
 
 
-def _slots(tree, out: list[_Slot]) -> list[_Slot]:
-    if isinstance(tree, dict):
-        for v in tree.values():
-            _slots(v, out)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            _slots(v, out)
-    elif isinstance(tree, _Slot):
-        out.append(tree)
-    return out
+def _slots(tree) -> list[_Slot]:
+    """The slots of a description, in the order of their tensors."""
+    return sorted((v for _, v in flatten(tree) if isinstance(v, _Slot)), key=lambda sl: sl.index)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +101,7 @@ def _post_and_wait(part: dict | None, buddy: int | None, sources: list[int], gro
     for t in tensors:
         if t.numel():  # an empty tensor has nothing to send: its description is all of it
             sends.append(dist.isend(_bytes(t), buddy, group=group))
-    landed = {s: _landing(sorted(_slots(tree, []), key=lambda sl: sl.index), reuse.get(s)) for s, tree in trees.items()}
+    landed = {s: _landing(_slots(tree), reuse.get(s)) for s, tree in trees.items()}
     recvs = [dist.irecv(_bytes(t), s, group=group) for s, ts in landed.items() for t in ts if t.numel()]
     for w in recvs + sends:
         w.wait()
