@@ -16,11 +16,12 @@ node, and the fifth node has room for a lost node's replacements).
 * pp 2 x tp 2 with one replica (a copy every step with checkpoint.memory_sync), rank 0's node
   killed: stage 0's tp group comes back from its copies at the buddies, no storage read, no step
   redone, bit-identical.
-* fsdp x tp (2-D shards, copies every step), rank 0's node killed with replacements too slow to
-  wait for: no survivor holds the lost tp group's shards, but their copies at the buddies on
-  another node do. The group shrinks to one replica, each tp slice re-sharded over dp from the
-  copies (no storage read), then grows back with every kept part moved rank to rank; every sample
-  is seen once. (The fixed-layout restore from copies ending bit-identical is test_sharded_chaos's;
+* fsdp x tp (2-D shards, a copy every step with checkpoint.memory_sync, the lost group's copies
+  slowed before the fault), rank 0's node killed with replacements too slow to wait for: no
+  survivor holds the lost tp group's shards, but their copies at the buddies on another node do.
+  The group shrinks to one replica at the fault's step (none redone), each tp slice re-sharded
+  over dp from the copies (no storage read), then grows back with every kept part moved rank to
+  rank; every sample is seen once. (The fixed-layout restore from copies ending bit-identical is test_sharded_chaos's;
   the 2-D re-shard's exactness is test_resharding's.)
 * ddp x tp with a warm spare, rank 1's process killed: the replacement starts on its tp group's
   node (the dead process's slot) rather than take the spare on another node; bit-identical.
@@ -135,12 +136,17 @@ def test_ddp_tp_shrinks_to_one_replica_from_memory_and_grows_back(cluster, tmp_p
 
 
 def test_fsdp_tp_node_kill_shrinks_and_grows_back_from_memory_copies(cluster, tmp_path):
-    j = gpt_3d(tmp_path, [{"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}], steps=SHRINK_STEPS,
+    # The lost tp group's copies reach their buddies 1 s late from two steps before its node is
+    # killed; with memory_sync every reported step's copies are in all the same.
+    slow = [{"action": "slow_copies", "rank": r, "at_step": FAULT_STEP - 2, "delay_s": 1.0} for r in (0, 1)]
+    j = gpt_3d(tmp_path, [*slow, {"action": "kill_node", "rank": 0, "at_step": FAULT_STEP}], steps=SHRINK_STEPS,
                strategy="fsdp", pipeline=None, loss="tests.support.workloads:gpt_loss_slower_below_4_ranks")
     j["scaling"].update(num_workers=4, min_workers=2, shrink_after_s=1, grow_check_s=1)
-    j["checkpoint"].update(memory_every_steps=1, memory_max_overhead=1.0)  # a copy every step, whatever it costs
+    j["checkpoint"].update(memory_every_steps=1, memory_sync=True)  # a copy every step, in before it is reported
     result = Trainer(j).fit(progress=False)
     assert result.metrics["step"] == SHRINK_STEPS
+    done = result.events_of("resize_completed")
+    assert done[0]["lost_steps"] == 0 and done[0]["resumed_step"] == FAULT_STEP, done  # nothing redone
     (plan,) = result.events_of("restore_plan")
     assert plan["source"] == "FromShards", (plan, result.events_of("buddies"))
     resized = result.events_of("resized")
