@@ -2,7 +2,8 @@
 The drills on a real cluster are in tests/test_tp_chaos.py."""
 from __future__ import annotations
 
-from elastic.policies.placement import group_node, pick_spare, replacement_homes, split_groups
+from elastic.policies.placement import (group_node, pick_spare, regroup_move, regroup_nodes, replacement_homes,
+                                        split_groups)
 
 
 # ---------------------------------------------------------------- replacements beside their tp group
@@ -47,3 +48,35 @@ def test_a_stragglers_spare_is_taken_on_its_tp_groups_node_first():
     assert pick_spare(spares, 0.2, None) == 0
     # Too slow, or never calibrated: none.
     assert pick_spare([("A", None), ("C", 0.5)], 0.2, "A") is None
+
+
+# ---------------------------------------------------------------- gathering a split tp group
+def test_a_refill_goes_where_it_can_gather_a_split_tp_group():
+    # Group 0 spans A and C (a straggler's spare took rank 1 to C); group 1 is whole on B.
+    members = {0: "A", 1: "C", 2: "B", 3: "B"}
+    assert regroup_nodes(members, 2, {"A": 0.5, "B": 0.0, "C": 0.5, "D": 1.0}, 0.5) == ["A"]  # name order on a tie
+    assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.5, "D": 1.0}, 0.5) == ["C"]  # A is full
+    assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.0, "D": 1.0}, 0.5) == []  # neither node of its own has room
+    assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "B"}, 2, {"A": 1.0}, 0.5) == []  # nothing split
+    # tp 4: three on A, one on B: one spare on A (the node holding most of it), not three on B.
+    assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "A"}, 4, {"A": 1.0, "B": 2.0}, 0.5) == ["A"]
+    # Two off A: as many spares there as it has room for.
+    assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "C"}, 4, {"A": 2.0}, 0.5) == ["A", "A"]
+    assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "C"}, 4, {"A": 0.5}, 0.5) == ["A"]
+
+
+def test_a_warm_spare_on_part_of_a_split_group_gathers_it():
+    members = {0: "A", 1: "C", 2: "B", 3: "B"}
+    # A spare on A: the rank off A (rank 1) moves there.
+    assert regroup_move(members, 2, [("A", 0.1)], 0.2) == (1, "A")
+    # A spare on C: rank 0 moves to C instead.
+    assert regroup_move(members, 2, [("C", 0.1)], 0.2) == (0, "C")
+    # A spare on a node the group is not on does not gather it; nor does one too slow, or one
+    # never calibrated while a bound is known (stragglers on); without a bound any spare does.
+    assert regroup_move(members, 2, [("D", 0.1)], 0.2) is None
+    assert regroup_move(members, 2, [("A", 0.3)], 0.2) is None
+    assert regroup_move(members, 2, [("A", None)], 0.2) is None
+    assert regroup_move(members, 2, [("A", None)], None) == (1, "A")
+    # tp 4, three on A: the one on B moves to A, even with a spare on B too.
+    assert regroup_move({0: "A", 1: "A", 2: "B", 3: "A"}, 4, [("B", 0.1), ("A", 0.1)], 0.2) == (2, "A")
+    assert regroup_move({0: "A", 1: "A", 2: "B", 3: "B"}, 2, [("A", 0.1)], 0.2) is None  # nothing split

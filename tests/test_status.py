@@ -216,6 +216,29 @@ def test_format_status_prints_one_line_per_incident():
     assert lines[-1] == "  all ranks hold identical final state: True"
 
 
+def test_a_regroup_is_its_own_incident_after_the_swap_that_split_the_tp_group():
+    log = Log("file:///data/runs/tp")
+    log.start(0.0, num_workers=4, num_steps=60)
+    log("decision", 15.0, decision="Swap", ranks=[1], healthy_compute_s=0.05, step=8,
+        reason="rank 1 compute time above 1.5x the others' median")
+    log.state(15.1, "Running", "Swapping")
+    log("swapped", 15.12, rank=1, how="warm spare", old_node="nodeA", new_node="nodeC", swap_s=0.02,
+        spare_calib_s=0.04, tp_split_groups=[0], regroup=False)
+    log.reform(15.12, 4, 2, 10, old="Swapping")
+    log("decision", 19.0, decision="Regroup", ranks=[1], step=30,
+        reason="tp group 0 spans nodes; a warm spare on node nodeA holds the rest of it: rank 1 moves there")
+    log.state(19.1, "Running", "Swapping")
+    log("swapped", 19.11, rank=1, how="warm spare", old_node="nodeC", new_node="nodeA", swap_s=0.01,
+        spare_calib_s=0.04, tp_split_groups=[], regroup=True)
+    log.reform(19.11, 4, 3, 33, old="Swapping")
+    swap, regroup = summarize(log.events, now=log.events[-1]["t"])["incidents"]
+    assert (swap["kind"], swap["outcome"], swap["swapped"]["new_node"]) == ("straggler", "swapped", "nodeC")
+    assert (regroup["kind"], regroup["outcome"]) == ("placement", "swapped"), regroup
+    assert [d["decision"] for d in regroup["decisions"]] == ["Regroup"]
+    assert (regroup["swapped"]["old_node"], regroup["swapped"]["new_node"]) == ("nodeC", "nodeA")
+    assert (regroup["restored_from"], regroup["restored_step"]) == ("peer rank 0", 33)
+
+
 def test_a_running_run_mid_recovery():
     events = a_run(upto_s=23.0)  # rank 2's node is gone; no replacement yet
     s = summarize(events)

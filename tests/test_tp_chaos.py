@@ -186,13 +186,16 @@ def test_a_replacement_starts_beside_its_tp_group_rather_than_take_a_spare_elsew
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_tp_straggler_is_swapped_not_its_tp_peer(cluster, tmp_path, strategy):
+def test_a_tp_straggler_is_swapped_not_its_tp_peer_and_its_group_is_gathered_again(cluster, tmp_path, strategy):
     """dp 2 x tp 2, rank 1 computes 3x slower from step 3, inside its forward and backward: its tp
     peer (rank 0) waits for it in every layer's all-reduce, so by the wall clock both are slow.
     By CPU time (elastic/runtime/compute_clock.py) only rank 1 is, and it alone is swapped for the
     warm spare: the slot comes from the other replica's memory (ddp x tp) or is re-sharded from the
-    parts offered at the stop (fsdp x tp). The run ends bit-identical to an uninterrupted one."""
-    steps = 24
+    parts offered at the stop (fsdp x tp). The only spare is on another node, so tp group 0 spans
+    two nodes; the pool's refill starts beside rank 0, in the straggler's freed slot, and once it
+    is warm and calibrated fast, rank 1 moves to it (train.tp.regroup). The run ends bit-identical
+    to an uninterrupted one."""
+    steps = 60  # room for the refill to warm at low priority and the regroup after it
     def job(chaos=()):
         loss = "examples.gpt:loss_fn"
         # Not meta_init: a spare then holds no values to time its compute with (it is never weighed).
@@ -205,13 +208,17 @@ def test_a_tp_straggler_is_swapped_not_its_tp_peer(cluster, tmp_path, strategy):
     j = job([{"action": "slow", "rank": 1, "at_step": 3, "factor": 3}])
     result = Trainer(j).fit(progress=False)
     assert result.digests == base
-    acts = [d for d in result.events_of("decision") if d["decision"] in ("Swap", "Drop", "Report", "Restart")]
-    assert [(d["decision"], d["ranks"]) for d in acts] == [("Swap", [1])], acts
-    (swapped,) = result.events_of("swapped")
-    assert swapped["rank"] == 1 and swapped["how"] == "warm spare", swapped
+    acts = [d for d in result.events_of("decision") if d["decision"] in ("Swap", "Drop", "Report", "Restart",
+                                                                          "Regroup")]
+    assert [(d["decision"], d["ranks"]) for d in acts] == [("Swap", [1]), ("Regroup", [1])], acts
+    swapped, regrouped = result.events_of("swapped")
+    assert swapped["rank"] == 1 and swapped["how"] == "warm spare" and not swapped["regroup"], swapped
     # The only spare is on another node (rank 1's tp peer fills the rest of its node): the group
     # now spans two nodes, and the event says so.
     assert swapped["tp_split_groups"] == [0] and swapped["new_node"] != swapped["old_node"], swapped
+    # Gathered again: rank 1 leaves the spare's node for the refill beside rank 0.
+    assert regrouped["regroup"] and regrouped["how"] == "warm spare", regrouped
+    assert regrouped["old_node"] == swapped["new_node"] and regrouped["tp_split_groups"] == [], regrouped
     assert all(e["uri"] is None for e in result.events_of("restored")), result.events_of("restored")
     assert_exact_once(tmp_path / "r1" / "runs" / j["run"]["name"] / "ledger.json", steps, BATCH, _num_samples(),
                       seed=0)

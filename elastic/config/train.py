@@ -105,6 +105,11 @@ class TensorParallelSpec(_Strict):
                           "built-in Megatron-style plan for transformer blocks (a head-major fused `qkv` or "
                           "`q`/`k`/`v` column-wise, `proj` row-wise, an `mlp`'s first Linear column-wise and last "
                           "row-wise; docs/large-models.md). Checked on the meta device before any worker starts.")
+    regroup: bool = Field(
+        True, description="When a tp group's ranks span nodes (a straggler's spare or a replacement found no room "
+                          "beside the group), a refilled spare starts on the node holding most of the group and, "
+                          "once warm (and, with stragglers on, calibrated within their threshold), the rank off "
+                          "that node moves to it at a step boundary: a planned swap, its state from memory.")
     sequence_parallel: bool = Field(
         False, description="With the built-in plan: also split the norms and the residual stream inside the blocks "
                            "along the sequence (Megatron's sequence parallelism), so those activations cost 1/size "

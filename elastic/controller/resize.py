@@ -181,8 +181,8 @@ def on_dropping(ctl: Controller, st: Dropping) -> State:
 
 
 def on_swapping(ctl: Controller, st: Swapping) -> State:
-    """A planned replacement at a step boundary: nothing is lost, the spare gets state from a
-    healthy rank's memory."""
+    """A planned replacement at a step boundary (a straggler's, or a regroup's: `st.to_node`):
+    nothing is lost, the spare gets state from a healthy rank's memory."""
     cfg = ctl.job.failure
     t0 = ctl.now()
     failed = leave_for_planned_change(ctl, leaving=st.rank)
@@ -191,7 +191,7 @@ def on_swapping(ctl: Controller, st: Swapping) -> State:
     max_calib = ctl.job.stragglers.threshold * ctl.swap_healthy_s
     old = ctl.group.members[st.rank]
     ctl.group.kill(st.rank)
-    spare = ctl.group.take_spare_for(st.rank, max_calib, cfg.ping_timeout_s)
+    spare = ctl.group.take_spare_for(st.rank, max_calib, cfg.ping_timeout_s, home=st.to_node)
     how = "warm spare"
     if spare is None:
         ctl.group.promote([st.rank], cfg.replacement_timeout_s, cfg.ping_timeout_s)
@@ -203,5 +203,6 @@ def on_swapping(ctl: Controller, st: Swapping) -> State:
     split = split_groups({r: m.node_id for r, m in ctl.group.members.items()}, tp) if tp > 1 else []
     ctl.events.emit("swapped", rank=st.rank, how=how, old_node=old.node_id[:12],
                     new_node=ctl.group.members[st.rank].node_id[:12], swap_s=ctl.now() - t0,
-                    spare_calib_s=spare.calib_s if spare else None, **({"tp_split_groups": split} if tp > 1 else {}))
+                    spare_calib_s=spare.calib_s if spare else None,
+                    **({"tp_split_groups": split, "regroup": st.to_node is not None} if tp > 1 else {}))
     return Forming()

@@ -155,8 +155,10 @@ def restored(ctl: Controller, out: dict[int, RestoreResult]) -> State:
     # those that can bring a shrunk world back up (they wait for capacity, then we grow).
     headroom = ctl.job.scaling.max_size - ctl.world_size
     ctl.group.trim_spares(ctl.job.scaling.num_spares + headroom)
-    # Refills start beside the training group: at low CPU priority until built.
-    ctl.group.add_spares(ctl.job.scaling.num_spares - ctl.group.num_spares(), background=True)
+    # Refills start beside the training group: at low CPU priority until built; first where one
+    # can gather a tp group split over nodes (regroup.py).
+    ctl.group.add_spares(ctl.job.scaling.num_spares - ctl.group.num_spares(), background=True,
+                         at=ctl.group.regroup_homes())
     return Running()
 
 

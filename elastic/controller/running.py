@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elastic.checkpoint.layout import abandon_after, committed_checkpoints
-from elastic.controller import finish, lifecycle, reports, resize, stragglers
+from elastic.controller import finish, lifecycle, regroup, reports, resize, stragglers
 from elastic.controller.states import Errored, Recovering, Restoring, Running, RunWatch, State
 from elastic.group.worker_group import cause_of
 from elastic.policies.buddies import choose_buddies, has_copies
@@ -138,6 +138,8 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
         w.planned = stragglers.check(ctl)
     if w.planned is None:
         w.planned = resize.check_growth(ctl)
+    if w.planned is None:
+        w.planned = regroup.check(ctl)
     # Ranks that are done are waiting for nobody: at the last step DDP's rank 0 commits alone,
     # after the others' part of the persist ended and they returned.
     waiting = members - set(w.done)

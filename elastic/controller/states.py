@@ -64,6 +64,7 @@ class Recovering:
 class Swapping:
     rank: int
     reason: str
+    to_node: str | None = None  # a regroup: the node of the spare that gathers the rank's tp group
 
 
 @dataclass(frozen=True)

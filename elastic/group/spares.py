@@ -21,7 +21,7 @@ from elastic.group.node_agent import NodeAgents
 from elastic.group.prestart import PrestartPool, release_slot
 from elastic.group.prestart_claims import CLAIM_POLL_S, PrestartedClaims
 from elastic.group.room import free_cpus_by_node
-from elastic.policies.placement import group_node, pick_spare, replacement_homes
+from elastic.policies.placement import group_node, pick_spare, regroup_nodes, replacement_homes, split_groups
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
 from elastic.runtime.actor import WorkerActor
@@ -233,11 +233,13 @@ class SparePool(PrestartedClaims):
         return self._drop_spares(bad, " when calibrated")
 
     # ---------------------------------------------------------------- spares take ranks
-    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float) -> Member | None:
+    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float,
+                       home: str | None = None) -> Member | None:
         """Give `rank` to the fastest live ready spare whose calibration is at most max_calib_s;
-        with tensor parallelism, to one on its tp group's node first (policies/placement.py)."""
+        on `home` first, by default its tp group's node (policies/placement.py)."""
         self.refresh_spares()
-        home = group_node(rank, self.job.train.tp.size, {r: m.node_id for r, m in self.members.items()})
+        if home is None:
+            home = group_node(rank, self.job.train.tp.size, {r: m.node_id for r, m in self.members.items()})
         while True:
             i = pick_spare([(m.node_id, m.calib_s) for m in self.ready_spares], max_calib_s, home)
             if i is None:
@@ -314,6 +316,20 @@ class SparePool(PrestartedClaims):
         for r in ranks:
             self.vacated.pop(r, None)
         return how
+
+    def regroup_homes(self) -> tuple[str, ...]:
+        """With tensor parallelism, the nodes where spares would let a tp group split over nodes
+        be gathered (policies/placement.py); room is a free slot Ray shows or a killed member's
+        (Ray may not show it free yet). () when no group is split."""
+        tp = self.job.train.tp.size
+        nodes = {r: m.node_id for r, m in self.members.items()}
+        if tp == 1 or not self.job.train.tp.regroup or not split_groups(nodes, tp):
+            return ()
+        cpus = self.job.scaling.cpus_per_worker
+        free = {n: c for n, c in free_cpus_by_node().items() if n not in self.suspect_nodes}
+        for n in set(self.vacated.values()) & set(free):
+            free[n] = max(free[n], cpus)
+        return tuple(regroup_nodes(nodes, tp, free, cpus))
 
     def _replacement_homes(self, ranks: list[int]) -> dict[int, str]:
         """With tensor parallelism, the node each of `ranks` belongs on (policies/placement.py):

@@ -82,7 +82,7 @@ _CATALOGUE = (
            "Recoveries completed (the first step after the failure done), by the cause of the failure.",
            ("run", "cause")),
     Metric("elastic_decisions", "counter",
-           "Controller decisions (Restart, Raise, Swap, Drop, Report, Grow).", ("run", "decision")),
+           "Controller decisions (Restart, Raise, Swap, Drop, Report, Grow, Regroup).", ("run", "decision")),
     Metric("elastic_detect_seconds", "histogram",
            "Fault to the controller settling who is lost; only faults with a known time (injected ones).",
            ("run", "cause"), SECONDS_BUCKETS),
@@ -133,7 +133,7 @@ _CAUSES = tuple(c.value for c in LostCause) + ("user_error",)
 ZERO_BY_LABEL = {
     "elastic_failures": ("cause", _CAUSES),
     "elastic_recoveries": ("cause", _CAUSES),
-    "elastic_decisions": ("decision", ("Restart", "Raise", "Swap", "Drop", "Report", "Grow")),
+    "elastic_decisions": ("decision", ("Restart", "Raise", "Swap", "Drop", "Report", "Grow", "Regroup")),
     "elastic_checkpoints": ("outcome", ("committed", "failed", "deferred")),
 }
 # elastic.protocol.MemorySample's fields, each the metric elastic_rank_<field>

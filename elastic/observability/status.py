@@ -3,7 +3,7 @@ that is still going, one that finished, and one whose driver is gone).
 
 `summarize(events)` folds the log into a plain dict: the run's state and the controller's,
 step, world size, loss, the last committed checkpoint, and one record per incident (a failure
-and its recovery, a straggler swapped, dropped or reported, a growth). `format_status` prints
+and its recovery, a straggler swapped, dropped or reported, a growth, a regroup). `format_status` prints
 it, one line per incident. It reads the fields docs/events.md lists, plus two the controller
 also writes: `loss` on `checkpoint_committed` and `run_dir` on `run_started`.
 """
@@ -128,7 +128,8 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                     i["step"] = e.get("step")
         elif k == "decision":
             name = e.get("decision")
-            kind = "growth" if name == "Grow" else "straggler" if name in ("Swap", "Drop", "Report") else "failure"
+            kind = ("growth" if name == "Grow" else "placement" if name == "Regroup"
+                    else "straggler" if name in ("Swap", "Drop", "Report") else "failure")
             if kind == "failure":
                 i = cur if open_now("failure") else open_incident(e, "failure")
             else:
@@ -155,7 +156,7 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                 if i["kind"] != "failure" and i["outcome"] == _IN_PROGRESS:
                     i["outcome"] = "resized"
         elif k == "swapped":
-            i = last(lambda x: x["swapped"] is None and any(d["decision"] == "Swap" for d in x["decisions"]))
+            i = last(lambda x: x["swapped"] is None and any(d["decision"] in ("Swap", "Regroup") for d in x["decisions"]))
             if i is not None:
                 i["swapped"] = {"rank": e.get("rank"), "how": e.get("how"), "swap_s": e.get("swap_s"),
                                 "old_node": e.get("old_node"), "new_node": e.get("new_node")}

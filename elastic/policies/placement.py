@@ -106,3 +106,41 @@ def pick_spare(spares: list[tuple[str, float | None]], max_calib_s: float, home:
     if not ok:
         return None
     return min(ok, key=lambda i: (spares[i][0] != home, spares[i][1], i))
+
+
+def regroup_nodes(member_nodes: dict[int, str], tp: int, free_cpus: dict[str, float],
+                  cpus_per_worker: float) -> list[str]:
+    """Where spares belong so that each tp group whose ranks span nodes can be gathered on one:
+    for each such group (rank order), the node holding the most of it that has a free worker
+    slot (name order breaks ties), once per rank of the group off that node. A node's room is
+    taken once; a group no node of its own can take is left out."""
+    room: dict[str, int] = {n: int(c / cpus_per_worker + 1e-9) for n, c in free_cpus.items()}
+    out: list[str] = []
+    for first in split_groups(member_nodes, tp):
+        on = [member_nodes[r] for r in range(first, first + tp) if r in member_nodes]
+        fits = [n for n in sorted(set(on)) if room.get(n, 0) > 0]
+        if not fits:
+            continue
+        home = max(fits, key=on.count)
+        for _ in range(min(room[home], len(on) - on.count(home))):
+            out.append(home)
+            room[home] -= 1
+    return out
+
+
+def regroup_move(member_nodes: dict[int, str], tp: int, spares: list[tuple[str, float | None]],
+                 max_calib_s: float | None) -> tuple[int, str] | None:
+    """The next move that gathers a split tp group: (a rank of the group, the node it moves to),
+    where a ready spare usable at that node (`spares`: (node, calibrated step seconds or None);
+    usable: calibrated at most `max_calib_s`, or any when that is None) is on a node already
+    holding part of the group; the node holding the most of it first (name order on ties), the
+    group's highest rank off it moves. None when no split group can be gathered that way."""
+    usable = {n for n, c in spares if max_calib_s is None or (c is not None and c <= max_calib_s)}
+    for first in split_groups(member_nodes, tp):
+        ranks = [r for r in range(first, first + tp) if r in member_nodes]
+        on = [member_nodes[r] for r in ranks]
+        targets = [n for n in sorted(set(on)) if n in usable]
+        if targets:
+            home = max(targets, key=on.count)
+            return max(r for r in ranks if member_nodes[r] != home), home
+    return None

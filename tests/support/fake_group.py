@@ -214,7 +214,10 @@ class FakeGroup:
     def suspect(self, node_id: str) -> None:
         self.suspect_nodes.add(node_id)
 
-    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float):
+    def regroup_homes(self) -> tuple[str, ...]:
+        return ()  # fake members hold no tp groups
+
+    def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float, home: str | None = None):
         self.refresh_spares()
         if not self.ready_spares:
             return None

@@ -1,0 +1,53 @@
+"""Gathering a tensor-parallel group split over nodes: a straggler's spare, or a replacement, had
+no room beside its tp group, so every layer's all-reduce of that group crosses nodes. Once a warm
+spare waits on a node that holds part of the group (the pool's refill is started there,
+restoring.py), the rank off that node moves to it at a step boundary: a planned swap
+(resize.on_swapping), its state from memory, as a straggler's."""
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from elastic.controller.resize import request_stop
+from elastic.controller.states import Swapping
+from elastic.policies.placement import regroup_move, split_groups
+
+if TYPE_CHECKING:
+    from elastic.controller.controller import Controller
+
+
+def check(ctl: Controller) -> Swapping | None:
+    """A Swapping that gathers a split tp group onto a warm spare's node, with the stop at a step
+    boundary requested; None when no group is split or no spare can gather one. With stragglers
+    on, the spare must be calibrated within their threshold of the healthy ranks' compute (a
+    node that made a rank slow does not get one of the group back)."""
+    tp = ctl.job.train.tp.size
+    if tp == 1 or not ctl.job.train.tp.regroup:
+        return None
+    nodes = {r: m.node_id for r, m in ctl.group.members.items()}
+    if not split_groups(nodes, tp):
+        return None
+    ctl.group.refresh_spares()
+    healthy = healthy_compute_s(ctl)
+    bound = None if healthy is None else ctl.job.stragglers.threshold * healthy
+    move = regroup_move(nodes, tp, [(m.node_id, m.calib_s) for m in ctl.group.ready_spares
+                                    if m.node_id not in ctl.group.suspect_nodes], bound)
+    if move is None:
+        return None
+    rank, node = move
+    reason = (f"tp group {rank // tp} spans nodes; a warm spare on node {node[:12]} holds the rest of it: "
+              f"rank {rank} moves there at the next step boundary")
+    if not request_stop(ctl):
+        return None
+    ctl.events.emit("decision", decision="Regroup", ranks=[rank], reason=reason, step=ctl.step)
+    ctl.swap_healthy_s = healthy if healthy is not None else float("inf")
+    return Swapping(rank, reason, to_node=node)
+
+
+def healthy_compute_s(ctl: Controller) -> float | None:
+    """The median of the ranks' median compute over the straggler window; None with stragglers
+    off or before a window has filled (then any warm spare may gather a group)."""
+    if not ctl.job.stragglers.enabled:
+        return None
+    per_rank = [statistics.median(c) for c in ctl.stragglers.compute_s.values() if c]
+    return statistics.median(per_rank) if per_rank else None
