@@ -200,7 +200,7 @@ def memory_one(spec: dict) -> dict:
     t0 = time.time()
     # The steps alone, not run(): its last step would write a checkpoint of the whole state to disk.
     w.copies.start(w.generation, None)
-    micro = w.runner.micro = w.runner.micro_batch()
+    micro = w.runner.data.micro = w.runner.data.micro_batch()
     for _ in range(spec["steps"]):
         w.runner.train_step(micro)
     _sync()

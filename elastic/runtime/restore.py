@@ -182,7 +182,7 @@ def start_checkpointer(w: Worker) -> None:
     from the restored step, checkpoints from here."""
     state.replay_schedule(w)
     w.runner.forget_bad_run()
-    w.runner.start_data()
+    w.runner.data.start()
     w.ckpt = AsyncCheckpointer(
         w.storage, w.root, w.rank, w.world_size, w.strategy.name, w.ckpt_pg,
         w.job.checkpoint.persist_retries, w.job.checkpoint.persist_retry_backoff_s,

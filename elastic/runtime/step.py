@@ -1,7 +1,7 @@
-"""One training step of one rank: the batches it reads (its share of the global order, cut into
-micro-batches, read ahead), forward and backward through the strategy, the step's statistics
-summed over the whole world in one collective (`StepStats`), and the update every rank decides
-the same way from them (clipping, fp16 loss scaling, bad steps).
+"""One training step of one rank: its batches (elastic/runtime/batches.py), forward and backward
+through the strategy, the step's statistics summed over the whole world in one collective
+(`StepStats`), and the update every rank decides the same way from them (clipping, fp16 loss
+scaling, bad steps).
 
 The worker's run loop calls `StepRunner.train_step` once per step and acts on the flags it
 returns (a stop, a checkpoint to skip or to save again); the runner keeps what the step reports
@@ -23,10 +23,10 @@ from torch.utils.data import default_collate
 
 from elastic.checkpoint.retry import PEER_LOST
 from elastic.config import batch_plan
-from elastic.data.prefetch import Prefetcher, collate
 from elastic.parallel.buffers import StepBuffers
 from elastic.protocol import LedgerEntry, StepRecord
 from elastic.runtime import chaos
+from elastic.runtime.batches import RankBatches, to_device
 from elastic.runtime.collectives import GroupAborted
 from elastic.runtime.compute_clock import ComputeClock, cpu_time_counts
 
@@ -150,11 +150,7 @@ class StepRunner:
         self.skipped: list[tuple[int, str]] = []
         self.compute_log: list[StepRecord] = []
         self.ledger: list[LedgerEntry] = []
-        self.micro = 0  # this run's per-rank micro-batch (0: the rank's whole share at once)
-        self._pool = None  # train.prefetch: the thread that collates the next step's batches
-        self._ahead: dict = {}  # this step's prefetched batches: micro-batch sample ids -> future
-        self._upcoming: dict = {}  # the next step's
-        self._loader: Prefetcher | None = None  # train.data_workers: processes that read batches ahead
+        self.data = RankBatches(worker)  # what the rank reads each step, read ahead
         self._cpu_time = cpu_time_counts(worker.job)  # how the compute is timed (see compute_clock)
         self._slow = chaos.SlowCompute()  # the "slow" fault, if this process is given one
         self.held_report = None  # memory_sync: the last step's report, until its copies are in
@@ -204,7 +200,7 @@ class StepRunner:
         replica = lay.data_rank(w.rank)  # HSDP: each shard of a replica group reads its own share
         idx = w.order.rank_indices(w.step, tr.global_batch_size, lay.data_world, replica)
         w.optimizer.zero_grad(set_to_none=True)
-        self._prefetch_next(micro)
+        self.data.prefetch_next(micro)
         stop = bool(w.stop_requested)
         busy = w.ckpt is not None and w.ckpt.in_flight()
         loss_fn = w.fns["stage_loss"] if tr.strategy == "pipeline" else w.fns["loss"]
@@ -215,14 +211,14 @@ class StepRunner:
                                   inside=tr.strategy != "pipeline" and w.device.type != "cuda")
         try:
             with torch.autocast(w.device.type, dtype=_AUTOCAST[tr.precision], enabled=tr.precision != "fp32"):
-                local_loss = w.strategy.train_step(w.model, idx, self._load, loss_fn, micro)
+                local_loss = w.strategy.train_step(w.model, idx, self.data.load, loss_fn, micro)
             local_loss = local_loss.float().to(w.device)
         except Exception as e:
             if is_collective_failure(e):
                 raise CollectiveError(f"{type(e).__name__}: {e}") from e
             raise
         finally:
-            self._ahead, self._upcoming = self._upcoming, {}  # what was not used is not kept
+            self.data.step_done()
         if scale is not None:
             local_loss = local_loss / scale
         self._slow.finish(w.slow_factor, t_start,
@@ -363,79 +359,11 @@ class StepRunner:
         w.model.zero_grad(set_to_none=True)
         return min(times[1:]) / tr.tp.size  # the first allocates gradients and warms caches: not timed
 
-    # ---------------------------------------------------------------- data
-    def micro_batch(self) -> int:
-        """This rank's micro-batch at the current world size (0 for a pipeline: it splits each
-        replica's share into train.pipeline.microbatches itself)."""
-        tr = self.w.job.train
-        if tr.strategy == "pipeline":
-            return 0
-        return batch_plan(tr.global_batch_size, self.w.layout.data_world, tr.micro_batch_size)[0]
-
     def forget_bad_run(self) -> None:
         """After a restore every rank of the new group counts consecutive bad steps from zero:
         survivors and a replacement (which never saw the old count) then agree on when the limit
         is reached, so they roll back, or stop, together."""
         self._bad_in_a_row = []
-
-    def start_data(self) -> None:
-        """Data workers (train.data_workers) start reading at the restored step during the
-        restore: their start is seconds (each imports torch), which the first step must not be
-        charged with (the controller would take it for a hang)."""
-        w = self.w
-        tr = w.job.train
-        if not tr.data_workers or not w.strategy.needs_data:
-            return
-        self.micro = self.micro_batch()
-        if self._loader is None:
-            self._loader = Prefetcher(w.dataset, tr.data_workers, tr.data_prefetch_factor, tr.data_workers_start,
-                                      pin_memory=w.device.type == "cuda", seed=w.job.run.seed)
-        self._loader.start(w.step, self._batch_keys)
-
-    def _load(self, ids: list[int]):
-        """The collated batch of global sample ids, on this rank's device: read ahead if it was
-        (by the data workers, or the train.prefetch thread), else read now. A dataset that reads a batch at once (`__getitems__`, as
-        torch's DataLoader uses) does."""
-        batch = None
-        if self._loader is not None:  # train.data_workers (started by the restore)
-            batch = self._loader.get(self.w.step, ids, self._batch_keys)
-        else:
-            ahead = self._ahead.pop(tuple(ids), None)
-            batch = ahead.result() if ahead is not None else None
-        if batch is None:
-            batch = self._collate(ids)
-        return to_device(batch, self.w.device)
-
-    def _batch_keys(self, step: int) -> list[tuple[int, tuple[int, ...]]]:
-        """The (step, sample ids) of each batch this rank reads in `step`, in the order it reads
-        them (its share of the global order, cut into micro-batches): the data workers' plan."""
-        w = self.w
-        lay, tr = w.layout, w.job.train
-        ids = w.order.rank_indices(step, tr.global_batch_size, lay.data_world, lay.data_rank(w.rank))
-        m = self.micro or len(ids)
-        return [(step, tuple(ids[i:i + m])) for i in range(0, len(ids), m)]
-
-    def _collate(self, ids: list[int]):
-        return collate(self.w.dataset, ids)
-
-    def _prefetch_next(self, micro: int) -> None:
-        """Start on the next step's samples while this step computes: same ids, same order, only
-        earlier. train.prefetch collates them on a background thread (in this step's micro-batch
-        chunks); a dataset that can read ahead itself (`prefetch(ids)`, e.g. ParquetDataset)
-        is told which rows come next."""
-        w = self.w
-        if not w.strategy.needs_data or w.job.train.data_workers:
-            return  # data workers read ahead on their own
-        lay, tr = w.layout, w.job.train
-        nxt = w.order.rank_indices(w.step + 1, tr.global_batch_size, lay.data_world, lay.data_rank(w.rank))
-        if tr.prefetch:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-prefetch")
-            self._upcoming = {tuple(c): self._pool.submit(self._collate, c)
-                              for c in ([nxt[i:i + micro] for i in range(0, len(nxt), micro)] if micro else [nxt])}
-        elif hasattr(w.dataset, "prefetch"):
-            w.dataset.prefetch(nxt)
 
 
 _AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -453,16 +381,3 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device, weights: li
     if weights is not None:
         sq = sq * torch.tensor(weights, dtype=sq.dtype, device=sq.device)
     return sq.sum().to(device)
-
-
-def to_device(batch, device: torch.device):
-    """Move a collated batch (tensors, possibly nested in tuples/lists/dicts) to the device."""
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch

@@ -212,7 +212,7 @@ class Worker(GroupMembership):
         self.runner.held_report = None  # a report held when the last run failed is never made
         self.runner.skip_steps = set(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
-        micro = self.runner.micro = self.runner.micro_batch()
+        micro = self.runner.data.micro = self.runner.data.micro_batch()
         self.set_progress(status=RankStatus.RUNNING)
         generation = self.generation
         self.forget_old_meshes()
