@@ -2,6 +2,8 @@
 The drills on a real cluster are in tests/test_tp_chaos.py."""
 from __future__ import annotations
 
+import math
+
 from elastic.policies.placement import (group_node, pick_spare, regroup_move, regroup_nodes, replacement_homes,
                                         split_groups)
 
@@ -48,6 +50,9 @@ def test_a_stragglers_spare_is_taken_on_its_tp_groups_node_first():
     assert pick_spare(spares, 0.2, None) == 0
     # Too slow, or never calibrated: none.
     assert pick_spare([("A", None), ("C", 0.5)], 0.2, "A") is None
+    # No bound (a regroup with stragglers off): any spare, the home node's first.
+    assert pick_spare([("C", 0.1), ("A", None)], math.inf, "A") == 1
+    assert pick_spare([("C", None), ("D", 0.3)], math.inf, "A") == 1  # calibrated first elsewhere
 
 
 # ---------------------------------------------------------------- gathering a split tp group

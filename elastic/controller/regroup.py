@@ -5,6 +5,7 @@ restoring.py), the rank off that node moves to it at a step boundary: a planned 
 (resize.on_swapping), its state from memory, as a straggler's."""
 from __future__ import annotations
 
+import math
 import statistics
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,7 @@ def check(ctl: Controller) -> Swapping | None:
     if not request_stop(ctl):
         return None
     ctl.events.emit("decision", decision="Regroup", ranks=[rank], reason=reason, step=ctl.step)
-    ctl.swap_healthy_s = healthy if healthy is not None else float("inf")
+    ctl.swap_healthy_s = healthy if healthy is not None else math.inf  # no bound: any spare there
     return Swapping(rank, reason, to_node=node)
 
 

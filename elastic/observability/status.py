@@ -156,7 +156,8 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                 if i["kind"] != "failure" and i["outcome"] == _IN_PROGRESS:
                     i["outcome"] = "resized"
         elif k == "swapped":
-            i = last(lambda x: x["swapped"] is None and any(d["decision"] in ("Swap", "Regroup") for d in x["decisions"]))
+            i = last(lambda x: x["swapped"] is None
+                     and any(d["decision"] in ("Swap", "Regroup") for d in x["decisions"]))
             if i is not None:
                 i["swapped"] = {"rank": e.get("rank"), "how": e.get("how"), "swap_s": e.get("swap_s"),
                                 "old_node": e.get("old_node"), "new_node": e.get("new_node")}

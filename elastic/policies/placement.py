@@ -9,6 +9,7 @@ still move one when the node fills meanwhile).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -99,13 +100,13 @@ def _majority_node(group: int, tp: int, member_nodes: dict[int, str], without) -
 
 def pick_spare(spares: list[tuple[str, float | None]], max_calib_s: float, home: str | None) -> int | None:
     """Which ready spare (`spares`: (node, calibrated step seconds or None)) takes a straggler's
-    rank: one calibrated at most `max_calib_s`, on `home` (its tp group's node) if one is there,
-    else the fastest anywhere (the group then spans nodes: said in the `swapped` event). Index,
-    or None when no spare is fast enough."""
-    ok = [i for i, (_, c) in enumerate(spares) if c is not None and c <= max_calib_s]
+    rank: one calibrated at most `max_calib_s` (an infinite bound: any, calibrated or not), on
+    `home` (its tp group's node) if one is there, else the fastest anywhere (the group then spans
+    nodes: said in the `swapped` event). Index, or None when no spare is fast enough."""
+    ok = [i for i, (_, c) in enumerate(spares) if max_calib_s == math.inf or (c is not None and c <= max_calib_s)]
     if not ok:
         return None
-    return min(ok, key=lambda i: (spares[i][0] != home, spares[i][1], i))
+    return min(ok, key=lambda i: (spares[i][0] != home, spares[i][1] if spares[i][1] is not None else math.inf, i))
 
 
 def regroup_nodes(member_nodes: dict[int, str], tp: int, free_cpus: dict[str, float],

@@ -49,8 +49,8 @@ class RankBatches:
 
     def load(self, ids: list[int]):
         """The collated batch of global sample ids, on this rank's device: read ahead if it was
-        (by the data workers, or the train.prefetch thread), else read now. A dataset that reads a batch at once (`__getitems__`, as
-        torch's DataLoader uses) does."""
+        (by the data workers, or the train.prefetch thread), else read now. A dataset that reads
+        a batch at once (`__getitems__`, as torch's DataLoader uses) does."""
         batch = None
         if self._loader is not None:  # train.data_workers (started by the restore)
             batch = self._loader.get(self.w.step, ids, self.keys)
