@@ -1,6 +1,6 @@
-"""The optimizer state a restore's build makes before loading over it (state.prime_optimizer_state):
-the same structure and values DCP's own init makes by running a step on zero gradients, without
-the step's arithmetic; DTensors like the parameters under FSDP2."""
+"""The optimizer state made before a state dict is taken of an optimizer that has not stepped
+(elastic/parallel/optim_state.py): the same structure and values DCP's own init makes by running
+a step on zero gradients, without the step's arithmetic; DTensors like the parameters under FSDP2."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict
 
-from elastic.runtime.state import prime_optimizer_state
+from elastic.parallel.optim_state import prime_optimizer_state
 
 
 def _model():

@@ -1,6 +1,6 @@
 """A restore's build on one FSDP rank, with the optimizer state made by DCP's own init (one
-optimizer step on zero gradients) and by `state.prime_optimizer_state` (zeros, structure from a
-step on meta-device stand-ins): three real Workers on spawned gloo ranks without Ray, the
+optimizer step on zero gradients) and by `prime_optimizer_state` (elastic/parallel/optim_state.py:
+zeros, structure from a step on meta-device stand-ins): three real Workers on spawned gloo ranks without Ray, the
 benchmarks' MLP at `--hidden` width, FSDP over 3, AdamW. Each round does what a re-shard's
 `build` phase does (restore.from_shards): a fresh build with fill=False, then the state dict.
 The two ways alternate, 6 timed rounds each after one of each; medians per rank.
@@ -22,24 +22,25 @@ ROUNDS = 6
 
 def rank_main(rank: int, world: int, port: int, job: dict, root: str, hidden: int, q) -> None:
     os.environ["ELASTIC_BENCH_HIDDEN"] = str(hidden)
+    from elastic.parallel import base
     from elastic.runtime import state
     from elastic.runtime.actor import import_worker
     Worker = import_worker()
     w = Worker(json.dumps(job), root)
     w.join("127.0.0.1", port, rank, world, generation=1, pp=1)
     w.restore([])
-    primed = state.prime_optimizer_state
+    primed = base.prime_optimizer_state
     times: dict[str, list[float]] = {"dcp": [], "primed": []}
     for i in range(2 * (ROUNDS + 1)):
         way = "primed" if i % 2 else "dcp"
-        state.prime_optimizer_state = primed if way == "primed" else (lambda opt: False)
+        base.prime_optimizer_state = primed if way == "primed" else (lambda opt: False)
         t0 = time.monotonic()
         w.forget_old_meshes()
         state.build(w, fill=False)
         state.state_dict(w)
         if i >= 2:  # the first of each way warms allocator and caches
             times[way].append(time.monotonic() - t0)
-    state.prime_optimizer_state = primed
+    base.prime_optimizer_state = primed
     q.put((rank, {k: round(statistics.median(v), 3) for k, v in times.items()}))
 
 

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from elastic.parallel import memory, meta_init, tensor
 from elastic.parallel.broadcast import broadcast_tensors
 from elastic.parallel.buffers import BufferSync, check_sync_batchnorm
+from elastic.parallel.optim_state import prime_optimizer_state
 from elastic.parallel.peer_copy import CopyStats, copy_state
 
 _cleared = threading.local()
@@ -193,12 +194,15 @@ class Strategy(ABC):
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Model and optimizer state keyed by fully-qualified names, as DCP saves it (sharded
-        tensors stay sharded)."""
+        tensors stay sharded). An optimizer that has not stepped gets its state made first, without
+        DCP's zero-gradient step (optim_state.py)."""
+        prime_optimizer_state(optimizer)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
     def full_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The whole (unsharded) state on every rank, for digests and comparisons. Collective."""
+        prime_optimizer_state(optimizer)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
         return {"model": model_sd, "optim": optim_sd}
 

@@ -71,56 +71,10 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
     w.built_for = w.strategy.layout_key if w.strategy else None
     w.built_generation = w.generation  # the group whose mesh the model's DTensors are bound to
     w.optimizer = make_opt(w.model.parameters())
-    if not fill:
-        prime_optimizer_state(w.optimizer)
     w.factory_lrs = [g["lr"] for g in w.optimizer.param_groups]  # where a schedule starts
     if w.job.train.precision == "fp16":
         w.amp = {"good_steps": torch.zeros((), dtype=torch.int64, device=w.device),
                  "scale": torch.full((), LOSS_SCALE_INIT, device=w.device)}
-
-
-def prime_optimizer_state(opt: torch.optim.Optimizer) -> bool:
-    """The optimizer's per-parameter state, zeros, made without a step, for a build whose state
-    is loaded next. Without it DCP's get_state_dict makes the state by running one step on zero
-    gradients (torch's `_init_optim_state`): at 30 M parameters a rank, AdamW, 0.45 s of a 1.1 s
-    re-shard here, all arithmetic on values the load overwrites. The state's structure comes from
-    the same step on meta-device stand-ins of the parameters (no memory, no arithmetic): a tensor
-    of its parameter's shape becomes zeros like the parameter (a DTensor like a DTensor), another
-    meta tensor zeros on the parameter's device, the rest (a CPU step count) is kept. False, the
-    state left for DCP to make, for an optimizer whose step cannot run so (a closure, a fused
-    kernel, a constructor of its own)."""
-    if opt.state:
-        return True
-    pairs, groups = [], []
-    for g in opt.param_groups:
-        stand = []
-        for p in g["params"]:
-            m = torch.empty(p.shape, dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
-            if p.requires_grad:
-                m.grad = torch.zeros_like(m)
-            stand.append(m)
-            pairs.append((p, m))
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": stand})
-    try:
-        shadow = type(opt)(groups)
-        shadow.step()
-    except Exception:  # noqa: BLE001 - left to DCP's own init, as before
-        return False
-    for p, m in pairs:
-        made = shadow.state.get(m)
-        if not made:
-            continue
-        opt.state[p] = {k: _primed(v, p) for k, v in made.items()}
-    return True
-
-
-def _primed(v, p: torch.Tensor):
-    if not isinstance(v, torch.Tensor) or v.device.type != "meta":
-        return v.clone() if isinstance(v, torch.Tensor) else v
-    if v.shape == p.shape:
-        return torch.zeros_like(p, dtype=v.dtype)
-    local = p.to_local() if hasattr(p, "to_local") else p
-    return torch.zeros(v.shape, dtype=v.dtype, device=local.device)
 
 
 def _meta_for_load(w: Worker):
