@@ -54,6 +54,15 @@ def test_primed_state_is_what_dcps_init_makes_without_a_step(make):
     assert prime_optimizer_state(primed)  # a state already made is kept
 
 
+def test_no_state_is_made_while_a_gradient_waits_for_its_step_as_dcp_makes_none():
+    m = _model()
+    m(torch.ones(2, 8)).sum().backward()  # a step computed, its update not taken (a skipped bad step)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    assert not prime_optimizer_state(opt) and not opt.state
+    _init_optim_state(opt)
+    assert not opt.state  # DCP makes none either: the first real step starts the count at 1
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_left_to_dcp():
     m = _model()
     opt = torch.optim.LBFGS(m.parameters())

@@ -15,10 +15,14 @@ def prime_optimizer_state(opt: torch.optim.Optimizer) -> bool:
     on meta-device stand-ins of the parameters (no memory, no arithmetic): a tensor of its
     parameter's shape becomes zeros like the parameter (a DTensor like a DTensor), another meta
     tensor zeros on the parameter's device, the rest (a CPU step count) is kept. True when the
-    optimizer has a state (made here or before); False, the state left for DCP to make, for an
-    optimizer whose step cannot run so (a closure, a fused kernel, a constructor of its own)."""
+    optimizer has a state (made here or before); False where DCP makes none either (a parameter
+    holds a gradient: a step was computed and not taken, a skipped bad step) and where the state
+    is left for DCP to make: an optimizer whose step cannot run so (a closure, a fused kernel, a
+    constructor of its own)."""
     if opt.state:
         return True
+    if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+        return False  # as torch's _init_optim_state: a later real step must not find a state made
     pairs, groups = [], []
     for g in opt.param_groups:
         stand = []
