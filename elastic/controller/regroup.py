@@ -6,12 +6,12 @@ restoring.py), the rank off that node moves to it at a step boundary: a planned 
 from __future__ import annotations
 
 import math
-import statistics
 from typing import TYPE_CHECKING
 
 from elastic.controller.resize import request_stop
 from elastic.controller.states import Swapping
 from elastic.policies.placement import regroup_move, split_groups
+from elastic.policies.straggler import healthy_compute_s
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
@@ -29,7 +29,7 @@ def check(ctl: Controller) -> Swapping | None:
     if not split_groups(nodes, tp):
         return None
     ctl.group.refresh_spares()
-    healthy = healthy_compute_s(ctl)
+    healthy = healthy_compute_s(ctl.stragglers, ctl.group.members) if ctl.job.stragglers.enabled else None
     bound = None if healthy is None else ctl.job.stragglers.threshold * healthy
     move = regroup_move(nodes, tp, [(m.node_id, m.calib_s) for m in ctl.group.ready_spares
                                     if m.node_id not in ctl.group.suspect_nodes], bound)
@@ -44,11 +44,3 @@ def check(ctl: Controller) -> Swapping | None:
     ctl.swap_healthy_s = healthy if healthy is not None else math.inf  # no bound: any spare there
     return Swapping(rank, reason, to_node=node)
 
-
-def healthy_compute_s(ctl: Controller) -> float | None:
-    """The median of the ranks' median compute over the straggler window; None with stragglers
-    off or before a window has filled (then any warm spare may gather a group)."""
-    if not ctl.job.stragglers.enabled:
-        return None
-    per_rank = [statistics.median(c) for c in ctl.stragglers.compute_s.values() if c]
-    return statistics.median(per_rank) if per_rank else None

@@ -2,13 +2,12 @@
 window, and act on a Swap or Drop decision by asking every rank to stop at a step boundary."""
 from __future__ import annotations
 
-import statistics
 from typing import TYPE_CHECKING
 
 from elastic.controller.resize import begin_resize, request_stop
 from elastic.controller.states import Dropping, Swapping
-from elastic.policies.straggler import (Drop, Report, Swap, decide_straggler, flagged, observe, slow_steps, span,
-                                        window_ratios)
+from elastic.policies.straggler import (Drop, Report, Swap, decide_straggler, flagged, healthy_compute_s, observe,
+                                        slow_steps, span, window_ratios)
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
@@ -37,9 +36,7 @@ def check(ctl: Controller) -> Swapping | Dropping | None:
         suspects = flagged(state, sc)
         if not suspects:
             continue
-        healthy = [statistics.median(list(state.compute_s[r])) for r in ranks
-                   if r not in suspects and state.compute_s.get(r)]
-        healthy_s = statistics.median(healthy) if healthy else 0.0
+        healthy_s = healthy_compute_s(state, ranks, exclude=suspects) or 0.0
         ctl.group.refresh_spares()
         # A spare started on demand for a recovery and kept has not been calibrated yet: six
         # computes of a rank's share (with tp, of the whole model: tp x longer); a spare that needs

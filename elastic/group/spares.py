@@ -326,10 +326,14 @@ class SparePool(PrestartedClaims):
         if tp == 1 or not self.job.train.tp.regroup or not split_groups(nodes, tp):
             return ()
         cpus = self.job.scaling.cpus_per_worker
-        free = {n: c for n, c in free_cpus_by_node().items() if n not in self.suspect_nodes}
+        free = self._free_cpus()
         for n in set(self.vacated.values()) & set(free):
             free[n] = max(free[n], cpus)
         return tuple(regroup_nodes(nodes, tp, free, cpus))
+
+    def _free_cpus(self) -> dict[str, float]:
+        """Free CPUs of each node that is not suspect (Ray's view now)."""
+        return {n: c for n, c in free_cpus_by_node().items() if n not in self.suspect_nodes}
 
     def _replacement_homes(self, ranks: list[int]) -> dict[int, str]:
         """With tensor parallelism, the node each of `ranks` belongs on (policies/placement.py):
@@ -339,7 +343,7 @@ class SparePool(PrestartedClaims):
         if tp == 1 or not ranks:
             return {}
         cpus = self.job.scaling.cpus_per_worker
-        free = {n: c for n, c in free_cpus_by_node().items() if n not in self.suspect_nodes}
+        free = self._free_cpus()
         for r in ranks:
             n = self.vacated.get(r)
             if n in free:

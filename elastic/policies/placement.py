@@ -64,7 +64,7 @@ def replacement_homes(missing: list[int], tp: int, member_nodes: dict[int, str],
     (`spare_nodes`, one entry per spare) and each free slot (`free_cpus` / `cpus_per_worker`).
     A rank left out (its group's node is full) is placed as before, wherever a worker is: its
     group then spans nodes. Groups in rank order; a node's room is taken once."""
-    room: dict[str, int] = {n: int(c / cpus_per_worker + 1e-9) for n, c in free_cpus.items()}
+    room = _slots(free_cpus, cpus_per_worker)
     for n in spare_nodes:
         room[n] = room.get(n, 0) + 1
     by_group: dict[int, list[int]] = {}
@@ -95,7 +95,24 @@ def _majority_node(group: int, tp: int, member_nodes: dict[int, str], without) -
     """The node most members of tp group `group` other than `without` are on (name order breaks
     ties); None when none of them is placed."""
     on = [member_nodes[r] for r in range(group * tp, (group + 1) * tp) if r in member_nodes and r not in without]
-    return max(sorted(set(on)), key=on.count) if on else None
+    return _most(on, on) if on else None
+
+
+def _most(on: list[str], among) -> str:
+    """Of the nodes `among`, the one most entries of `on` are (name order breaks ties)."""
+    return max(sorted(set(among)), key=on.count)
+
+
+def _slots(free_cpus: dict[str, float], cpus_per_worker: float) -> dict[str, int]:
+    """Each node's free worker slots."""
+    return {n: int(c / cpus_per_worker + 1e-9) for n, c in free_cpus.items()}
+
+
+def _split(member_nodes: dict[int, str], tp: int):
+    """(ranks, their nodes) of each tp group whose ranks span nodes, in rank order."""
+    for first in split_groups(member_nodes, tp):
+        ranks = [r for r in range(first, first + tp) if r in member_nodes]
+        yield ranks, [member_nodes[r] for r in ranks]
 
 
 def pick_spare(spares: list[tuple[str, float | None]], max_calib_s: float, home: str | None) -> int | None:
@@ -115,14 +132,13 @@ def regroup_nodes(member_nodes: dict[int, str], tp: int, free_cpus: dict[str, fl
     for each such group (rank order), the node holding the most of it that has a free worker
     slot (name order breaks ties), once per rank of the group off that node. A node's room is
     taken once; a group no node of its own can take is left out."""
-    room: dict[str, int] = {n: int(c / cpus_per_worker + 1e-9) for n, c in free_cpus.items()}
+    room = _slots(free_cpus, cpus_per_worker)
     out: list[str] = []
-    for first in split_groups(member_nodes, tp):
-        on = [member_nodes[r] for r in range(first, first + tp) if r in member_nodes]
-        fits = [n for n in sorted(set(on)) if room.get(n, 0) > 0]
+    for _, on in _split(member_nodes, tp):
+        fits = [n for n in on if room.get(n, 0) > 0]
         if not fits:
             continue
-        home = max(fits, key=on.count)
+        home = _most(on, fits)
         for _ in range(min(room[home], len(on) - on.count(home))):
             out.append(home)
             room[home] -= 1
@@ -137,11 +153,9 @@ def regroup_move(member_nodes: dict[int, str], tp: int, spares: list[tuple[str, 
     holding part of the group; the node holding the most of it first (name order on ties), the
     group's highest rank off it moves. None when no split group can be gathered that way."""
     usable = {n for n, c in spares if max_calib_s is None or (c is not None and c <= max_calib_s)}
-    for first in split_groups(member_nodes, tp):
-        ranks = [r for r in range(first, first + tp) if r in member_nodes]
-        on = [member_nodes[r] for r in ranks]
-        targets = [n for n in sorted(set(on)) if n in usable]
+    for ranks, on in _split(member_nodes, tp):
+        targets = [n for n in on if n in usable]
         if targets:
-            home = max(targets, key=on.count)
+            home = _most(on, targets)
             return max(r for r in ranks if member_nodes[r] != home), home
     return None

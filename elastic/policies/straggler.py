@@ -69,6 +69,13 @@ class StragglerState:
         self.compute_s.clear()
 
 
+def healthy_compute_s(state: StragglerState, ranks, exclude=()) -> float | None:
+    """The median over `ranks` (less `exclude`) of each one's median compute in its window: what
+    a spare's calibration is weighed against. None before any of them has a window."""
+    per_rank = [statistics.median(state.compute_s[r]) for r in ranks if r not in exclude and state.compute_s.get(r)]
+    return statistics.median(per_rank) if per_rank else None
+
+
 def span(cfg: StragglerConfig) -> int:
     return cfg.window_steps * cfg.consecutive_windows
 
