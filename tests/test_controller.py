@@ -443,6 +443,29 @@ def test_a_heartbeat_finds_a_stopped_machine_or_process_after_ping_timeout_not_t
         assert isinstance(c.state, Finished) and c.step == 30
 
 
+def test_a_dead_machine_whose_peers_collectives_failed_is_lost_before_ping_timeout():
+    # Its peers' sockets to it closed (gloo fails at once); it and its node's heartbeat are silent.
+    # Lost after two heartbeat rounds of silence, not after ping_timeout_s (here 5 s, to tell the
+    # two apart); without heartbeats, the old bound still decides.
+    for heartbeats in (True, False):
+        c, g, clock = make(num_steps=30, failure={"ping_timeout_s": 5.0}, heartbeats=heartbeats)
+        drive(c, lambda c: c.step >= 8)
+        g.kill_node(1)
+        killed_at = clock()
+        drive(c, lambda c: isinstance(c.state, Recovering))
+        waited = clock() - killed_at
+        drive(c)
+        assert isinstance(c.state, Finished) and c.step == 30
+        (detected,) = kinds(c, "failure_detected")
+        (lost,) = detected["lost"]
+        assert lost["rank"] == 1 and lost["cause"] == "unresponsive"
+        if heartbeats:
+            assert "peers' collectives failed" in lost["detail"], lost
+            assert 0.4 < waited <= 1.0, waited
+        else:
+            assert waited > 5.0, waited
+
+
 def test_a_survivor_whose_run_does_not_return_after_the_abort_is_replaced_and_the_event_says_so():
     # Rank 2's machine stops; rank 1's Python is held (its heartbeat says it sleeps, so it is not
     # lost), and it does not act on the abort: its run() does not return within the grace, so it

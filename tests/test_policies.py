@@ -1,8 +1,9 @@
 """The failure policy and hang detection, with a fake clock: decisions and their reasons."""
 from elastic.config import FailureConfig
 from elastic.policies.failure import (
-    FailureObservation, LostRank, Raise, Restart, decide_failure, decide_silence, detect_hang, excused_by_heartbeat,
-    formation_silent, hang_bound_s, silence_bound_s)
+    FailureObservation, LostRank, Raise, Restart, decide_after_peers_failed, decide_failure, decide_silence,
+    detect_hang, excused_by_heartbeat, formation_silent, hang_bound_s, silence_bound_s)
+from elastic.protocol import LostCause
 from elastic.policies.restore import FromPeer, FromStorage, choose_restore
 from elastic.runtime.heartbeat import Beat
 
@@ -130,6 +131,30 @@ def test_a_heartbeat_keeps_a_rank_whose_python_is_held_and_finds_a_stopped_one_i
     ranks, _ = decide_silence({1: "unresponsive", 2: "unresponsive"}, {1: 4.0, 2: 1.5}, 4.1, cfg, steps,
                               {2: Beat(1.4, "R")})
     assert ranks == (2,)
+
+
+def test_once_peers_collectives_failed_a_silent_rank_is_lost_on_its_nodes_word_alone():
+    grace, ping = 0.4, 1.0
+    # Its node's heartbeat silent as long as its poll: the machine died with it (a node kill).
+    got = decide_after_peers_failed({1}, {1: 0.5}, {1: Beat(0.45, "R")}, grace, ping)
+    assert got[1][0] == LostCause.UNRESPONSIVE and "heartbeat" in got[1][1] and "0.45s" in got[1][1]
+    # Its node answers and says its process is gone: a process death, its slot free on that node.
+    got = decide_after_peers_failed({1}, {1: 0.5}, {1: Beat(0.0, "X")}, grace, ping)
+    assert got[1][0] == LostCause.PROCESS_DIED and "gone" in got[1][1]
+    got = decide_after_peers_failed({1}, {1: 0.5}, {1: Beat(0.0, "T")}, grace, ping)
+    assert got[1][0] == LostCause.UNRESPONSIVE and "stopped" in got[1][1]
+    # Not yet: its poll or its node's heartbeat silent for no longer than the grace.
+    assert decide_after_peers_failed({1}, {1: 0.3}, {1: Beat(0.45, "R")}, grace, ping) == {}
+    assert decide_after_peers_failed({1}, {1: 0.5}, {1: Beat(0.3, "R")}, grace, ping) == {}
+    assert decide_after_peers_failed({1}, {1: 0.3}, {1: Beat(0.0, "X")}, grace, ping) == {}
+    # Never: its node says it runs (busy in a long step; its peers failed because another died), it
+    # answers polls (none in flight), or its node never answered (no evidence: the old rules decide).
+    assert decide_after_peers_failed({1}, {1: 5.0}, {1: Beat(0.1, "R")}, grace, ping) == {}
+    assert decide_after_peers_failed({1}, {}, {1: Beat(0.45, "R")}, grace, ping) == {}
+    assert decide_after_peers_failed({1}, {1: 5.0}, {}, grace, ping) == {}
+    # A stale "gone" is not fresh evidence, but the node's silence is: still lost, as silent.
+    got = decide_after_peers_failed({1, 2}, {1: 1.5, 2: 0.5}, {1: Beat(1.2, "X"), 2: Beat(0.1, "S")}, grace, ping)
+    assert list(got) == [1] and got[1][0] == LostCause.UNRESPONSIVE
 
 
 def test_a_forming_group_waits_for_a_member_whose_node_says_it_runs():

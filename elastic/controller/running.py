@@ -12,14 +12,20 @@ from elastic.controller import finish, lifecycle, regroup, reports, resize, stra
 from elastic.controller.states import Errored, Recovering, Restoring, Running, RunWatch, State
 from elastic.group.worker_group import cause_of
 from elastic.policies.buddies import choose_buddies, has_copies
-from elastic.policies.failure import LostRank, decide_silence, detect_hang, excused_by_heartbeat
+from elastic.policies.failure import (LostRank, decide_after_peers_failed, decide_silence, detect_hang,
+                                     excused_by_heartbeat)
 from elastic.policies.restore import FromStorage, rollback_target
 from elastic.protocol import LostCause, RankStatus, RunStatus
+from elastic.runtime.heartbeat import PING_INTERVAL_S
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
 
 POLL_INTERVAL_S = 0.2
+# How long a rank and its node's heartbeat must both be silent, once its peers' collectives have
+# failed, for it to count as lost before ping_timeout_s: two rounds of pings unanswered, where a
+# live sidecar answers in milliseconds.
+PEERS_FAILED_GRACE_S = 2 * PING_INTERVAL_S
 
 
 def on_running(ctl: Controller, st: Running) -> State:
@@ -129,6 +135,14 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
         for r, why in silent.items():
             w.lost.setdefault(r, LostRank(r, cause_of(why), why))
         unaccounted = members - w.aborted - w.stopped - set(w.done) - set(w.lost)
+        if unaccounted and w.aborted and cfg.heartbeat:
+            # A death closes sockets: its peers' collectives fail at once, and its node's
+            # heartbeat says at once whether it is gone. No need to wait out ping_timeout_s.
+            gone = decide_after_peers_failed(unaccounted, ctl.group.unanswered_s(), ctl.group.beats(),
+                                             PEERS_FAILED_GRACE_S, cfg.ping_timeout_s)
+            for r, (cause, why) in gone.items():
+                w.lost[r] = LostRank(r, cause, why)
+            unaccounted -= gone.keys()
         # Settled: every rank has failed its collective, finished, or is lost. Or the bound
         # passed: a rank that still answers pings but never aborts is dealt with as stuck.
         if not unaccounted or ctl.now() - w.failing_since > cfg.ping_timeout_s + 1.0:

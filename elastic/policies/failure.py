@@ -5,6 +5,7 @@ import statistics
 from dataclasses import dataclass
 
 from elastic.config import FailureConfig
+from elastic.protocol import LostCause
 from elastic.runtime.heartbeat import STOPPED_STATES
 
 
@@ -123,6 +124,37 @@ def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_
                        f"failure.ping_timeout_s={ping:g}s and failure.silence_factor={cfg.silence_factor:g} x the "
                        f"median step)")
     return tuple(sorted(by_poll + [r for r, _ in by_beat])), "; ".join(reasons)
+
+
+def decide_after_peers_failed(waiting, unanswered_s, beats, grace_s: float, ping_timeout_s: float
+                              ) -> dict[int, tuple[LostCause, str]]:
+    """Peers' collectives failed (a socket closed under them: gloo's "Connection closed by peer"
+    comes within milliseconds of a process's or machine's death); of the ranks still `waiting`
+    (neither failed nor done), those to count as lost now instead of after ping_timeout_s:
+    {rank: (LostCause value, why)}. Only on the node's word, from outside the rank's Python
+    (`beats`, as in decide_silence), and only for a rank whose poll has also gone unanswered for
+    `grace_s`:
+      * its node's heartbeat, fresh, says the process is gone or stopped: lost (process_died when
+        gone, so its replacement may take the slot on the same node);
+      * its node's heartbeat is silent for `grace_s` too: the machine died with it (unresponsive,
+        so nothing new is placed there until it answers).
+    A rank whose node says it runs, or whose node never answered, is left to decide_silence and
+    the settle bound: a busy rank is not replaced because a peer died. `grace_s` is a few
+    heartbeat rounds: a live sidecar answers in milliseconds."""
+    out: dict[int, tuple[LostCause, str]] = {}
+    for r in sorted(waiting):
+        waited, beat = unanswered_s.get(r), beats.get(r)
+        if beat is None or waited is None or waited <= grace_s:
+            continue
+        if beat.age_s <= ping_timeout_s and beat.state in STOPPED_STATES:
+            gone = beat.state in "ZXx"
+            out[r] = (LostCause.PROCESS_DIED if gone else LostCause.UNRESPONSIVE,
+                      f"its peers' collectives failed and its node's heartbeat says the process is "
+                      f"{'gone' if gone else 'stopped'} (state {beat.state}); no poll answered for {waited:.2f}s")
+        elif beat.age_s > grace_s:
+            out[r] = (LostCause.UNRESPONSIVE, f"its peers' collectives failed, and neither it nor its node's heartbeat "
+                                      f"answered for {waited:.2f}s / {beat.age_s:.2f}s (> {grace_s:g}s)")
+    return out
 
 
 def excused_by_heartbeat(silent: dict[int, str], unanswered_s: dict[int, float], idle_s: float,

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the process runs no more code
+PING_INTERVAL_S = 0.2  # one ping per node this often
 RECEIVE_BUFFER = 8 << 20  # bytes asked for the pinger's socket (the kernel caps it at net.core.rmem_max)
 
 # Run with `python -I -S -c`: stdlib built-ins only, so it starts in milliseconds and never
@@ -201,7 +202,7 @@ class Heartbeats:
     Ages count only pings sent: a pinger busy elsewhere that sends none never makes its own pause
     look like a node's silence."""
 
-    def __init__(self, interval_s: float = 0.2, clock=time.monotonic):
+    def __init__(self, interval_s: float = PING_INTERVAL_S, clock=time.monotonic):
         self.interval_s, self.clock = interval_s, clock
         self._socks: dict[int, socket.socket] = {}
         self._targets: dict[int, tuple[str, int, int]] = {}  # rank -> (ip, port, pid)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from elastic.runtime.heartbeat import Beats, Heartbeats, stop_child
+from elastic.runtime.heartbeat import PING_INTERVAL_S, Beats, Heartbeats, stop_child
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<Q")
@@ -55,7 +55,7 @@ def _take_frames(buf: bytearray) -> list:
 class PingerProcess:
     """`Heartbeats` run by a child process: the same `watch`, `beats`, `pings_sent` and `close`."""
 
-    def __init__(self, interval_s: float = 0.2):
+    def __init__(self, interval_s: float = PING_INTERVAL_S):
         self.interval_s = interval_s
         self.pings_sent = 0
         self.rounds = 0  # rounds of pings sent (each one ping per node)

@@ -129,6 +129,15 @@ class FakeGroup:
     def kill_process(self, rank: int) -> None:
         self.members[rank].dead = True
 
+    def kill_node(self, rank: int) -> None:
+        """`rank`'s machine dies and Ray has not noticed yet: it and its node's heartbeat fall
+        silent, and its peers' collectives fail at once (their sockets to it closed)."""
+        self.freeze(rank, how="machine")
+        for r, m in self.members.items():
+            if r != rank and m.running:
+                m.running, m.run_out = False, RunResult(RunStatus.ABORTED, m.step, m.generation,
+                                                        error="Connection closed by peer")
+
     def _advance_training(self) -> None:
         """All ranks step together while none is frozen or dead (an all-reduce needs everyone)."""
         now = self.clock()
