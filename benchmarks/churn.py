@@ -33,14 +33,13 @@ import math
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from benchmarks.output import emit, medians, parse_systems, report_against_peer
+from benchmarks.output import emit, medians, parse_systems, report_against_peer, scratch_dir
 
 NUM_WORKERS, CKPT_EVERY, GLOBAL_BATCH = 3, 10, 96
 WARMUP_STEPS = 20  # steps before the fault-free window starts (group formed, caches warm)
@@ -553,7 +552,7 @@ def main(args) -> int:
     from elastic.workload import build_model
     params = sum(p.numel() for p in build_model().parameters())
     records: list[dict] = []
-    work = tempfile.mkdtemp(prefix="elastic-bench-churn-")
+    work = scratch_dir("elastic-bench-churn-")
     storage_uri = "file://" + os.path.join(work, "runs")
     with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1) as cluster:
         for rep in range(args.reps):

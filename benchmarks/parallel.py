@@ -30,11 +30,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 
-from benchmarks.output import emit, medians, parse_systems, write_report
+from benchmarks.output import emit, medians, parse_systems, scratch_dir, write_report
 from benchmarks.overhead import ray_worker_niceness
 from benchmarks.pipeline import _connect_with_env, gpt_env, gpt_setup, read_step_log
 from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
@@ -132,7 +131,7 @@ def run_memory(sizes: list[str], layouts: list[tuple], out: str | None) -> int:
         for strategy, dp, tp, sp in layouts:
             for meta in (False, True):
                 for ac in (None, ["Block"]):
-                    work = tempfile.mkdtemp(prefix="elastic-bench-parallel-mem-")
+                    work = scratch_dir("elastic-bench-parallel-mem-")
                     job = {"run": {"name": "mem", "num_steps": MEMORY_STEPS, "seed": SEED},
                            "scaling": {"num_workers": dp * tp},
                            "checkpoint": {"storage_uri": f"file://{work}", "every_steps": 100},
@@ -181,7 +180,7 @@ def main(args) -> int:
     except ValueError as e:
         print(f"python -m benchmarks parallel: {e}", file=sys.stderr)
         return 2
-    work = tempfile.mkdtemp(prefix="elastic-bench-parallel-")
+    work = scratch_dir("elastic-bench-parallel-")
     step_log = os.path.join(work, "steps.jsonl")
     env, params = gpt_setup(args.gpt, {STEP_LOG_ENV: step_log})
     common = {"bench": "parallel", "params": params, "gpt": args.gpt, "global_batch": BATCH, "num_steps": STEPS,

@@ -42,7 +42,7 @@ import tempfile
 import time
 import uuid
 
-from benchmarks.output import emit, markdown_table, medians, parse_systems, write_report
+from benchmarks.output import emit, markdown_table, medians, parse_systems, scratch_dir, write_report
 from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
 
 SEED, GLOBAL_BATCH, MICROBATCHES = 0, 48, 6  # 6 micro-batches suit 2 and 3 stages under every schedule
@@ -393,7 +393,7 @@ def main(args) -> int:
         print("python -m benchmarks pipeline: --tp with --schedule interleaved_1f1b is not measured (a tp rank "
               "holds one stage)", file=sys.stderr)
         return 2
-    work = tempfile.mkdtemp(prefix="elastic-bench-pipeline-")
+    work = scratch_dir("elastic-bench-pipeline-")
     step_log = os.path.join(work, "steps.jsonl")
     import examples
     repo = os.path.dirname(os.path.dirname(os.path.abspath(examples.__file__)))

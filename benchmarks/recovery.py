@@ -25,11 +25,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import time
 import uuid
 
-from benchmarks.output import emit, medians, parse_systems, recovery_timeline, report_against_peer
+from benchmarks.output import emit, medians, parse_systems, recovery_timeline, report_against_peer, scratch_dir
 from benchmarks.pipeline import gpt_setup
 
 NUM_WORKERS, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 3, 40, 10, 96
@@ -259,7 +258,7 @@ def main(args) -> int:
         print(f"python -m benchmarks recovery: {e}", file=sys.stderr)
         return 2
     records: list[dict] = []
-    work = tempfile.mkdtemp(prefix="elastic-bench-")
+    work = scratch_dir("elastic-bench-")
     with contextlib.ExitStack() as stack:
         storage_uri, storage_options, s3 = "file://" + os.path.join(work, "runs"), {}, None
         if args.storage == "s3":

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 
 def figures(times: list[float], restored_step: int) -> dict:
@@ -36,10 +35,11 @@ def figures(times: list[float], restored_step: int) -> dict:
 def main(pairs: int, out: str) -> None:
     from elastic import Trainer
     from benchmarks import straggler
+    from benchmarks.output import scratch_dir
     from elastic.local_cluster import local_cluster
     from benchmarks.overhead import STEP_LOG_ENV, _connect_with_env, read_step_log
 
-    work = tempfile.mkdtemp(prefix="elastic-bench-refill-")
+    work = scratch_dir("elastic-bench-refill-")
     step_log = os.path.join(work, "steps.jsonl")
     rows = []
     with contextlib.ExitStack() as stack:

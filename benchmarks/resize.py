@@ -29,12 +29,11 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 import uuid
 
-from benchmarks.output import emit, medians, parse_systems, report_against_peer
+from benchmarks.output import emit, medians, parse_systems, report_against_peer, scratch_dir
 
 MIN, MAX, NUM_STEPS, CKPT_EVERY, GLOBAL_BATCH = 2, 3, 300, 10, 96
 RAY_TRAIN_MONITOR_S = 5.0
@@ -159,7 +158,7 @@ def main(args) -> int:
         print(f"python -m benchmarks resize: {e}", file=sys.stderr)
         return 2
     records: list[dict] = []
-    work = tempfile.mkdtemp(prefix="elastic-bench-resize-")
+    work = scratch_dir("elastic-bench-resize-")
     with contextlib.ExitStack() as stack:
         s3 = None
         if args.storage == "s3":

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import uuid
 
-from benchmarks.output import emit, markdown_table, medians, write_outputs
+from benchmarks.output import emit, markdown_table, medians, scratch_dir, write_outputs
 
 NUM_WORKERS, NUM_STEPS, SLOW_STEP, FACTOR, GLOBAL_BATCH = 3, 300, 10, 3.0, 1536
 CONFIGS = ["no-slowdown", "off", "on"]
@@ -55,7 +54,7 @@ def main(args) -> int:
     from elastic.local_cluster import local_cluster
 
     records: list[dict] = []
-    work = tempfile.mkdtemp(prefix="elastic-bench-")
+    work = scratch_dir("elastic-bench-")
     storage_uri = "file://" + os.path.join(work, "runs")
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1))
