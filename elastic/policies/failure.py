@@ -8,6 +8,8 @@ from elastic.config import FailureConfig
 from elastic.protocol import LostCause
 from elastic.runtime.heartbeat import STOPPED_STATES
 
+GONE_STATES = frozenset("ZXx")  # of STOPPED_STATES, those of a process that is no more: zombie, dead
+
 
 @dataclass(frozen=True)
 class LostRank:
@@ -131,7 +133,7 @@ def decide_after_peers_failed(waiting, unanswered_s, beats, grace_s: float, ping
     """Peers' collectives failed (a socket closed under them: gloo's "Connection closed by peer"
     comes within milliseconds of a process's or machine's death); of the ranks still `waiting`
     (neither failed nor done), those to count as lost now instead of after ping_timeout_s:
-    {rank: (LostCause value, why)}. Only on the node's word, from outside the rank's Python
+    {rank: (LostCause, why)}. Only on the node's word, from outside the rank's Python
     (`beats`, as in decide_silence), and only for a rank whose poll has also gone unanswered for
     `grace_s`:
       * its node's heartbeat, fresh, says the process is gone or stopped: lost (process_died when
@@ -147,13 +149,14 @@ def decide_after_peers_failed(waiting, unanswered_s, beats, grace_s: float, ping
         if beat is None or waited is None or waited <= grace_s:
             continue
         if beat.age_s <= ping_timeout_s and beat.state in STOPPED_STATES:
-            gone = beat.state in "ZXx"
+            gone = beat.state in GONE_STATES
             out[r] = (LostCause.PROCESS_DIED if gone else LostCause.UNRESPONSIVE,
                       f"its peers' collectives failed and its node's heartbeat says the process is "
                       f"{'gone' if gone else 'stopped'} (state {beat.state}); no poll answered for {waited:.2f}s")
         elif beat.age_s > grace_s:
-            out[r] = (LostCause.UNRESPONSIVE, f"its peers' collectives failed, and neither it nor its node's heartbeat "
-                                      f"answered for {waited:.2f}s / {beat.age_s:.2f}s (> {grace_s:g}s)")
+            out[r] = (LostCause.UNRESPONSIVE,
+                      f"its peers' collectives failed, and neither it nor its node's heartbeat answered for "
+                      f"{waited:.2f}s / {beat.age_s:.2f}s (> {grace_s:g}s)")
     return out
 
 

@@ -16,6 +16,9 @@ What the controller can then tell apart (`elastic.policies.failure.decide_silenc
     long the steps are (a poll alone must wait silence_factor x the median step).
   * sidecar never answered (not Linux, UDP filtered between driver and nodes): no evidence, and
     the poll-only rule applies as before.
+Once its peers' collectives have failed (a death closes sockets), a rank whose node says its
+process is gone or stopped, or whose node is silent as long as its poll for two ping rounds, is
+lost without waiting out ping_timeout_s (`elastic.policies.failure.decide_after_peers_failed`).
 
 The agent tells the sidecar which pids to watch (a line of pids on its stdin). The sidecar exits
 when the agent does (its stdin pipe closes, or it is re-parented). It leaves SCHED_IDLE if it was
