@@ -3,8 +3,8 @@ from elastic.config import FailureConfig
 from elastic.policies.failure import (
     FailureObservation, LostRank, Raise, Restart, decide_after_peers_failed, decide_failure, decide_silence,
     detect_hang, excused_by_heartbeat, formation_silent, hang_bound_s, silence_bound_s)
-from elastic.protocol import LostCause
 from elastic.policies.restore import FromPeer, FromStorage, choose_restore
+from elastic.protocol import LostCause
 from elastic.runtime.heartbeat import Beat
 
 CFG = FailureConfig(max_failures=2, hang_factor=10, hang_floor_s=5)

@@ -1,6 +1,6 @@
 """Where one recovery's time goes, step by step: the recovery benchmark's elastic job (FSDP with
-a copy every step, `checkpoint.memory_sync`, and a warm spare; rank 1's node killed after step 25)
-run once on a local cluster, then the recovery's events and every rank's step records around the
+a copy every step, `checkpoint.memory_sync`; SYSTEM as in `benchmarks recovery`, elastic-spare:
+with a warm spare; rank 1's node killed after step 25) run once on a local cluster, then the recovery's events and every rank's step records around the
 fault (from the run's steps.json: when each step ended, its time, its compute), in seconds from
 the fault.
 
