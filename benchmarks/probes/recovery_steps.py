@@ -19,33 +19,25 @@ def main(size: str = "90M", system: str = "elastic-spare") -> None:
     from benchmarks.output import scratch_dir
     from benchmarks.overhead import _connect_with_env
     from benchmarks.recovery import NUM_WORKERS, model_size, parse_params, run_elastic
-    from elastic import Trainer
     from elastic.local_cluster import local_cluster
+    from elastic.observability.timeline import load
     from elastic.observability.trace import load_steps
     from elastic.workload import HIDDEN_ENV
 
     hidden, _ = model_size(parse_params(size)[0])
-    results = []
-    fit = Trainer.fit
-
-    def keep(self, *a, **k):  # run_elastic returns figures; the events and steps are the run's
-        results.append(fit(self, *a, **k))
-        return results[-1]
-
-    Trainer.fit = keep
     with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1) as cluster:
         if hidden:
             _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
         rec = run_elastic(system, "file://" + scratch_dir("elastic-probe-") + "/runs", {}, "kill_node", 25,
                           strategy="fsdp", copy_sync=True)
-    res = results[-1]
     print(f"recover_s {rec['recover_s']:.2f}", {k: v for k, v in rec.items() if k.startswith("t_")})
-    fault = res.events_of("fault_injected")[0]["t"]
-    for e in res.events:
+    events = load(rec["run_dir"])  # the run's own log and step records: run_elastic returns figures
+    fault = next(e["t"] for e in events if e["kind"] == "fault_injected")
+    for e in events:
         if e["kind"] in EVENTS and fault <= e["t"] <= fault + 60:
             rest = {k: v for k, v in e.items() if k not in ("t", "kind")}
             print(f"  {e['t'] - fault:+.2f} {e['kind']} {json.dumps(rest)[:200]}")
-    steps = load_steps(res.run_dir)
+    steps = load_steps(rec["run_dir"])
     for rank, rows in sorted(steps["ranks"].items()):
         for step, t_end, step_s, compute_s in rows:
             if 20 <= step <= 30:

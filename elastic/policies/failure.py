@@ -146,14 +146,14 @@ def decide_after_peers_failed(waiting, unanswered_s, beats, grace_s: float, ping
     out: dict[int, tuple[LostCause, str]] = {}
     for r in sorted(waiting):
         waited, beat = unanswered_s.get(r), beats.get(r)
-        if beat is None or waited is None or waited <= grace_s:
+        if beat is None or waited is None or waited <= grace_s or node_says_running(beat, grace_s):
             continue
         if beat.age_s <= ping_timeout_s and beat.state in STOPPED_STATES:
             gone = beat.state in GONE_STATES
             out[r] = (LostCause.PROCESS_DIED if gone else LostCause.UNRESPONSIVE,
                       f"its peers' collectives failed and its node's heartbeat says the process is "
                       f"{'gone' if gone else 'stopped'} (state {beat.state}); no poll answered for {waited:.2f}s")
-        elif beat.age_s > grace_s:
+        else:  # silent for longer than grace_s
             out[r] = (LostCause.UNRESPONSIVE,
                       f"its peers' collectives failed, and neither it nor its node's heartbeat answered for "
                       f"{waited:.2f}s / {beat.age_s:.2f}s (> {grace_s:g}s)")
