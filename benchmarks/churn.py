@@ -56,11 +56,16 @@ ELASTIC_SYSTEMS = {
     "elastic-spare": {"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True},
     # A pre-started worker on every node (elastic/group/prestart.py)
     "elastic-prestart": {"num_workers": NUM_WORKERS, "prestarted_per_node": 1, "wait_for_spares": True},
+    # A rank no warm worker can fill at once is left empty: the others go on at the smaller size
+    # and the group grows back once a worker is warm (growth looked for every second).
+    "elastic-shrink": {"num_workers": NUM_WORKERS, "min_workers": NUM_WORKERS - 1, "shrink_after_s": 0.0,
+                       "grow_check_s": 1.0},
+    "elastic-spare-shrink": {"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True,
+                             "min_workers": NUM_WORKERS - 1, "shrink_after_s": 0.0, "grow_check_s": 1.0},
 }
 SYSTEMS = [*ELASTIC_SYSTEMS, "ray-train"]
 # Process titles of training processes (Ray names an actor's process `ray::<Class>...`).
-TRAINING_TITLES = {"elastic": ("ray::Worker",), "elastic-spare": ("ray::Worker",), "elastic-prestart": ("ray::Worker",),
-                   "ray-train": ("ray::RayTrainWorker",)}
+TRAINING_TITLES = {**{s: ("ray::Worker",) for s in ELASTIC_SYSTEMS}, "ray-train": ("ray::RayTrainWorker",)}
 
 
 # ------------------------------------------------------------------------------------------ schedule
@@ -276,6 +281,29 @@ class Phases:
         return out
 
 
+def below_full_figures(rank0_rows: list[list], formed: list[tuple[float, int]], first: int, last: int,
+                       size: int) -> dict:
+    """For a system that goes on at a smaller size: how many of the steps first < s <= last ran
+    below full size, and their rate (steps after the first of each such stretch, over the time
+    between them, so a recovery's gap is not counted): a reader can set it against the fault-free
+    rate. `rank0_rows`: rank 0's [step, end, ...]; `formed`: (time, world size) of each group
+    formation."""
+    formed = sorted(formed)
+    below, timed, below_s, prev = 0, 0, 0.0, None  # prev: (end, below full) of the step before
+    for row in sorted(rank0_rows):
+        step, end = row[0], row[1]
+        if not first < step <= last:
+            continue
+        small = next((ws for t, ws in reversed(formed) if t <= end), size) < size
+        if small:
+            below += 1
+            if prev is not None and prev[1]:
+                timed, below_s = timed + 1, below_s + end - prev[0]
+        prev = (end, small)
+    return {"steps_below_full": below, "seconds_below_full": round(below_s, 2),
+            "steps_per_s_below_full": timed / below_s if below_s > 0 else None}
+
+
 def per_fault(records: list[dict], t0: float, detections: list[float], resumptions: list[float]) -> list[dict]:
     """Each fired fault with, where the system shows them, the time from the fault to its next
     detection and to the next moment training resumed (a recovered group's first step). Faults
@@ -379,6 +407,10 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
            "trace": {"t_churn": t_churn, "t_end": t_end,
                      "steps": {r: [rows[k] for k in sorted(rows)] for r, rows in sorted(step_log.items())},
                      "events": [e for e in events if e["kind"] in TRACE_EVENTS]}}
+    if "churn_end" in phases.marks and step_log.get(0):
+        out.update(below_full_figures(list(step_log[0].values()),
+                                      [(e["t"], e["world_size"]) for e in events if e["kind"] == "group_formed"],
+                                      phases.marks["churn_start"][1], phases.marks["churn_end"][1], NUM_WORKERS))
     if injector.t0 is not None:
         # elastic's own recover_s/detect_s start at its detection here: it cannot know when an outside fault hit.
         out["per_fault"] = per_fault(injector.records, injector.t0,

@@ -71,3 +71,19 @@ def test_per_fault_pairs_each_fault_with_the_next_detection_and_resumption():
     assert out == [{"action": "kill_node", "at_s": 1.0, "detect_s": 2.0, "back_s": 7.0},
                    {"action": "kill_process", "at_s": 2.5, "detect_s": 0.5, "back_s": 5.5},
                    {"action": "freeze_node", "at_s": 20.0, "detect_s": 1.0, "back_s": None}]
+
+
+def test_below_full_figures_count_a_smaller_groups_steps_and_time_them_without_the_recovery_gap():
+    from benchmarks.churn import below_full_figures
+    # rank 0's steps 1..7 end at t = 10, 11, 14, 15, 15.5, 16, 17: the group shrank to 2 at t=12
+    # (steps 3, 4 and 5 ran at 2 of 3 ranks; step 3 after the recovery's gap) and grew back at 15.8.
+    ends = [10.0, 11.0, 14.0, 15.0, 15.5, 16.0, 17.0]
+    rows = [[s, t, 0.1, 0.05] for s, t in zip(range(1, 8), ends)]
+    formed = [(15.8, 3), (0.0, 3), (12.0, 2)]
+    out = below_full_figures(rows, formed, first=1, last=7, size=3)
+    assert out["steps_below_full"] == 3
+    assert out["seconds_below_full"] == pytest.approx(1.5)  # 14 -> 15 -> 15.5
+    assert out["steps_per_s_below_full"] == pytest.approx(2 / 1.5)
+    # never below full size
+    assert below_full_figures(rows, [(0.0, 3)], 0, 7, 3) == {
+        "steps_below_full": 0, "seconds_below_full": 0.0, "steps_per_s_below_full": None}

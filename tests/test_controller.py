@@ -281,6 +281,25 @@ def test_workers_wanted_to_grow_the_world_are_not_calibrated_first():
     assert isinstance(c.state, Finished) and len(g.members) == 3
 
 
+def test_a_warm_worker_fills_a_missing_rank_before_it_is_kept_as_a_spare():
+    """Below full size with one spare wanted: the first warm worker grows the group (every step
+    below full size loses throughput; a spare only shortens a recovery that may not come), and
+    the pool refills after. A second worker that would take a fake hour to warm is never waited
+    for."""
+    c, g, clock = make(num_steps=400, scaling={"num_workers": 2, "max_workers": 3, "grow_check_s": 1,
+                                               "num_spares": 1, "wait_for_spares": True})
+    drive(c, lambda c: c.step >= 5)
+    assert len(g.ready_spares) == 1 and len(g.members) == 2
+    g.spare_warm_s = 3600.0
+    t0 = clock()
+    drive(c, lambda c: type(c.state).__name__ == "Growing")
+    assert clock() - t0 < 10.0
+    (grow,) = [e for e in kinds(c, "decision") if e["decision"] == "Grow"]
+    assert grow["ranks"] == [2]
+    drive(c, lambda c: c.world_size == 3 and type(c.state).__name__ == "Running")
+    assert len(g.members) == 3 and g.num_spares() == 1  # the pool's refill is on its way
+
+
 def test_a_recovery_from_memory_does_not_wait_for_a_storage_that_hangs(monkeypatch):
     """An outage and a lost machine at once: the survivors' memory needs no storage, so the
     controller's look at the committed checkpoints and the new generation's fence wait at most

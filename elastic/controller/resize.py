@@ -74,10 +74,14 @@ def check_growth(ctl: Controller) -> Growing | None:
     # spare is calibrated when a straggler decision first weighs it.
     ctl.group.add_spares(sc.num_spares + want - ctl.group.num_spares(), calibrate=False)
     ctl.group.refresh_spares()
-    extra = len(ctl.group.ready_spares) - sc.num_spares
-    if extra < 1:
+    # A warm worker fills a missing rank before it is kept as a spare: a group below full size
+    # loses throughput on every step, where a spare only shortens a recovery that may not come
+    # (and with min_workers below the size, a fault without a spare costs a shrink, not a stall).
+    # The pool refills after the grow.
+    ready = len(ctl.group.ready_spares)
+    if ready < 1:
         return None
-    target = ctl.shape.grow(ctl.top, ctl.layout, min(extra, want))  # staged: whole layouts only
+    target = ctl.shape.grow(ctl.top, ctl.layout, min(ready, want))  # staged: whole layouts only
     if target is None:
         return None
     n = target.world_size - ctl.world_size

@@ -310,6 +310,8 @@ class SparePool(PrestartedClaims):
             self.probe_suspects()  # a node that answers again may hold the only free slot
             self.lost_spares.extend(self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
             take_ready("spare, waited while it warmed")
+        if need and timeout_s <= 0:
+            raise GroupError(f"no warm spare for ranks {need}, and no wait for one", {r: "unavailable" for r in need})
         if need:
             raise GroupError(f"no worker could be started for ranks {need} within {timeout_s:.0f}s; is there a free "
                              f"slot ({self.job.scaling.cpus_per_worker} CPU) per worker?", {r: "unavailable" for r in need})
