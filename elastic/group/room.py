@@ -1,6 +1,7 @@
 """What the cluster's nodes can hold, asked of Ray: before any worker starts, whether the in-memory
 copies of state held once fit each node's memory budget (checkpoint.memory_max_host_share); while
-the group runs, each node's free CPUs (where a worker can start now)."""
+the group runs, each node's free CPUs (where a worker can start now), and where an actor still
+waiting for a worker waits."""
 from __future__ import annotations
 
 import ray
@@ -72,3 +73,16 @@ def _available_by_node() -> dict[str, dict]:
     # Ray has no public per-node view of available resources (ray.available_resources() sums
     # the cluster); this is what `ray status` reads.
     return ray._private.state.available_resources_per_node()
+
+
+def placing_node(handle) -> str | None:
+    """The node (hex id) where a Ray actor is placed: the node it runs on, or, while it waits for
+    a worker, the node whose raylet holds its request (the GCS ties a pending actor to the node
+    it leases from, and a request for a slot no node has free waits there). None when Ray cannot
+    say: the GCS does not know the actor, or this Ray has no such table."""
+    try:
+        info = ray._private.state.state.actor_table(handle._actor_id.hex())
+    except Exception:  # noqa: BLE001 - a private table: without it, nothing is restarted
+        return None
+    node = ((info or {}).get("Address") or {}).get("NodeID") or ""
+    return node if node.strip("f0") else None

@@ -20,7 +20,7 @@ from elastic.group.member import GroupError, Member, gather, kill_member
 from elastic.group.node_agent import NodeAgents
 from elastic.group.prestart import PrestartPool, release_slot
 from elastic.group.prestart_claims import CLAIM_POLL_S, PrestartedClaims
-from elastic.group.room import free_cpus_by_node
+from elastic.group.room import free_cpus_by_node, placing_node
 from elastic.policies.placement import group_node, pick_spare, regroup_nodes, replacement_homes, split_groups
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
@@ -88,7 +88,21 @@ class SparePool(PrestartedClaims):
 
     # ---------------------------------------------------------------- suspect nodes
     def suspect(self, node_id: str) -> None:
-        self.suspect_nodes.add(node_id)
+        if node_id not in self.suspect_nodes:
+            self.suspect_nodes.add(node_id)
+            self._restart_stranded(node_id)
+
+    def _restart_stranded(self, node_id: str) -> None:
+        """A pending spare whose placement waits on `node_id`, now suspect: Ray ties a pending
+        actor to the node whose raylet it asked for a worker, and a request queued at a dead
+        node's raylet waits there until Ray declares the node dead (13.7 s in a churn run, while
+        a node with a free slot had joined 12 s before and the recovery waited on that spare).
+        Started again, kept off the suspect nodes."""
+        for ref in [r for r in self._pending_spares if r not in self._claims and node_id not in self._kept_off.get(r, frozenset())]:
+            if placing_node(self._pending_spares[ref]) == node_id:
+                self._restart(ref)
+                self.lost_spares.append(f"spare waiting for a worker on suspect node {node_id[:12]}: started again "
+                                        f"elsewhere")
 
     def probe_suspects(self) -> list[str]:
         """Clear suspect nodes that answer again (a thawed machine, a healed partition) or that Ray
@@ -116,13 +130,17 @@ class SparePool(PrestartedClaims):
         them again, free to go there."""
         for ref, avoided in list(self._kept_off.items()):
             if ref in self._pending_spares and avoided & cleared:
-                h = self._pending_spares.pop(ref)
-                on_demand, background = ref in self._on_demand, ref in self._background
-                self._on_demand.discard(ref)
-                self._background.discard(ref)
-                self._kept_off.pop(ref)
-                ray.kill(h, no_restart=True)
-                self.add_spares(1, on_demand=on_demand, background=background)
+                self._restart(ref)
+
+    def _restart(self, ref: "ray.ObjectRef") -> None:
+        """Kill a pending spare and start another like it, placed under the suspect nodes now."""
+        h = self._pending_spares.pop(ref)
+        on_demand, background = ref in self._on_demand, ref in self._background
+        self._on_demand.discard(ref)
+        self._background.discard(ref)
+        self._kept_off.pop(ref, None)
+        ray.kill(h, no_restart=True)
+        self.add_spares(1, on_demand=on_demand, background=background)
 
     # ---------------------------------------------------------------- the pool
     def add_spares(self, n: int, on_demand: bool = False, background: bool = False,
