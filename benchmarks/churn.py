@@ -373,6 +373,10 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
             if e["kind"] in ("workers_started", "workers_replaced"):
                 rank_node.update(e.get("nodes") or {})
                 rank_pids.update(e.get("pids", {}).values())
+            elif e["kind"] == "resized" and "nodes" in e:  # renumbered: every rank's node anew
+                rank_node.clear()
+                rank_node.update(e["nodes"])
+                rank_pids.update(e.get("pids", {}).values())
         return p["step"]
 
     def failed() -> bool:

@@ -298,6 +298,9 @@ def test_a_warm_worker_fills_a_missing_rank_before_it_is_kept_as_a_spare():
     assert grow["ranks"] == [2]
     drive(c, lambda c: c.world_size == 3 and type(c.state).__name__ == "Running")
     assert len(g.members) == 3 and g.num_spares() == 1  # the pool's refill is on its way
+    (resized,) = kinds(c, "resized")  # where every rank is after the change
+    assert resized["nodes"] == {str(r): m.node_id[:12] for r, m in g.members.items()}
+    assert resized["pids"] == {str(r): m.pid for r, m in g.members.items()}
 
 
 def test_a_recovery_from_memory_does_not_wait_for_a_storage_that_hangs(monkeypatch):

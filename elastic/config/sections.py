@@ -17,7 +17,8 @@ class ScalingConfig(_Strict):
     max_workers: int | None = Field(
         None, ge=1, description="Grow up to this many ranks when capacity appears; default num_workers.")
     shrink_after_s: float = Field(
-        10.0, ge=0, description="How long a recovery waits for a replacement before shrinking (min_workers < size).")
+        10.0, ge=0, description="How long a recovery waits for a replacement before shrinking (min_workers < size); "
+                  "0: a warm spare or none, and the group grows back once a worker is warm.")
     grow_check_s: float = Field(10.0, gt=0, description="How often a run below max_workers looks for capacity.")
     num_spares: int = Field(
         0, ge=0, description="Warm spare workers (model built, compute calibrated, ready to receive state) that replace lost "

@@ -32,8 +32,10 @@ def apply_resize(ctl: Controller, layout: Layout, plan: RestoreSource, reason: s
         begin_resize(ctl, ctl.world_size, reason, old_world_size=old)
     ctl.resize.new_world_size = ctl.world_size
     ctl.resize.path = path_of(plan)
+    members = sorted(ctl.group.members.items())  # renumbered: where every rank is now
     ctl.events.emit("resized", old_world_size=old, new_world_size=ctl.world_size, path=ctl.resize.path,
-                    reason=reason, decide_s=ctl.now() - t0, **extra)
+                    reason=reason, decide_s=ctl.now() - t0, nodes={r: m.node_id[:12] for r, m in members},
+                    pids={r: m.pid for r, m in members}, **extra)
     return Forming()
 
 
