@@ -46,7 +46,7 @@ WARMUP_STEPS = 20  # steps before the fault-free window starts (group formed, ca
 SAMPLE_S = 0.25  # how often the driver samples a system's progress
 ACTIONS = ("kill_node", "freeze_node", "kill_process")
 LOSES_NODE = ("kill_node", "freeze_node")
-METRICS = ["goodput", "steps_per_s", "fault_free_steps_per_s", "faults"]
+METRICS = ["goodput", "goodput_rank_bound", "steps_per_s", "fault_free_steps_per_s", "faults"]
 # the events kept beside each rank's step times (churn-steps-*.json): faults, recoveries, who is where
 TRACE_EVENTS = ("failure_detected", "recovered", "workers_started", "workers_replaced", "decision",
                 "group_formed", "checkpoint_committed", "spare_ready", "prestarted_ready")
@@ -291,22 +291,26 @@ def below_full_figures(rank0_rows: list[list], formed: list[tuple[float, int]], 
     """For a system that goes on at a smaller size: how many of the steps first < s <= last ran
     below full size, and their rate (steps after the first of each such stretch, over the time
     between them, so a recovery's gap is not counted): a reader can set it against the fault-free
-    rate. `rank0_rows`: rank 0's [step, end, ...]; `formed`: (time, world size) of each group
-    formation."""
+    rate. And the steps counted as a cluster would make them: there each rank computes on its own
+    device, so a step at w of `size` ranks (the same global batch) takes size/w as long; each
+    counts w/size (`rank_bound_steps`). On this machine all ranks share two cores, and a smaller
+    group's step is not slower. `rank0_rows`: rank 0's [step, end, ...]; `formed`: (time, world
+    size) of each group formation."""
     formed = sorted(formed)
-    below, timed, below_s, prev = 0, 0, 0.0, None  # prev: (end, below full) of the step before
+    below, timed, below_s, counted, prev = 0, 0, 0.0, 0.0, None  # prev: (end, below full) of the step before
     for row in sorted(rank0_rows):
         step, end = row[0], row[1]
         if not first < step <= last:
             continue
-        small = next((ws for t, ws in reversed(formed) if t <= end), size) < size
-        if small:
+        w = min(next((ws for t, ws in reversed(formed) if t <= end), size), size)
+        counted += w / size
+        if w < size:
             below += 1
             if prev is not None and prev[1]:
                 timed, below_s = timed + 1, below_s + end - prev[0]
-        prev = (end, small)
+        prev = (end, w < size)
     return {"steps_below_full": below, "seconds_below_full": round(below_s, 2),
-            "steps_per_s_below_full": timed / below_s if below_s > 0 else None}
+            "steps_per_s_below_full": timed / below_s if below_s > 0 else None, "rank_bound_steps": counted}
 
 
 def per_fault(records: list[dict], t0: float, detections: list[float], resumptions: list[float]) -> list[dict]:
@@ -420,6 +424,8 @@ def run_elastic(system: str, cluster, storage_uri: str, schedule: list[Fault], a
         out.update(below_full_figures(list(step_log[0].values()),
                                       [(e["t"], e["world_size"]) for e in events if e["kind"] == "group_formed"],
                                       phases.marks["churn_start"][1], phases.marks["churn_end"][1], NUM_WORKERS))
+        if out.get("fault_free_steps_per_s"):
+            out["goodput_rank_bound"] = out["rank_bound_steps"] / out["window_s"] / out["fault_free_steps_per_s"]
     if injector.t0 is not None:
         # elastic's own recover_s/detect_s start at its detection here: it cannot know when an outside fault hit.
         out["per_fault"] = per_fault(injector.records, injector.t0,

@@ -84,6 +84,7 @@ def test_below_full_figures_count_a_smaller_groups_steps_and_time_them_without_t
     assert out["steps_below_full"] == 3
     assert out["seconds_below_full"] == pytest.approx(1.5)  # 14 -> 15 -> 15.5
     assert out["steps_per_s_below_full"] == pytest.approx(2 / 1.5)
-    # never below full size
+    assert out["rank_bound_steps"] == pytest.approx(3 + 3 * 2 / 3)  # steps 2, 6, 7 whole; 3-5 two thirds
+    # never below full size: every step whole
     assert below_full_figures(rows, [(0.0, 3)], 0, 7, 3) == {
-        "steps_below_full": 0, "seconds_below_full": 0.0, "steps_per_s_below_full": None}
+        "steps_below_full": 0, "seconds_below_full": 0.0, "steps_per_s_below_full": None, "rank_bound_steps": 7.0}

@@ -9,7 +9,8 @@ rank's), each rank's compute time (forward and backward, its own work) and the r
 (step - compute: waiting for peers in the all-reduce, and everything else around the compute).
 With the output of `benchmarks/probes/sched_watch.py` taken during the run, also per 6 s window:
 the ranks' median compute time, and the CPU the ranks' processes and the other workers (those at
-SCHED_IDLE: pre-started workers and spares starting) used.
+SCHED_IDLE: pre-started workers and spares starting) used. For a group that shrank: its steps
+below full size, and the window's steps counted as a cluster would make them.
 """
 from __future__ import annotations
 
@@ -86,6 +87,19 @@ def by_window(trace: dict, workers_cpu: list[dict], window_s: float = 6.0) -> li
             for k in sorted(compute) if len(compute[k]) >= 10 and k * window_s >= -30]
 
 
+def below_full(trace: dict) -> dict | None:
+    """Steps of the churn window run below full size, their rate, and the window's steps counted
+    as a cluster would make them (`benchmarks.churn.below_full_figures`); None without rank 0's records."""
+    from benchmarks.churn import NUM_WORKERS, below_full_figures
+    rows0 = trace["steps"].get("0") or trace["steps"].get(0)
+    window = [r for r in rows0 or [] if trace["t_churn"] < r[1] <= trace["t_end"]]
+    if not window:
+        return None
+    formed = [(e["t"], e["world_size"]) for e in trace["events"] if e["kind"] == "group_formed"]
+    first, last = min(r[0] for r in window) - 1, max(r[0] for r in window)
+    return {"steps": last - first, **below_full_figures(rows0, formed, first, last, NUM_WORKERS)}
+
+
 def table(rows: list[dict]) -> None:
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
@@ -102,6 +116,11 @@ def main(path: str, workers_cpu: str | None = None) -> int:
         print("no interval with step records", file=sys.stderr)
         return 1
     table(rows)
+    small = below_full(trace)
+    if small and small["steps_below_full"]:
+        print(f"\nchurn window: {small['steps']} steps, {small['steps_below_full']} below full size "
+              f"({small['steps_per_s_below_full'] or 0:.1f} steps/s over {small['seconds_below_full']} s); "
+              f"counted as a cluster makes them (a step at w of n ranks counts w/n): {small['rank_bound_steps']:.0f}")
     if workers_cpu:
         with _open(workers_cpu) as f:
             print()
