@@ -10,7 +10,9 @@ rank's), each rank's compute time (forward and backward, its own work) and the r
 With the output of `benchmarks/probes/sched_watch.py` taken during the run, also per 6 s window:
 the ranks' median compute time, and the CPU the ranks' processes and the other workers (those at
 SCHED_IDLE: pre-started workers and spares starting) used. For a group that shrank: its steps
-below full size, and the window's steps counted as a cluster would make them.
+below full size, and the window's steps counted as a cluster would make them. And the churn
+window in 10 s slices, classed by what happened in each (a fault, a replacement node joining,
+nothing), with the median steps/s of each class.
 """
 from __future__ import annotations
 
@@ -100,6 +102,38 @@ def below_full(trace: dict) -> dict | None:
     return {"steps": last - first, **below_full_figures(rows0, formed, first, last, NUM_WORKERS)}
 
 
+def by_phase(trace: dict, window_s: float = 10.0, replace_after_s: float = 10.0) -> list[dict]:
+    """The churn window cut into `window_s` slices, each classed by what happened in it: a fault
+    fired; else a replacement node joined (`replace_after_s` after a node was lost: its daemons
+    start on this machine's shared cores); else nothing in it or the slice before ("calm").
+    Per class: slices, and the median of their steps/s (rank 0's steps ended in the slice)."""
+    t0, t1 = trace["t_churn"], trace["t_end"]
+    fired = [f["fired_s"] for f in trace.get("faults", []) if "fired_s" in f]
+    joins = [f["fired_s"] + replace_after_s for f in trace.get("faults", [])
+             if "fired_s" in f and f["action"] in ("kill_node", "freeze_node")]
+    rows0 = trace["steps"].get("0") or trace["steps"].get(0) or []
+    n = int((t1 - t0) // window_s)
+    per = [0] * n
+    for step, end, *_ in rows0:
+        k = int((end - t0) // window_s)
+        if 0 <= k < n:
+            per[k] += 1
+    classes: dict[str, list[float]] = collections.defaultdict(list)
+    for k in range(n):
+        a, b = k * window_s, (k + 1) * window_s
+        if any(a <= f < b for f in fired):
+            c = "a fault fired"
+        elif any(a <= j < b for j in joins):
+            c = "a replacement node joined"
+        elif any(a - window_s <= f < a for f in fired):
+            c = "after a fault"
+        else:
+            c = "calm"
+        classes[c].append(per[k] / window_s)
+    return [{"slices": c, "count": len(v), "median_steps_per_s": round(statistics.median(v), 1)}
+            for c, v in classes.items()]
+
+
 def table(rows: list[dict]) -> None:
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
@@ -116,6 +150,8 @@ def main(path: str, workers_cpu: str | None = None) -> int:
         print("no interval with step records", file=sys.stderr)
         return 1
     table(rows)
+    print()
+    table(by_phase(trace))
     small = below_full(trace)
     if small and small["steps_below_full"]:
         print(f"\nchurn window: {small['steps']} steps, {small['steps_below_full']} below full size "
