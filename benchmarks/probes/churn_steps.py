@@ -12,7 +12,8 @@ the ranks' median compute time, and the CPU the ranks' processes and the other w
 SCHED_IDLE: pre-started workers and spares starting) used. For a group that shrank: its steps
 below full size, and the window's steps counted as a cluster would make them. And the churn
 window in 10 s slices, classed by what happened in each (a fault, a replacement node joining,
-nothing), with the median steps/s of each class.
+nothing), with the median steps/s of each class; and how long each growth back to full size paused
+the steps.
 """
 from __future__ import annotations
 
@@ -134,6 +135,22 @@ def by_phase(trace: dict, window_s: float = 10.0, replace_after_s: float = 10.0)
             for c, v in classes.items()]
 
 
+def grow_pauses(trace: dict) -> list[float]:
+    """For each growth back to full size: rank 0's last step before the Grow decision to its
+    first step after the larger group formed (the planned stop, formation and restore)."""
+    ev = sorted(trace["events"], key=lambda e: e["t"])
+    ends = sorted(r[1] for r in trace["steps"].get("0") or trace["steps"].get(0) or [])
+    out = []
+    for i, e in enumerate(ev):
+        if e["kind"] == "decision" and e.get("decision") == "Grow":
+            formed = next((x["t"] for x in ev[i:] if x["kind"] == "group_formed"), None)
+            before = max((t for t in ends if t <= e["t"]), default=None)
+            after = min((t for t in ends if formed is not None and t >= formed), default=None)
+            if before is not None and after is not None:
+                out.append(after - before)
+    return out
+
+
 def table(rows: list[dict]) -> None:
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
@@ -157,6 +174,10 @@ def main(path: str, workers_cpu: str | None = None) -> int:
         print(f"\nchurn window: {small['steps']} steps, {small['steps_below_full']} below full size "
               f"({small['steps_per_s_below_full'] or 0:.1f} steps/s over {small['seconds_below_full']} s); "
               f"counted as a cluster makes them (a step at w of n ranks counts w/n): {small['rank_bound_steps']:.0f}")
+    pauses = grow_pauses(trace)
+    if pauses:
+        print(f"grew back {len(pauses)} times; steps paused {statistics.median(pauses):.2f} s median "
+              f"(max {max(pauses):.2f}), {sum(pauses):.2f} s in all")
     if workers_cpu:
         with _open(workers_cpu) as f:
             print()

@@ -98,7 +98,8 @@ class SparePool(PrestartedClaims):
         node's raylet waits there until Ray declares the node dead (13.7 s in a churn run, while
         a node with a free slot had joined 12 s before and the recovery waited on that spare).
         Started again, kept off the suspect nodes."""
-        for ref in [r for r in self._pending_spares if r not in self._claims and node_id not in self._kept_off.get(r, frozenset())]:
+        kept_off_it = {r for r, avoided in self._kept_off.items() if node_id in avoided}
+        for ref in [r for r in self._pending_spares if r not in self._claims and r not in kept_off_it]:
             if placing_node(self._pending_spares[ref]) == node_id:
                 self._restart(ref)
                 self.lost_spares.append(f"spare waiting for a worker on suspect node {node_id[:12]}: started again "
