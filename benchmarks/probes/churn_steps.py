@@ -90,12 +90,17 @@ def by_window(trace: dict, workers_cpu: list[dict], window_s: float = 6.0) -> li
             for k in sorted(compute) if len(compute[k]) >= 10 and k * window_s >= -30]
 
 
+def _rank0_rows(trace: dict) -> list[list]:
+    """Rank 0's step records (its key is "0" once the trace went through JSON)."""
+    return trace["steps"].get("0") or trace["steps"].get(0) or []
+
+
 def below_full(trace: dict) -> dict | None:
     """Steps of the churn window run below full size, their rate, and the window's steps counted
     as a cluster would make them (`benchmarks.churn.below_full_figures`); None without rank 0's records."""
     from benchmarks.churn import NUM_WORKERS, below_full_figures
-    rows0 = trace["steps"].get("0") or trace["steps"].get(0)
-    window = [r for r in rows0 or [] if trace["t_churn"] < r[1] <= trace["t_end"]]
+    rows0 = _rank0_rows(trace)
+    window = [r for r in rows0 if trace["t_churn"] < r[1] <= trace["t_end"]]
     if not window:
         return None
     formed = [(e["t"], e["world_size"]) for e in trace["events"] if e["kind"] == "group_formed"]
@@ -112,7 +117,7 @@ def by_phase(trace: dict, window_s: float = 10.0, replace_after_s: float = 10.0)
     fired = [f["fired_s"] for f in trace.get("faults", []) if "fired_s" in f]
     joins = [f["fired_s"] + replace_after_s for f in trace.get("faults", [])
              if "fired_s" in f and f["action"] in ("kill_node", "freeze_node")]
-    rows0 = trace["steps"].get("0") or trace["steps"].get(0) or []
+    rows0 = _rank0_rows(trace)
     n = int((t1 - t0) // window_s)
     per = [0] * n
     for step, end, *_ in rows0:
@@ -139,7 +144,7 @@ def grow_pauses(trace: dict) -> list[float]:
     """For each growth back to full size: rank 0's last step before the Grow decision to its
     first step after the larger group formed (the planned stop, formation and restore)."""
     ev = sorted(trace["events"], key=lambda e: e["t"])
-    ends = sorted(r[1] for r in trace["steps"].get("0") or trace["steps"].get(0) or [])
+    ends = sorted(r[1] for r in _rank0_rows(trace))
     out = []
     for i, e in enumerate(ev):
         if e["kind"] == "decision" and e.get("decision") == "Grow":
