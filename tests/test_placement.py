@@ -76,12 +76,18 @@ def test_a_warm_spare_on_part_of_a_split_group_gathers_it():
     assert regroup_move(members, 2, [("A", 0.1)], 0.2) == (1, "A")
     # A spare on C: rank 0 moves to C instead.
     assert regroup_move(members, 2, [("C", 0.1)], 0.2) == (0, "C")
-    # A spare on a node the group is not on does not gather it; nor does one too slow, or one
-    # never calibrated while a bound is known (stragglers on); without a bound any spare does.
+    # A spare on a node the group is not on does not gather it; nor does one too slow; without a
+    # bound (stragglers off) any spare does.
     assert regroup_move(members, 2, [("D", 0.1)], 0.2) is None
     assert regroup_move(members, 2, [("A", 0.3)], 0.2) is None
-    assert regroup_move(members, 2, [("A", None)], 0.2) is None
     assert regroup_move(members, 2, [("A", None)], None) == (1, "A")
+    # One with nothing to time it (kept on meta, a pipeline's) gathers it with a bound known,
+    # unless a straggler was found on its node; a calibrated one is judged by its calibration.
+    assert regroup_move(members, 2, [("A", None)], 0.2) == (1, "A")
+    assert regroup_move(members, 2, [("A", None)], 0.2, {"A"}) is None
+    assert regroup_move(members, 2, [("A", None), ("C", 0.1)], 0.2, {"A"}) == (0, "C")
+    assert regroup_move(members, 2, [("A", 0.1)], 0.2, {"A"}) == (1, "A")
+    assert regroup_move(members, 2, [("A", None)], None, {"A"}) == (1, "A")  # stragglers off: no node kept out
     # tp 4, three on A: the one on B moves to A, even with a spare on B too.
     assert regroup_move({0: "A", 1: "A", 2: "B", 3: "A"}, 4, [("B", 0.1), ("A", 0.1)], 0.2) == (2, "A")
     assert regroup_move({0: "A", 1: "A", 2: "B", 3: "B"}, 2, [("A", 0.1)], 0.2) is None  # nothing split

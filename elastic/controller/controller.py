@@ -119,6 +119,7 @@ class Controller:
         self.compute_log: dict[int, dict[int, float]] = {}  # rank -> {step: own compute seconds}
         self.next_straggler_step = 0  # the next step to fold into the straggler state
         self.swap_healthy_s = 0.0  # healthy ranks' median compute at the last Swap decision
+        self.slow_nodes: set[str] = set()  # nodes a straggler was found on (no uncalibrated spare regroups there)
         self.grow_deferred = None  # a GrowDeferral while a grow waits for a persist
         # Where ranks sit (elastic.parallel.topology), and how that changes as capacity comes and
         # goes: the strategy's shape says (flat: (pp=1, dp=world); staged: the chain below `top`).

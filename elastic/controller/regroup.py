@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 def check(ctl: Controller) -> Swapping | None:
     """A Swapping that gathers a split tp group onto a warm spare's node, with the stop at a step
     boundary requested; None when no group is split or no spare can gather one. With stragglers
-    on, the spare must be calibrated within their threshold of the healthy ranks' compute (a
-    node that made a rank slow does not get one of the group back)."""
+    on, the spare must be calibrated within their threshold of the healthy ranks' compute, or,
+    where it has nothing to be timed with (kept on the meta device; a pipeline's), be on a node
+    no straggler was found on: a node that made a rank slow does not get one of the group back."""
     tp = ctl.job.train.tp.size
     if tp == 1 or not ctl.job.train.tp.regroup:
         return None
@@ -31,16 +32,19 @@ def check(ctl: Controller) -> Swapping | None:
     ctl.group.refresh_spares()
     healthy = healthy_compute_s(ctl.stragglers, ctl.group.members) if ctl.job.stragglers.enabled else None
     bound = None if healthy is None else ctl.job.stragglers.threshold * healthy
-    move = regroup_move(nodes, tp, [(m.node_id, m.calib_s) for m in ctl.group.ready_spares
-                                    if m.node_id not in ctl.group.suspect_nodes], bound)
+    spares = [(m.node_id, m.calib_s) for m in ctl.group.ready_spares if m.node_id not in ctl.group.suspect_nodes]
+    move = regroup_move(nodes, tp, spares, bound, ctl.slow_nodes)
     if move is None:
         return None
     rank, node = move
+    timed = bound is None or any(n == node and c is not None and c <= bound for n, c in spares)
     reason = (f"tp group {rank // tp} spans nodes; a warm spare on node {node[:12]} holds the rest of it: "
               f"rank {rank} moves there at the next step boundary")
     if not request_stop(ctl):
         return None
     ctl.events.emit("decision", decision="Regroup", ranks=[rank], reason=reason, step=ctl.step)
-    ctl.swap_healthy_s = healthy if healthy is not None else math.inf  # no bound: any spare there
+    # No bound (stragglers off, or the spare there has no calibration): the swap takes any spare,
+    # the one on that node first.
+    ctl.swap_healthy_s = healthy if healthy is not None and timed else math.inf
     return Swapping(rank, reason, to_node=node)
 

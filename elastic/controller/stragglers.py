@@ -49,6 +49,8 @@ def check(ctl: Controller) -> Swapping | Dropping | None:
         decision, reason = decide_straggler(state, sc, ctl.now(),
                                             [m.calib_s for m in ctl.group.ready_spares if m.calib_s],
                                             healthy_s, may_shrink=may_shrink)
+        if isinstance(decision, (Report, Swap, Drop)) and decision.rank in ctl.group.members:
+            ctl.slow_nodes.add(ctl.group.members[decision.rank].node_id)  # no uncalibrated spare regroups there
         if isinstance(decision, Report) and decision.rank not in state.reported:
             state.reported.add(decision.rank)
             ctl.events.emit("decision", decision="Report", ranks=[decision.rank], reason=reason, step=step)

@@ -146,13 +146,17 @@ def regroup_nodes(member_nodes: dict[int, str], tp: int, free_cpus: dict[str, fl
 
 
 def regroup_move(member_nodes: dict[int, str], tp: int, spares: list[tuple[str, float | None]],
-                 max_calib_s: float | None) -> tuple[int, str] | None:
+                 max_calib_s: float | None, slow_nodes: frozenset[str] | set[str] = frozenset()
+                 ) -> tuple[int, str] | None:
     """The next move that gathers a split tp group: (a rank of the group, the node it moves to),
-    where a ready spare usable at that node (`spares`: (node, calibrated step seconds or None);
-    usable: calibrated at most `max_calib_s`, or any when that is None) is on a node already
-    holding part of the group; the node holding the most of it first (name order on ties), the
-    group's highest rank off it moves. None when no split group can be gathered that way."""
-    usable = {n for n, c in spares if max_calib_s is None or (c is not None and c <= max_calib_s)}
+    where a ready spare usable at that node is on a node already holding part of the group; the
+    node holding the most of it first (name order on ties), the group's highest rank off it
+    moves. None when no split group can be gathered that way. `spares`: (node, calibrated step
+    seconds or None). Usable: any when `max_calib_s` is None (stragglers off); else one calibrated
+    at most `max_calib_s`, or one not calibrated (a spare kept on the meta device, a pipeline's:
+    nothing to time it with) on a node not in `slow_nodes` (those a straggler was found on)."""
+    usable = {n for n, c in spares if max_calib_s is None or (c is not None and c <= max_calib_s)
+              or (c is None and n not in slow_nodes)}
     for ranks, on in _split(member_nodes, tp):
         targets = [n for n in on if n in usable]
         if targets:
