@@ -67,10 +67,11 @@ ELASTIC_SYSTEMS = {
 # it restarts at the workers it can place, down to 2, and resizes when capacity returns (looked for
 # every 10 s instead of Ray's 60 s default, in its favour).
 RAY_TRAIN_ELASTIC_MONITOR_S = 10.0
-SYSTEMS = [*ELASTIC_SYSTEMS, "ray-train", "ray-train-elastic"]
+RAY_TRAIN_SYSTEMS = ("ray-train", "ray-train-elastic", "ray-train-torchft")  # torchft: benchmarks/churn_torchft.py
+SYSTEMS = [*ELASTIC_SYSTEMS, *RAY_TRAIN_SYSTEMS]
 # Process titles of training processes (Ray names an actor's process `ray::<Class>...`).
 TRAINING_TITLES = {**{s: ("ray::Worker",) for s in ELASTIC_SYSTEMS},
-                   **{s: ("ray::RayTrainWorker",) for s in ("ray-train", "ray-train-elastic")}}
+                   **{s: ("ray::RayTrainWorker",) for s in RAY_TRAIN_SYSTEMS}}
 
 
 # ------------------------------------------------------------------------------------------ schedule
@@ -475,6 +476,31 @@ def _ray_train_loop(config: dict) -> None:
             os.close(fd)
 
 
+def _wait_for_free_cpus(cpus: float, timeout_s: float = 60.0) -> None:
+    """Until the worker nodes' CPUs are free (the last system's actors gone); says what still holds
+    them if they are not within `timeout_s`, and goes on."""
+    import ray
+    deadline = time.time() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < cpus:
+        if time.time() > deadline:
+            held = [(pg_id[:8], info.get("state")) for pg_id, info in ray.util.placement_group_table().items()
+                    if info.get("state") != "REMOVED"]
+            print(f"[churn] only {ray.available_resources().get('CPU', 0.0)} of {cpus} CPUs free after "
+                  f"{timeout_s:.0f} s; placement groups not removed: {held}", file=sys.stderr, flush=True)
+            return
+        time.sleep(1.0)
+
+
+def _remove_placement_groups() -> None:
+    """Remove every placement group still in the cluster (between systems, none should be)."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
 def _kill_ray_train_controller(cluster) -> None:
     """Last resort at the end of a window: SIGKILL Ray Train's controller actor (on the head)."""
     import psutil
@@ -487,10 +513,15 @@ def _kill_ray_train_controller(cluster) -> None:
                         p.kill()
 
 
-def run_ray_train(cluster, work: str, schedule: list[Fault], args, elastic: bool = False
+def run_ray_train(cluster, work: str, schedule: list[Fault], args, system: str = "ray-train"
                   ) -> tuple[dict, ChurnInjector]:
+    """Ray Train (`ray-train`), with its elastic scaling (`ray-train-elastic`) or with torchft
+    (`ray-train-torchft`, benchmarks/churn_torchft.py: every worker logs its steps)."""
     import ray.train
     from ray.train.torch import TorchTrainer
+
+    from benchmarks import churn_torchft
+    elastic, torchft = system == "ray-train-elastic", system == "ray-train-torchft"
 
     name = f"ray-train-churn-{uuid.uuid4().hex[:8]}"
     timeline_dir = os.path.join(work, f"{name}-timeline")
@@ -499,7 +530,8 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args, elastic: bool
     read_at = [0]
     high = [0]
     starts: list[dict] = []
-    timeline: list[tuple[float, int]] = []  # (t, step) of every step rank 0 logged
+    timeline: list[tuple[float, int]] = []  # (t, step) of every step rank 0 (torchft: every worker) logged
+    sized: list[tuple[float, int, int]] = []  # torchft: (t, step, participants) of every step logged
 
     def get_step() -> int:
         with contextlib.suppress(FileNotFoundError):
@@ -513,6 +545,8 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args, elastic: bool
                 if "step" in e:
                     high[0] = max(high[0], e["step"])
                     timeline.append((e["t"], e["step"]))
+                    if "participants" in e:
+                        sized.append((e["t"], e["step"], e["participants"]))
                     if starts and "first_step_t" not in starts[-1]:
                         starts[-1]["first_step_t"] = e["t"]
                 else:
@@ -523,17 +557,19 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args, elastic: bool
     fit_error: list[str] = []
     injector = ChurnInjector(cluster, schedule, TRAINING_TITLES["ray-train"], args.replace_after_s, args.seed_used)
     phases = Phases(get_step, fit_done.is_set, args.fault_free_s, args.duration_s, injector)
+    resources = {"CPU": 1, cluster.worker_node_resource: 1} if torchft else {"CPU": 1}  # the head's CPU: the lighthouse's
     trainer = TorchTrainer(
-        _ray_train_loop,
+        churn_torchft.torchft_churn_loop if torchft else _ray_train_loop,
         train_loop_config={"timeline_dir": timeline_dir, "step_log": step_log, "stop_file": stop_file,
                            "num_steps": 10_000_000, "ckpt_every": CKPT_EVERY, "global_batch_size": GLOBAL_BATCH,
                            "seed": 0},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(NUM_WORKERS - 1, NUM_WORKERS) if elastic else NUM_WORKERS, use_gpu=False,
-            resources_per_worker={"CPU": 1},
+            resources_per_worker=resources,
             **({"elastic_resize_monitor_interval_s": RAY_TRAIN_ELASTIC_MONITOR_S} if elastic else {})),
         run_config=ray.train.RunConfig(storage_path=work, name=name,
                                        failure_config=ray.train.FailureConfig(max_failures=100_000)),
+        **({"torch_config": churn_torchft.torch_config()} if torchft else {}),
     )
 
     def fit() -> None:  # in a thread: the driver's main thread keeps the clock and starts nodes
@@ -561,6 +597,11 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args, elastic: bool
             _kill_ray_train_controller(cluster)
             fit_error.append("did not stop within 180 s after the window; its controller was killed")
             fitter.join(60)
+        # A run that failed leaves its controller actor and its workers' placement group holding
+        # every worker node's CPU: the next system could then place nothing (seen: every system
+        # after one failed Ray Train run stayed at step 0).
+        _kill_ray_train_controller(cluster)
+        _remove_placement_groups()
     error = fit_error[0] if fit_error else None
     get_step()
     t_churn = phases.marks.get("churn_start", (math.inf, 0))[0]
@@ -578,17 +619,52 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args, elastic: bool
             if figs.get("steps_per_s") is not None:
                 figs["goodput"] = figs["steps_per_s"] / figs["fault_free_steps_per_s"]
     # A restart = the train function starting again (rank 0's log), inside the window.
+    # Back to training: a restarted function's first step; under torchft, whose survivors go on
+    # without the lost group, the first step with every group again.
+    back = (churn_torchft.full_again(sized, NUM_WORKERS) if torchft
+            else [e["first_step_t"] for e in starts[1:] if "first_step_t" in e])
     out = {**figs, "restarts": sum(1 for e in starts if t_churn <= e["t"] <= t_end),
            "restart_resume_steps": [e["start"] for e in starts if t_churn <= e["t"] <= t_end],
-           "per_fault": per_fault(injector.records, injector.t0 or 0.0, [],
-                                  [e["first_step_t"] for e in starts[1:] if "first_step_t" in e]),
+           "per_fault": per_fault(injector.records, injector.t0 or 0.0, [], back),
            "timeline": timeline_dir}
+    if torchft and "churn_end" in phases.marks and figs.get("fault_free_steps_per_s"):
+        counted = churn_torchft.rank_bound_steps(sized, phases.marks["churn_start"][1], phases.marks["churn_end"][1],
+                                                 NUM_WORKERS)
+        out.update(rank_bound_steps=counted,
+                   goodput_rank_bound=counted / figs["window_s"] / figs["fault_free_steps_per_s"])
     if phases.error or error:
         out["error"] = "; ".join(x for x in (phases.error, error) if x)
     return out, injector
 
 
 # ------------------------------------------------------------------------------------------ main
+def run_system(system: str, cluster, work: str, storage_uri: str, seed: int, args, params: int) -> dict:
+    """One system through one schedule (seed): its record, and its step trace under `args.out`."""
+    schedule = fault_schedule(seed, args.mtbf_s, args.duration_s)
+    args.seed_used = seed
+    cluster.ensure_worker_nodes(NUM_WORKERS + 1)
+    _wait_for_free_cpus(NUM_WORKERS + 1)
+    if system in RAY_TRAIN_SYSTEMS:
+        figs, injector = run_ray_train(cluster, work, schedule, args, system)
+    else:
+        figs, injector = run_elastic(system, cluster, storage_uri, schedule, args)
+    trace = figs.pop("trace", None)
+    if trace and args.out:  # each rank's step times, for `python -m benchmarks.probes.churn_steps`
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"churn-steps-{system}-seed{seed}.json"), "w") as f:
+            json.dump({**trace, "fields": ["step", "end", "step_s", "compute_s"], "faults": injector.records}, f)
+    fired = [r for r in injector.records if "fired_s" in r]
+    return {"bench": "churn", "system": system, "rep": seed - args.seed, "goodput": figs.get("goodput"),
+            "faults": len(fired), "mtbf_s": args.mtbf_s, "duration_s": args.duration_s,
+            "replace_after_s": args.replace_after_s, "seed": seed,
+            "steps": figs.get("steps"), "steps_per_s": figs.get("steps_per_s"),
+            "fault_free_steps_per_s": figs.get("fault_free_steps_per_s"),
+            **{k: v for k, v in figs.items() if k not in ("goodput", "steps", "steps_per_s", "fault_free_steps_per_s")},
+            "faults_by_action": {a: sum(1 for r in fired if r["action"] == a) for a in ACTIONS},
+            "fault_log": injector.records, "replacements": injector.replacements,
+            "num_workers": NUM_WORKERS, "ckpt_every": CKPT_EVERY, "global_batch": GLOBAL_BATCH, "params": params}
+
+
 def main(args) -> int:
     from elastic.local_cluster import local_cluster
 
@@ -604,38 +680,18 @@ def main(args) -> int:
     records: list[dict] = []
     work = scratch_dir("elastic-bench-churn-")
     storage_uri = "file://" + os.path.join(work, "runs")
-    with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1) as cluster:
-        for rep in range(args.reps):
-            seed = args.seed + rep
-            schedule = fault_schedule(seed, args.mtbf_s, args.duration_s)
-            args.seed_used = seed
-            for system in systems:  # interleaved, same schedule: drift on a shared machine hits all alike
-                cluster.ensure_worker_nodes(NUM_WORKERS + 1)
-                if system.startswith("ray-train"):
-                    figs, injector = run_ray_train(cluster, work, schedule, args, elastic=system == "ray-train-elastic")
-                else:
-                    figs, injector = run_elastic(system, cluster, storage_uri, schedule, args)
-                trace = figs.pop("trace", None)
-                if trace and args.out:  # each rank's step times, for `python -m benchmarks.probes.churn_steps`
-                    os.makedirs(args.out, exist_ok=True)
-                    with open(os.path.join(args.out, f"churn-steps-{system}-seed{seed}.json"), "w") as f:
-                        json.dump({**trace, "fields": ["step", "end", "step_s", "compute_s"],
-                                   "faults": injector.records}, f)
-                fired = [r for r in injector.records if "fired_s" in r]
-                rec = {"bench": "churn", "system": system, "rep": rep, "goodput": figs.get("goodput"),
-                       "faults": len(fired), "mtbf_s": args.mtbf_s, "duration_s": args.duration_s,
-                       "replace_after_s": args.replace_after_s, "seed": seed,
-                       "steps": figs.get("steps"), "steps_per_s": figs.get("steps_per_s"),
-                       "fault_free_steps_per_s": figs.get("fault_free_steps_per_s"),
-                       **{k: v for k, v in figs.items() if k not in ("goodput", "steps", "steps_per_s",
-                                                                      "fault_free_steps_per_s")},
-                       "faults_by_action": {a: sum(1 for r in fired if r["action"] == a) for a in ACTIONS},
-                       "fault_log": injector.records, "replacements": injector.replacements,
-                       "num_workers": NUM_WORKERS, "ckpt_every": CKPT_EVERY, "global_batch": GLOBAL_BATCH,
-                       "params": params}
-                records.append(rec)
-                emit(rec)
-        cluster.ensure_worker_nodes(NUM_WORKERS + 1)  # drop frozen nodes before shutdown
+    # torchft's lighthouse needs a CPU on the driver's node: that system gets a cluster of its own
+    # whose head has one (its workers kept to the worker nodes), after the others.
+    for head_cpus, group in ((0, [s for s in systems if s != "ray-train-torchft"]),
+                             (1, [s for s in systems if s == "ray-train-torchft"])):
+        if not group:
+            continue
+        with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1, head_cpus=head_cpus) as cluster:
+            for rep in range(args.reps):
+                for system in group:  # interleaved, same schedule: drift on a shared machine hits all alike
+                    records.append(run_system(system, cluster, work, storage_uri, args.seed + rep, args, params))
+                    emit(records[-1])
+            cluster.ensure_worker_nodes(NUM_WORKERS + 1)  # drop frozen nodes before shutdown
     med = medians(records, METRICS)
     notes = [f"goodput = steps/s over a {args.duration_s:g} s churn window / fault-free steps/s of the same run "
              f"({args.fault_free_s:g} s window right before it); progress = highest step reached",
@@ -647,5 +703,5 @@ def main(args) -> int:
              "a fault's node is drawn among nodes hosting a rank (elastic: a `ray::Worker` on a node its event log "
              "names for a rank, so never a warm spare alone; Ray Train: a `ray::RayTrainWorker`)"]
     report_against_peer("churn", f"churn (MTBF {args.mtbf_s:g} s, {args.duration_s:g} s)", records, med, METRICS,
-                        [s for s in systems if not s.startswith("ray-train")], "ray-train", notes, args.out)
+                        [s for s in systems if s not in RAY_TRAIN_SYSTEMS], "ray-train", notes, args.out)
     return 0

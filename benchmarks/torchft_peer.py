@@ -192,6 +192,17 @@ def _build_replica(config: dict, replica_group: int):
     return manager, module, DistributedDataParallel(manager, module), Optimizer(manager, inner_optimizer)
 
 
+def torchft_step(model, optimizer, dataset, indices: list[int]):
+    """One step of a replica group on the samples `indices`; the manager's step advances if the
+    quorum commits it. Returns the loss."""
+    optimizer.zero_grad()  # starts the (async) quorum
+    idx = torch.tensor(indices)
+    loss = workload.loss_fn(model, (dataset.x[idx], dataset.y[idx]))
+    loss.backward()  # torchft all-reduces over the groups in the quorum
+    optimizer.step()  # steps only if the manager says commit
+    return loss
+
+
 def _maybe_inject_fault(config: dict, rank: int, step: int) -> None:
     """Rank 1, once per run, after `fault_step` committed steps: the marker (holding the fault time)
     is on disk before the node dies, so a later worker can tell it is a replacement."""
@@ -240,11 +251,7 @@ def _train_loop(config: dict) -> None:
         before = manager.current_step()
         _maybe_inject_fault(config, rank, before)
         t_start = time.time()
-        optimizer.zero_grad()  # starts the (async) quorum
-        idx = torch.tensor(order.rank_indices(before, global_batch, num_groups, rank))
-        loss = workload.loss_fn(model, (dataset.x[idx], dataset.y[idx]))
-        loss.backward()  # torchft all-reduces over the groups in the quorum
-        optimizer.step()  # steps only if the manager says commit
+        loss = torchft_step(model, optimizer, dataset, order.rank_indices(before, global_batch, num_groups, rank))
         after = manager.current_step()
         committed = after > before
         _log_event(timeline_dir, "step", rank=rank, before=before, step=after, committed=committed,

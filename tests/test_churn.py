@@ -88,3 +88,20 @@ def test_below_full_figures_count_a_smaller_groups_steps_and_time_them_without_t
     # never below full size: every step whole
     assert below_full_figures(rows, [(0.0, 3)], 0, 7, 3) == {
         "steps_below_full": 0, "seconds_below_full": 0.0, "steps_per_s_below_full": None, "rank_bound_steps": 7.0}
+
+
+def test_torchft_steps_count_by_their_participants_once_per_step():
+    from benchmarks.churn_torchft import rank_bound_steps
+    # (t, step, participants) from every worker: step 2 logged by two workers, 3 and 4 by the survivors only.
+    steps = [(1.0, 1, 3), (1.1, 1, 3), (2.0, 2, 3), (2.1, 2, 3), (3.0, 3, 2), (4.0, 4, 2), (5.0, 5, 3)]
+    assert rank_bound_steps(steps, 1, 5, 3) == pytest.approx(1 + 2 / 3 + 2 / 3 + 1)
+    assert rank_bound_steps(steps, 0, 1, 3) == 1  # only step 1, counted once though two workers logged it
+    # A worker that has not yet seen the quorum's news logs fewer: the step counts the most any logged.
+    assert rank_bound_steps([(1.0, 7, 2), (1.2, 7, 3)], 6, 7, 3) == 1
+
+
+def test_torchft_full_again_is_the_first_full_step_after_each_short_stretch():
+    from benchmarks.churn_torchft import full_again
+    steps = [(1.0, 1, 3), (2.0, 2, 2), (2.5, 3, 2), (3.0, 4, 3), (3.1, 4, 3), (4.0, 5, 3), (5.0, 6, 1), (6.0, 7, 3)]
+    assert full_again(steps, 3) == [3.0, 6.0]
+    assert full_again([(1.0, 1, 3), (2.0, 2, 3)], 3) == []  # never short: nothing to come back from
