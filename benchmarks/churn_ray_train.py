@@ -65,7 +65,7 @@ def _remove_placement_groups() -> None:
 
 
 def _kill_ray_train_controller(cluster) -> None:
-    """Last resort at the end of a window: SIGKILL Ray Train's controller actor (on the head)."""
+    """At the end of a run: SIGKILL Ray Train's controller actor (on the head), if still there."""
     import psutil
     from ray._private import ray_constants
     for info in cluster.cluster.head_node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
@@ -118,7 +118,7 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args, system: str =
 
     fit_done = threading.Event()
     fit_error: list[str] = []
-    injector = ChurnInjector(cluster, schedule, TRAINING_TITLES["ray-train"], args.replace_after_s, args.seed_used)
+    injector = ChurnInjector(cluster, schedule, TRAINING_TITLES[system], args.replace_after_s, args.seed_used)
     phases = Phases(get_step, fit_done.is_set, args.fault_free_s, args.duration_s, injector)
     resources = {"CPU": 1, cluster.worker_node_resource: 1} if torchft else {"CPU": 1}  # the head's CPU: the lighthouse's
     trainer = TorchTrainer(
@@ -156,15 +156,15 @@ def run_ray_train(cluster, work: str, schedule: list[Fault], args, system: str =
         # A group waiting for capacity (frozen nodes still count as alive) gets it now.
         cluster.ensure_worker_nodes(NUM_WORKERS + 1)
         fitter.join(180)
-        if fitter.is_alive():
-            _kill_ray_train_controller(cluster)
-            fit_error.append("did not stop within 180 s after the window; its controller was killed")
-            fitter.join(60)
-        # A run that failed leaves its controller actor and its workers' placement group holding
-        # every worker node's CPU: the next system could then place nothing (seen: every system
-        # after one failed Ray Train run stayed at step 0).
+        hung = fitter.is_alive()
+        # A run that hung, or failed, leaves its controller actor and its workers' placement group
+        # holding every worker node's CPU: the next system could then place nothing (seen: every
+        # system after one failed Ray Train run stayed at step 0).
         _kill_ray_train_controller(cluster)
         _remove_placement_groups()
+        if hung:
+            fit_error.append("did not stop within 180 s after the window; its controller was killed")
+            fitter.join(60)
     error = fit_error[0] if fit_error else None
     get_step()
     t_churn = phases.marks.get("churn_start", (math.inf, 0))[0]
