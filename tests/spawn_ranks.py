@@ -49,7 +49,9 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
             w.leave()  # (after its persist in flight: generation 1 may write until the fence moves on)
             if rank == 0:  # the controller's part: generation 2 in the fence before the group forms
                 write_fence(w.storage, root, 2)
-            if rank not in peer["sources"]:
+            if peer["mapping"] is not None:  # a trade: every rank keeps its Worker, some under a new number
+                rank = peer["mapping"].get(rank, rank)
+            elif rank not in peer["sources"]:
                 w = Worker(job_json, root)  # nothing built, as a replacement starts
             w.join("127.0.0.1", port, rank, world, generation=2, pp=pp)
             out = w.restore_from_peer(peer["sources"][0], peer["sources"])
@@ -90,14 +92,17 @@ def _vm_data_mb() -> float:
 
 def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expect="done",
               data_limit_mb: int | None = None, probe: str | None = None,
-              peer_sources: list[int] | None = None, peer_at: int | None = None) -> list[tuple]:
+              peer_sources: list[int] | None = None, peer_at: int | None = None,
+              renumber: dict[int, int] | None = None) -> list[tuple]:
     """Every rank of `job` as its own process, trained to `steps` (default run.num_steps).
     Returns per rank (rank, status, digest or error, loss, restore source, restored step, extra).
     `data_limit_mb`: each rank's RLIMIT_DATA, set before it builds anything. `probe`:
     module:function(model) whose answer at the end is extra["probe"]. `peer_sources` (one rank
     per slot) and `peer_at`: a fault after step `peer_at` replaces every other rank with a new
     Worker (nothing built); the group forms again and restores from the sources' memory
-    (`restore_from_peer`), as after a failure, then trains on."""
+    (`restore_from_peer`), as after a failure, then trains on. With `renumber` (old rank -> new
+    rank) no rank is replaced: each forms the new group under its new number with the state it
+    holds, as after a trade (elastic/controller/regroup.py), and reports under it."""
     jc = JobConfig.model_validate(job)
     world = jc.scaling.num_workers
     ctx = torch.multiprocessing.get_context("forkserver")
@@ -107,7 +112,7 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     # The controller's part: generation 1 in the fence before the group forms (no fence, no write).
     write_fence(Storage(jc.checkpoint.storage_uri, jc.checkpoint.storage_options), root, 1)
     port = rendezvous_port()
-    peer = None if peer_sources is None else {"sources": list(peer_sources), "at": peer_at}
+    peer = None if peer_sources is None else {"sources": list(peer_sources), "at": peer_at, "mapping": renumber}
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   jc.run.num_steps if steps is None else steps, env or {}, q,
                                                   data_limit_mb, probe, peer)) for r in range(world)]

@@ -92,7 +92,7 @@ def test_a_recovery_is_counted_by_the_cause_of_its_failure_with_its_detect_and_r
     assert be.get("elastic_step") == 10  # back to the restored step
     states = {dict(t)["state"]: v for (name, t), v in be.values.items() if name == "elastic_controller_state"}
     assert set(states) == {"Starting", "Forming", "Restoring", "Running", "Recovering", "Swapping", "Growing",
-                           "Dropping", "Finished", "Errored"}
+                           "Dropping", "Trading", "Finished", "Errored"}
     assert [s for s, v in states.items() if v == 1] == ["Running"]
     assert all(dict(t)["run"] == "r" for _, t in be.values)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from elastic.policies.placement import (group_node, pick_spare, regroup_move, regroup_nodes, replacement_homes,
+from elastic.policies.placement import (group_node, pick_spare, regroup_move, regroup_nodes, replacement_homes, trade_move,
                                         split_groups)
 
 
@@ -91,3 +91,23 @@ def test_a_warm_spare_on_part_of_a_split_group_gathers_it():
     # tp 4, three on A: the one on B moves to A, even with a spare on B too.
     assert regroup_move({0: "A", 1: "A", 2: "B", 3: "A"}, 4, [("B", 0.1), ("A", 0.1)], 0.2) == (2, "A")
     assert regroup_move({0: "A", 1: "A", 2: "B", 3: "B"}, 2, [("A", 0.1)], 0.2) is None  # nothing split
+
+
+def test_two_split_groups_over_the_same_nodes_trade_ranks_of_one_slot():
+    # dp 2 x tp 2 on two full nodes, each tp group split over both: ranks 0 and 2 (slot 0) trade.
+    assert trade_move({0: "A", 1: "B", 2: "B", 3: "A"}, 2, 2) == (0, 2)
+    # Only ranks of the same slot trade: here each slot's replicas are on one node, so none helps.
+    assert trade_move({0: "A", 1: "B", 2: "A", 3: "B"}, 2, 2) is None
+    # Nothing split, or a split group with no partner to trade with: no trade.
+    assert trade_move({0: "A", 1: "A", 2: "B", 3: "B"}, 2, 2) is None
+    assert trade_move({0: "A", 1: "B", 2: "C", 3: "C"}, 2, 2) is None
+    # tp 4: rank 2 (slot 2) is group 0's only rank on B, rank 6 (slot 2) group 1's only one on A.
+    assert trade_move({0: "A", 1: "A", 2: "B", 3: "A", 4: "B", 5: "B", 6: "A", 7: "B"}, 4, 4) == (2, 6)
+    # A trade that gathers one group and leaves the other as split as it was still counts: 0 <-> 2
+    # puts group 1 on A (1 <-> 3 would gather group 0 there, as good: the lower ranks win).
+    assert trade_move({0: "A", 1: "B", 2: "C", 3: "A", 4: "C", 5: "C"}, 2, 2) == (0, 2)
+    # A pipeline's slots (stage x tp index, 4 a replica): stage 0's tp groups of replicas 0 and 1
+    # (ranks 0-1 and 4-5) cross A and C; rank 0 and rank 4 (both stage 0, tp index 0) trade.
+    nodes = {0: "A", 1: "C", 2: "B", 3: "B", 4: "C", 5: "A", 6: "D", 7: "D"}
+    assert trade_move(nodes, 2, 4) == (0, 4)
+    assert trade_move({**nodes, 4: "A", 5: "C"}, 2, 4) is None  # stage 0 at tp 0 is on A in both: no help

@@ -1,5 +1,6 @@
 """Gathering a split tp group (elastic/controller/regroup.py), against a fake group: which warm
-spare may take a rank of the group back beside the rest of it while stragglers are watched."""
+spare may take a rank of the group back beside the rest of it while stragglers are watched, and
+when two ranks of one slot trade numbers instead."""
 from __future__ import annotations
 
 import math
@@ -10,8 +11,9 @@ import pytest
 from elastic.config import JobConfig
 from elastic.controller import regroup
 from elastic.controller.controller import Controller
-from elastic.controller.states import Swapping
+from elastic.controller.states import Finished, Swapping, Trading
 from tests.support.fake_group import FakeClock, FakeGroup, FakeRank
+from tests.test_controller import _release_leases, calls, drive, kinds  # noqa: F401 (an autouse fixture: leases released)
 
 pytestmark = pytest.mark.timeout(60)
 A, B, C = ("node-a" + "0" * 50, "node-b" + "0" * 50, "node-c" + "0" * 50)
@@ -63,3 +65,56 @@ def test_a_spare_too_slow_does_not_gather_it():
     ctl, group = controller(stragglers=False)  # nothing watched: any spare there
     group.ready_spares = [FakeRank(-1, A, 5, calib_s=0.05)]
     assert isinstance(regroup.check(ctl), Swapping) and ctl.swap_healthy_s == math.inf
+
+
+def crosswise(strategy: str = "ddp", **failure) -> tuple[Controller, FakeGroup]:
+    """dp 2 x tp 2 on two full nodes, each tp group split over both (replacements landed crosswise)."""
+    clock = FakeClock()
+    job = JobConfig.model_validate({
+        "run": {"name": "tr", "num_steps": 40},
+        "scaling": {"num_workers": 4},
+        "failure": failure,
+        "checkpoint": {"storage_uri": f"memory://tr-{uuid.uuid4().hex[:8]}"},
+        "train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 48, "tp": {"size": 2},
+                  "strategy": strategy},
+    })
+    group = FakeGroup(clock, ranks_per_node=2)
+    group.members = {0: FakeRank(0, A, 1), 1: FakeRank(1, B, 2), 2: FakeRank(2, B, 3), 3: FakeRank(3, A, 4)}
+    return Controller(job.model_dump_json(), group=group, clock=clock, wall=clock), group
+
+
+def test_two_groups_split_over_full_nodes_trade_ranks_of_a_slot_instead_of_waiting_for_a_spare():
+    ctl, group = crosswise()
+    planned = regroup.check(ctl)  # no spare anywhere: only a trade can gather them
+    assert isinstance(planned, Trading) and planned.ranks == (0, 2), planned
+    assert ("Trade", [0, 2]) in [(e["decision"], e["ranks"]) for e in ctl.events.events if e["kind"] == "decision"]
+
+
+@pytest.mark.parametrize("strategy, failure", [("fsdp", {}), ("ddp", {"peer_restore": False})])
+def test_no_trade_where_the_replicas_state_differs_or_would_come_from_storage(strategy, failure):
+    """fsdp's ranks of one slot hold different shards (a trade would move state), and with
+    failure.peer_restore off the group would restore from storage: neither trades."""
+    ctl, group = crosswise(strategy, **failure)
+    assert regroup.check(ctl) is None
+
+
+def test_a_trade_renumbers_the_two_and_the_run_goes_on_with_every_state_where_it_was():
+    """Driven to the end against the fake group: the group starts whole (two ranks per node), is
+    made crosswise mid-run, trades at a step boundary, forms again with the two renumbered and
+    restores from its own replicas' memory (nothing from storage), gathered, to the last step."""
+    ctl, group = crosswise()
+    group.members = {}  # started by the controller: ranks 0-1 on one node, 2-3 on another
+    drive(ctl, lambda c: c.step >= 5)
+    x, y = group.members[0].node_id, group.members[2].node_id
+    pids = {r: m.pid for r, m in group.members.items()}
+    group.members[0].node_id, group.members[2].node_id = y, x  # as if replacements had landed crosswise
+    drive(ctl)
+    assert isinstance(ctl.state, Finished) and ctl.step == 40, ctl.state
+    (traded,) = kinds(ctl, "traded")
+    assert traded["ranks"] == [0, 2] and traded["tp_split_groups"] == [], traded
+    # The processes kept, renumbered: the old rank 0 is rank 2 now, both tp groups on one node each.
+    assert {r: m.pid for r, m in group.members.items()} == {0: pids[2], 1: pids[1], 2: pids[0], 3: pids[3]}
+    assert group.members[0].node_id == group.members[1].node_id and group.members[2].node_id == group.members[3].node_id
+    assert not calls(group, "kill") and not calls(group, "promote")
+    assert calls(group, "restore_from_peer")[-1] == (0, (0, 1)), calls(group, "restore_from_peer")
+    assert [c for c in calls(group, "restore") if c] == []  # nothing read from storage

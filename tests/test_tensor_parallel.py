@@ -257,3 +257,17 @@ def test_a_shrink_keeps_state_holders_on_their_slots_before_fresh_replacements()
     # Without the holders, rank 0 kept slot 0 and the state came from storage (seen in a drill).
     _, blind = Shape(stages=2, staged=True, tp=2).shrink(old, old, [0, 2, 3, 4, 5, 6, 7], 4)
     assert blind[0] == 0 and 4 not in blind
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_of_a_slot_trade_numbers_mid_run_and_end_bit_identical(tmp_path):
+    """DDP x TP at dp 2 x tp 2: after step 3 ranks 0 and 2 (slot 0 of replicas 0 and 1) exchange
+    numbers, as a trade does (elastic/controller/regroup.py): each forms the new group under the
+    other's number with the state it holds and trains the other's share of the batch. Every rank
+    ends bit-identical to the uninterrupted run (a rank that kept its old replica's samples would
+    not: both replicas would train on the same half)."""
+    base = run_ranks(gpt_job(tmp_path, name="whole"))
+    out = run_ranks(gpt_job(tmp_path, name="traded"), peer_sources=[0, 1], peer_at=3, renumber={0: 2, 2: 0})
+    assert [o[0] for o in out] == [0, 1, 2, 3]
+    assert {(o[4], o[5]) for o in out} == {("slot replicas [0, 1]", 3)}
+    assert [(o[2], o[3]) for o in out] == [(o[2], o[3]) for o in base]

@@ -9,7 +9,7 @@ concern per module:
     restoring.py   Restoring: from a peer's memory, every rank's offered shards, or storage
     running.py     Running: one poll per iteration, detection, rollbacks
     recovery.py    Recovering: who is lost, what the policy decides, replacements
-    resize.py      Swapping, Growing, Dropping, and one apply_resize() for every change of size
+    resize.py      Swapping, Growing, Dropping, Trading, and one apply_resize() for every change of size
     stragglers.py  the straggler window and its decisions
     finish.py      the end of a run: the final checkpoint, digests, ledger
     reports.py     folding the ranks' poll reports into progress, checkpoints and events
@@ -50,7 +50,8 @@ from elastic.config.secrets import job_secrets, scrub
 from elastic.controller import lifecycle, recovery, resize, restoring, running
 from elastic.controller.records import Checkpoints, Housekeeping, Progress, RecoveryRecord, ResizeRecord, RunLog
 from elastic.controller.states import (
-    TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State, Swapping)
+    TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State, Swapping,
+    Trading)
 from elastic.observability import export as run_metrics
 from elastic.observability.events import EventLog
 from elastic.parallel.shape import shape_for
@@ -70,6 +71,7 @@ HANDLERS = {
     Swapping: resize.on_swapping,
     Growing: resize.on_growing,
     Dropping: resize.on_dropping,
+    Trading: resize.on_trading,
 }
 
 

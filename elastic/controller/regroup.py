@@ -1,25 +1,33 @@
 """Gathering a tensor-parallel group split over nodes: a straggler's spare, or a replacement, had
-no room beside its tp group, so every layer's all-reduce of that group crosses nodes. Once a warm
-spare waits on a node that holds part of the group (the pool's refill is started there,
-restoring.py), the rank off that node moves to it at a step boundary: a planned swap
-(resize.on_swapping), its state from memory, as a straggler's."""
+no room beside its tp group, so every layer's all-reduce of that group crosses nodes.
+
+Two ways, cheapest first, each at a step boundary:
+* a trade (resize.on_trading): where every replica of a slot holds the same state (DDP x TP, a
+  pipeline's or HSDP's replicas), two ranks of one slot in different replicas exchange their
+  numbers when that gathers split groups: a renumbering, no process started, no state moved. It
+  works where every node is full, and needs two groups split over the same nodes;
+* a move onto a spare: once a warm spare waits on a node that holds part of the group (the
+  pool's refill is started there, restoring.py), the rank off that node moves to it: a planned
+  swap (resize.on_swapping), its state from memory, as a straggler's."""
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
 
 from elastic.controller.resize import request_stop
-from elastic.controller.states import Swapping
-from elastic.policies.placement import regroup_move, split_groups
+from elastic.controller.states import Swapping, Trading
+from elastic.policies.placement import regroup_move, split_groups, trade_move
 from elastic.policies.straggler import healthy_compute_s
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
 
 
-def check(ctl: Controller) -> Swapping | None:
-    """A Swapping that gathers a split tp group onto a warm spare's node, with the stop at a step
-    boundary requested; None when no group is split or no spare can gather one. With stragglers
+def check(ctl: Controller) -> Trading | Swapping | None:
+    """A Trading, or else a Swapping onto a warm spare's node, that gathers a split tp group, with
+    the stop at a step boundary requested; None when no group is split or neither can gather
+    one. A trade needs replicas holding the same state (not fsdp's shards) and
+    failure.peer_restore (its state stays in memory). With stragglers
     on, the spare must be calibrated within their threshold of the healthy ranks' compute, or,
     where it has nothing to be timed with (kept on the meta device; a pipeline's), be on a node
     no straggler was found on: a node that made a rank slow does not get one of the group back."""
@@ -29,6 +37,10 @@ def check(ctl: Controller) -> Swapping | None:
     nodes = {r: m.node_id for r, m in ctl.group.members.items()}
     if not split_groups(nodes, tp):
         return None
+    if not ctl.shape.sharded and ctl.job.failure.peer_restore:
+        trade = trade_move(nodes, tp, ctl.layout.slots)
+        if trade is not None:
+            return _trade(ctl, trade, nodes)
     ctl.group.refresh_spares()
     healthy = healthy_compute_s(ctl.stragglers, ctl.group.members) if ctl.job.stragglers.enabled else None
     bound = None if healthy is None else ctl.job.stragglers.threshold * healthy
@@ -48,3 +60,14 @@ def check(ctl: Controller) -> Swapping | None:
     ctl.swap_healthy_s = healthy if healthy is not None and timed else math.inf
     return Swapping(rank, reason, to_node=node)
 
+
+def _trade(ctl: Controller, ranks: tuple[int, int], nodes: dict[int, str]) -> Trading | None:
+    a, b = ranks
+    tp = ctl.job.train.tp.size
+    reason = (f"tp groups {sorted({a // tp, b // tp})} span nodes; ranks {a} (node {nodes[a][:12]}) and {b} (node "
+              f"{nodes[b][:12]}) hold the same slot's state and exchange their numbers at the next step boundary, "
+              f"each joining the other's tp group: no process started, no state moved")
+    if not request_stop(ctl):
+        return None
+    ctl.events.emit("decision", decision="Trade", ranks=[a, b], reason=reason, step=ctl.step)
+    return Trading((a, b), reason)

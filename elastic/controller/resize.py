@@ -1,5 +1,5 @@
-"""Changes of size and planned replacements: Swapping, Growing, Dropping, and the shrink a
-recovery falls back to. Every change of world size goes through one `apply_resize()`.
+"""Changes of size and planned replacements: Swapping, Growing, Dropping, Trading, and the shrink
+a recovery falls back to. Every change of world size goes through one `apply_resize()`.
 
 A planned change (swap a straggler, grow into new capacity, drop a straggler) stops every rank
 at a common step boundary first, so nothing is lost; the state then comes from memory. How the
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elastic.controller.records import GrowDeferral, ResizeRecord
-from elastic.controller.states import Dropping, Forming, Growing, Recovering, State, Swapping
+from elastic.controller.states import Dropping, Forming, Growing, Recovering, State, Swapping, Trading
 from elastic.group.worker_group import GroupError, cause_of
 from elastic.parallel.topology import Layout
 from elastic.policies.failure import LostRank
@@ -211,4 +211,24 @@ def on_swapping(ctl: Controller, st: Swapping) -> State:
                     new_node=ctl.group.members[st.rank].node_id[:12], swap_s=ctl.now() - t0,
                     spare_calib_s=spare.calib_s if spare else None,
                     **({"tp_split_groups": split, "regroup": st.to_node is not None} if tp > 1 else {}))
+    return Forming()
+
+
+def on_trading(ctl: Controller, st: Trading) -> State:
+    """Two ranks of one slot in different replicas exchange their numbers (regroup.py): every
+    rank stopped at the same boundary, the group forms again with the two renumbered, and each
+    keeps the state it holds (its slot's, which every replica of the slot holds alike): the
+    restore copies nothing. Each now trains its new replica's share of the batch."""
+    t0 = ctl.now()
+    failed = leave_for_planned_change(ctl)
+    if failed:
+        return failed
+    a, b = st.ranks
+    ctl.group.renumber({**{r: r for r in ctl.group.members}, a: b, b: a})
+    ctl.restore_plan = planned_restore(ctl.shape, True, ctl.step, ctl.offers, ctl.world_size,
+                                       old_layout=ctl.layout, new_layout=ctl.layout)
+    tp = ctl.job.train.tp.size
+    nodes = {r: m.node_id for r, m in ctl.group.members.items()}
+    ctl.events.emit("traded", ranks=[a, b], nodes={r: nodes[r][:12] for r in (a, b)}, trade_s=ctl.now() - t0,
+                    tp_split_groups=split_groups(nodes, tp), reason=st.reason)
     return Forming()

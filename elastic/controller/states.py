@@ -8,6 +8,7 @@
                    +------ Swapping <-------+ (straggler: planned stop at a step boundary)
                    +------ Growing <--------+ (capacity appeared: planned stop, add ranks)
                    +------ Dropping <-------+ (straggler, no spare, may shrink: planned stop)
+                   +------ Trading <--------+ (two ranks of a slot exchange numbers: planned stop)
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class RunWatch:
     aborted: set[int] = field(default_factory=set)  # ranks whose collective failed
     lost: dict[int, LostRank] = field(default_factory=dict)
     failing_since: float | None = None  # first failure signal; then we settle who is lost
-    planned: "Swapping | Growing | Dropping | None" = None  # a planned stop in progress
+    planned: "Swapping | Growing | Dropping | Trading | None" = None  # a planned stop in progress
     storage_wait_logged: bool = False
     storage_wait_since: float | None = None  # every waiting rank has been in storage_wait since then
     rollback: dict[int, RunResult] = field(default_factory=dict)  # ranks asking for a rollback (bad steps)
@@ -68,6 +69,13 @@ class Swapping:
 
 
 @dataclass(frozen=True)
+class Trading:
+    """Two ranks of one slot in different replicas exchange their numbers (regroup.py)."""
+    ranks: tuple[int, int]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Dropping:
     rank: int
     reason: str
@@ -88,5 +96,6 @@ class Errored:
     error: str
 
 
-State = Starting | Forming | Restoring | Running | Recovering | Swapping | Growing | Dropping | Finished | Errored
+State = (Starting | Forming | Restoring | Running | Recovering | Swapping | Growing | Dropping | Trading | Finished
+         | Errored)
 TERMINAL = (Finished, Errored)

@@ -74,7 +74,7 @@ _CATALOGUE = (
     Metric("elastic_spares_ready", "gauge", "Warm spare workers ready to take a rank's place."),
     Metric("elastic_controller_state", "gauge",
            "1 for the controller's current state (Starting, Forming, Restoring, Running, Recovering, "
-           "Swapping, Growing, Dropping, Finished, Errored), 0 for the others.", ("run", "state")),
+           "Swapping, Growing, Dropping, Trading, Finished, Errored), 0 for the others.", ("run", "state")),
     Metric("elastic_failures", "counter",
            "Ranks found lost, by cause (process_died, node_died, unreachable, unresponsive, hang, error, "
            "user_error).", ("run", "cause")),
@@ -82,7 +82,7 @@ _CATALOGUE = (
            "Recoveries completed (the first step after the failure done), by the cause of the failure.",
            ("run", "cause")),
     Metric("elastic_decisions", "counter",
-           "Controller decisions (Restart, Raise, Swap, Drop, Report, Grow, Regroup).", ("run", "decision")),
+           "Controller decisions (Restart, Raise, Swap, Drop, Report, Grow, Regroup, Trade).", ("run", "decision")),
     Metric("elastic_detect_seconds", "histogram",
            "Fault to the controller settling who is lost; only faults with a known time (injected ones).",
            ("run", "cause"), SECONDS_BUCKETS),
@@ -133,7 +133,7 @@ _CAUSES = tuple(c.value for c in LostCause) + ("user_error",)
 ZERO_BY_LABEL = {
     "elastic_failures": ("cause", _CAUSES),
     "elastic_recoveries": ("cause", _CAUSES),
-    "elastic_decisions": ("decision", ("Restart", "Raise", "Swap", "Drop", "Report", "Grow", "Regroup")),
+    "elastic_decisions": ("decision", ("Restart", "Raise", "Swap", "Drop", "Report", "Grow", "Regroup", "Trade")),
     "elastic_checkpoints": ("outcome", ("committed", "failed", "deferred")),
 }
 # elastic.protocol.MemorySample's fields, each the metric elastic_rank_<field>

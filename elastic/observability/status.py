@@ -3,7 +3,7 @@ that is still going, one that finished, and one whose driver is gone).
 
 `summarize(events)` folds the log into a plain dict: the run's state and the controller's,
 step, world size, loss, the last committed checkpoint, and one record per incident (a failure
-and its recovery, a straggler swapped, dropped or reported, a growth, a regroup). `format_status` prints
+and its recovery, a straggler swapped, dropped or reported, a growth, a regroup or trade). `format_status` prints
 it, one line per incident. It reads the fields docs/events.md lists, plus two the controller
 also writes: `loss` on `checkpoint_committed` and `run_dir` on `run_started`.
 """
@@ -42,7 +42,7 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
         nonlocal cur
         step = e.get("step") if e.get("step") is not None else s["step"]
         cur = {"n": len(incidents) + 1, "t_s": round(e["t"] - t0, 3), "step": step, "kind": kind, "faults": [],
-               "error": None, "lost": [], "decisions": [], "replaced": {}, "resizes": [], "swapped": None,
+               "error": None, "lost": [], "decisions": [], "replaced": {}, "resizes": [], "swapped": None, "traded": None,
                "restored_from": None, "restored_step": None, "detect_s": None, "recover_s": None,
                "recover_from": None, "lost_steps": None, "resumed_step": None, "world_size": None,
                "outcome": _IN_PROGRESS}
@@ -91,7 +91,7 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                 ckpt_steps[e["uri"]] = e.get("step")
                 s["checkpoint"] = {"step": e.get("step"), "uri": e["uri"]}
             if cur is not None and e.get("source") != "init" and (
-                    cur["outcome"] == _IN_PROGRESS or (cur["outcome"] == "swapped" and not cur["restored_from"])):
+                    cur["outcome"] == _IN_PROGRESS or (cur["outcome"] in ("swapped", "traded") and not cur["restored_from"])):
                 src = e.get("source")
                 if src == "storage" and e.get("uri"):
                     src = f"storage ({e['uri'].rstrip('/').rsplit('/', 1)[-1]})"
@@ -128,7 +128,7 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                     i["step"] = e.get("step")
         elif k == "decision":
             name = e.get("decision")
-            kind = ("growth" if name == "Grow" else "placement" if name == "Regroup"
+            kind = ("growth" if name == "Grow" else "placement" if name in ("Regroup", "Trade")
                     else "straggler" if name in ("Swap", "Drop", "Report") else "failure")
             if kind == "failure":
                 i = cur if open_now("failure") else open_incident(e, "failure")
@@ -163,6 +163,12 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                                 "old_node": e.get("old_node"), "new_node": e.get("new_node")}
                 if i["outcome"] == _IN_PROGRESS:
                     i["outcome"] = "swapped"
+        elif k == "traded":
+            i = last(lambda x: x["traded"] is None and any(d["decision"] == "Trade" for d in x["decisions"]))
+            if i is not None:
+                i["traded"] = {"ranks": e.get("ranks"), "trade_s": e.get("trade_s")}
+                if i["outcome"] == _IN_PROGRESS:
+                    i["outcome"] = "traded"
         elif k == "recovered":
             i = last(lambda x: x["kind"] == "failure" and x["outcome"] == _IN_PROGRESS)
             if i is not None:
@@ -226,6 +232,9 @@ def incident_line(i: dict) -> str:
     if i["swapped"]:
         sw = i["swapped"]
         parts.append(f"rank {sw['rank']} moved to a {sw['how']} in {_v(sw['swap_s'])}s")
+    if i["traded"]:
+        a, b = i["traded"]["ranks"]
+        parts.append(f"ranks {a} and {b} exchanged numbers in {_v(i['traded']['trade_s'])}s")
     for rz in i["resizes"]:
         verb = "shrank" if (rz["new_world_size"] or 0) < (rz["old_world_size"] or 0) else "grew"
         text = f"{verb} {rz['old_world_size']} -> {rz['new_world_size']} ranks via {rz['path']}"
@@ -242,7 +251,7 @@ def incident_line(i: dict) -> str:
         if i["recover_from"] == "detection":
             text += " from detection (no fault time known)"
         parts.append(text + f", {i['lost_steps']} step(s) lost, world size {i['world_size']}")
-    elif i["outcome"] not in ("swapped", "resized", "reported"):
+    elif i["outcome"] not in ("swapped", "traded", "resized", "reported"):
         parts.append(i["outcome"])
     return f"#{i['n']} +{i['t_s']:.1f}s step {_v(i['step'])} {i['kind'] or 'fault'}: " + " -> ".join(parts)
 

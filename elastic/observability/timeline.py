@@ -11,14 +11,14 @@ from elastic.observability.events import EVENTS_FILE, parse_lines, read_events
 
 STATE_COLORS = {"Starting": "#cccccc", "Forming": "#9ecae1", "Restoring": "#6baed6", "Running": "#74c476",
                 "Recovering": "#fd8d3c", "Swapping": "#fdd0a2", "Growing": "#c6dbef", "Dropping": "#dadaeb",
-                "Finished": "#ffffff", "Errored": "#de2d26"}
+                "Trading": "#e5f5e0", "Finished": "#ffffff", "Errored": "#de2d26"}
 MARKERS = {"fault_injected": ("x", "#de2d26", "fault"), "failure_detected": ("v", "#e6550d", "detected"),
            "recovered": ("^", "#31a354", "recovered"), "swapped": ("s", "#756bb1", "swapped"),
            "slow_window": (".", "#9e9ac8", "slow window"), "resized": ("D", "#3182bd", "resized")}
-# paused: stopped at a step boundary for a planned change (a swap, a drop, a growth); recovering: after a failure
+# paused: stopped at a step boundary for a planned change (a swap, a drop, a growth, a trade); recovering: after a failure
 RANK_COLORS = {"starting": "#cccccc", "running": "#74c476", "paused": "#c6dbef", "recovering": "#fd8d3c",
                "lost": "#de2d26"}
-_PLANNED = ("Swapping", "Dropping", "Growing")
+_PLANNED = ("Swapping", "Dropping", "Growing", "Trading")
 # (matplotlib marker, color, legend label) for each kind of per-rank mark
 RANK_MARKERS = {"fault": ("x", "#67000d", "fault on a rank"), "detected": ("v", "#e6550d", "rank found lost"),
                 "replaced": ("o", "#31a354", "rank replaced"), "swapped": ("s", "#756bb1", "rank swapped"),

@@ -163,3 +163,33 @@ def regroup_move(member_nodes: dict[int, str], tp: int, spares: list[tuple[str, 
             home = _most(on, targets)
             return max(r for r in ranks if member_nodes[r] != home), home
     return None
+
+
+def trade_move(member_nodes: dict[int, str], tp: int, slots: int) -> tuple[int, int] | None:
+    """Two ranks of one slot in different replicas (`rank % slots` alike) that exchange their
+    numbers so that tp groups split over nodes gather without a spare: where every replica of a
+    slot holds the same state (DDP x TP, a pipeline's or HSDP's replicas), each taking the
+    other's replica number is a renumbering, and nothing moves. The exchange that leaves the
+    fewest ranks off their tp group's node, strictly fewer than now (the lowest ranks on ties);
+    None when no exchange does. One of the two is in a split group: the candidates are few."""
+    groups: dict[int, list[int]] = {}
+    for r in member_nodes:
+        groups.setdefault(r // tp, []).append(r)
+
+    def off(g: int, nodes: dict[int, str]) -> int:  # ranks of group g off the node most of it is on
+        on = [nodes[r] for r in groups[g]]
+        return len(on) - max(on.count(n) for n in set(on))
+
+    best, best_gain = None, 0
+    for first in split_groups(member_nodes, tp):
+        for a in sorted(groups[first // tp]):
+            for b in sorted(member_nodes):
+                if b % slots != a % slots or b // tp == a // tp:
+                    continue
+                ga, gb = a // tp, b // tp
+                swapped = {**member_nodes, a: member_nodes[b], b: member_nodes[a]}
+                gain = off(ga, member_nodes) + off(gb, member_nodes) - off(ga, swapped) - off(gb, swapped)
+                pair = (min(a, b), max(a, b))
+                if gain > best_gain or (gain == best_gain and best is not None and pair < best):
+                    best, best_gain = pair, gain
+    return best
