@@ -118,3 +118,24 @@ def test_a_trade_renumbers_the_two_and_the_run_goes_on_with_every_state_where_it
     assert not calls(group, "kill") and not calls(group, "promote")
     assert calls(group, "restore_from_peer")[-1] == (0, (0, 1)), calls(group, "restore_from_peer")
     assert [c for c in calls(group, "restore") if c] == []  # nothing read from storage
+
+
+def test_one_replica_of_a_tp_pipeline_is_not_regrouped_onto_a_spare():
+    """pp 2 x tp 2 with one replica: each slot's state is in its one rank, and a planned swap
+    offers nothing, so no spare can take rank 1 back beside rank 0 (the controller used to plan
+    that move and fail on it: a warm spare per lost rank, each started on its own node, split the
+    replaced tp group). The group stays split."""
+    clock = FakeClock()
+    job = JobConfig.model_validate({
+        "run": {"name": "pp", "num_steps": 40},
+        "scaling": {"num_workers": 4},
+        "checkpoint": {"storage_uri": f"memory://pp-{uuid.uuid4().hex[:8]}"},
+        "train": {"model": "m:f", "dataset": "m:f", "global_batch_size": 48, "tp": {"size": 2},
+                  "strategy": "pipeline", "pipeline": {"stages": 2, "microbatches": 4, "loss": "m:f"}},
+    })
+    group = FakeGroup(clock)
+    group.members = {0: FakeRank(0, A, 1), 1: FakeRank(1, C, 2), 2: FakeRank(2, B, 3), 3: FakeRank(3, B, 4)}
+    group.ready_spares = [FakeRank(-1, A, 5, calib_s=None)]
+    ctl = Controller(job.model_dump_json(), group=group, clock=clock, wall=clock)
+    assert ctl.layout.dp == 1 and not ctl.shape.swappable(ctl.layout)
+    assert regroup.check(ctl) is None

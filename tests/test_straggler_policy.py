@@ -113,6 +113,24 @@ def test_without_a_spare_it_drops_when_the_world_may_shrink():
     assert isinstance(decision, Swap)
 
 
+def test_where_no_replica_holds_its_slot_a_straggler_is_reported_not_swapped():
+    """One replica of a tp layout (Shape.swappable is False): a spare could not take the rank's
+    state from memory, so even a fast spare is not used."""
+    state = StragglerState()
+    feed(state, [SLOW] * 10)
+    decision, reason = decide_straggler(state, CFG, 100.0, spare_compute_s=[0.1], rank_median_s=0.10, may_swap=False)
+    assert decision == Report(1) and "no other replica holds its slot" in reason
+
+
+def test_a_swap_needs_the_slot_held_elsewhere_or_offered():
+    from elastic.parallel.shape import Shape
+    from elastic.parallel.topology import Layout
+    assert Shape().swappable(Layout(1, 1)) and Shape(sharded=True, tp=2).swappable(Layout(1, 1, 2))
+    assert Shape(tp=2).swappable(Layout(1, 2, 2)) and not Shape(tp=2).swappable(Layout(1, 1, 2))
+    assert not Shape(stages=2, staged=True, tp=2).swappable(Layout(2, 1, 2))
+    assert Shape(stages=2, staged=True).swappable(Layout(2, 2))
+
+
 def test_the_slowest_counted_rank_is_acted_on_first():
     state = StragglerState()
     for i in range(10):

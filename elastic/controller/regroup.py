@@ -27,7 +27,8 @@ def check(ctl: Controller) -> Trading | Swapping | None:
     """A Trading, or else a Swapping onto a warm spare's node, that gathers a split tp group, with
     the stop at a step boundary requested; None when no group is split or neither can gather
     one. A trade needs replicas holding the same state (not fsdp's shards) and
-    failure.peer_restore (its state stays in memory). With stragglers
+    failure.peer_restore (its state stays in memory); a move, a slot held by another replica
+    or offered at the stop (not one replica of a pipeline or of DDP x TP). With stragglers
     on, the spare must be calibrated within their threshold of the healthy ranks' compute, or,
     where it has nothing to be timed with (kept on the meta device; a pipeline's), be on a node
     no straggler was found on: a node that made a rank slow does not get one of the group back."""
@@ -41,6 +42,8 @@ def check(ctl: Controller) -> Trading | Swapping | None:
         trade = trade_move(nodes, tp, ctl.layout.slots)
         if trade is not None:
             return _trade(ctl, trade, nodes)
+    if not ctl.shape.swappable(ctl.layout):  # one replica: the rank's slot is in it alone, and nothing offers it
+        return None
     ctl.group.refresh_spares()
     healthy = healthy_compute_s(ctl.stragglers, ctl.group.members) if ctl.job.stragglers.enabled else None
     bound = None if healthy is None else ctl.job.stragglers.threshold * healthy

@@ -48,7 +48,8 @@ def check(ctl: Controller) -> Swapping | Dropping | None:
         may_shrink = ctl.world_size > ctl.job.scaling.min_size and not ctl.shape.staged
         decision, reason = decide_straggler(state, sc, ctl.now(),
                                             [m.calib_s for m in ctl.group.ready_spares if m.calib_s],
-                                            healthy_s, may_shrink=may_shrink)
+                                            healthy_s, may_shrink=may_shrink,
+                                            may_swap=ctl.shape.swappable(ctl.layout))
         if isinstance(decision, (Report, Swap, Drop)) and decision.rank in ctl.group.members:
             ctl.slow_nodes.add(ctl.group.members[decision.rank].node_id)  # no uncalibrated spare regroups there
         if isinstance(decision, Report) and decision.rank not in state.reported:

@@ -58,6 +58,13 @@ class Shape:
             return new, reassign(old, sorted(survivors), new, holders)
         return Layout(1, len(survivors)), {old_rank: new for new, old_rank in enumerate(sorted(survivors))}
 
+    def swappable(self, layout: Layout) -> bool:
+        """Whether a rank can be swapped for a spare at a planned stop with its state from memory:
+        every rank holds it (ddp), its shards are offered at the stop (fsdp), or another replica
+        holds its slot. Not with one replica of a staged layout (a pipeline or tp at dp 1): each
+        slot's state is in its one rank only, and nothing offers it."""
+        return self.sharded or not self.staged or layout.dp > 1
+
     def offer_keepers(self, members: list[int], leaving: int | None) -> frozenset[int] | None:
         """At a planned change, the ranks that keep their part of the state in memory (moved rank to
         rank later); the others publish theirs. None: nothing is offered (a replica holds it all).

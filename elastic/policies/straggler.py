@@ -131,10 +131,13 @@ def flagged(state: StragglerState, cfg: StragglerConfig) -> list[int]:
 
 
 def decide_straggler(state: StragglerState, cfg: StragglerConfig, now: float, spare_compute_s: list[float],
-                     rank_median_s: float, may_shrink: bool = False) -> tuple[StragglerDecision, str]:
+                     rank_median_s: float, may_shrink: bool = False,
+                     may_swap: bool = True) -> tuple[StragglerDecision, str]:
     """`spare_compute_s`: calibrated compute time of each ready spare for one rank's share of a step;
     `rank_median_s`: the median compute time of the healthy ranks, for comparing spares;
-    `may_shrink`: the world is above scaling.min_workers. Swap for a spare, else drop, else report."""
+    `may_shrink`: the world is above scaling.min_workers; `may_swap`: a spare could take the
+    rank's state from memory (not at one replica of a tp layout: Shape.swappable). Swap for a
+    spare, else drop, else report."""
     ranks = flagged(state, cfg)
     if not ranks:
         return NoAction(), "no rank slow in most of its last steps"
@@ -144,6 +147,9 @@ def decide_straggler(state: StragglerState, cfg: StragglerConfig, now: float, sp
     if now - state.last_action_t < cfg.cooldown_s:
         return NoAction(), (f"{slow}, but in cooldown "
                             f"({now - state.last_action_t:.1f}s < {cfg.cooldown_s}s since the last action)")
+    if not may_swap:
+        return Report(rank), (f"{slow}; no other replica holds its slot's state (one replica of a tensor-parallel "
+                              f"layout), so a spare could not take it from memory: report only")
     usable = sorted(s for s in spare_compute_s if s <= cfg.threshold * rank_median_s)
     if usable:
         return Swap(rank, usable[0]), (
