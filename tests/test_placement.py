@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from elastic.policies.placement import (group_node, pick_spare, regroup_move, regroup_nodes, replacement_homes, trade_move,
-                                        split_groups)
+from elastic.policies.placement import (group_node, pick_spare, regroup_move, regroup_nodes, replacement_homes, spare_homes,
+                                        split_groups, trade_move)
 
 
 # ---------------------------------------------------------------- replacements beside their tp group
@@ -111,3 +111,15 @@ def test_two_split_groups_over_the_same_nodes_trade_ranks_of_one_slot():
     nodes = {0: "A", 1: "C", 2: "B", 3: "B", 4: "C", 5: "A", 6: "D", 7: "D"}
     assert trade_move(nodes, 2, 4) == (0, 4)
     assert trade_move({**nodes, 4: "A", 5: "C"}, 2, 4) is None  # stage 0 at tp 0 is on A in both: no help
+
+
+def test_spares_start_a_tp_groups_worth_to_a_node():
+    # Two spares for tp 2: both on one node, so a node kill that takes a whole tp group finds both there.
+    assert spare_homes(2, 2, {"C": 1.0, "D": 1.0}, 0.5) == ["C", "C"]
+    assert spare_homes(4, 2, {"C": 1.0, "D": 0.5, "E": 1.0}, 0.5) == ["C", "C", "E", "E"]
+    # A node holding one ready spare of a pair is topped up first, even with less room than another.
+    assert spare_homes(1, 2, {"C": 0.5, "D": 1.0}, 0.5, have=["C"]) == ["C"]
+    assert spare_homes(1, 2, {"C": 0.5, "D": 1.0}, 0.5, have=["C", "C"]) == ["D"]  # C's pair is whole
+    # No node holds a pair: as close as the room allows, then left to Ray.
+    assert spare_homes(3, 2, {"C": 0.5, "D": 0.5}, 0.5) == ["C", "D"]
+    assert spare_homes(2, 2, {}, 0.5) == []

@@ -42,7 +42,9 @@ def on_starting(ctl: Controller, _: Starting) -> State:
                         reason=(f"every tp group of {tp} ranks on one node" if not split else
                                 f"tp groups starting at ranks {split} span nodes: their tensor-parallel "
                                 f"collectives cross nodes (no node had room for a whole group)"))
-    ctl.group.add_spares(ctl.job.scaling.num_spares)
+    # With tp, a tp group's worth of spares per node: a node kill that takes a whole group finds
+    # its replacements together (policies/placement.py spare_homes).
+    ctl.group.add_spares(ctl.job.scaling.num_spares, at=ctl.group.spare_homes(ctl.job.scaling.num_spares))
     if ctl.job.scaling.wait_for_spares and ctl.job.scaling.num_spares:
         t0 = ctl.now()
         ok = ctl.group.wait_spares_ready(ctl.job.failure.replacement_timeout_s)
@@ -179,4 +181,5 @@ def tend(ctl: Controller) -> None:
     for why in lost:
         ctl.events.emit("spare_lost", reason=why)
     if lost:
-        group.add_spares(ctl.job.scaling.num_spares - group.num_spares(), background=True)
+        refill = ctl.job.scaling.num_spares - group.num_spares()
+        group.add_spares(refill, background=True, at=group.spare_homes(refill))

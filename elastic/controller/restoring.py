@@ -156,9 +156,9 @@ def restored(ctl: Controller, out: dict[int, RestoreResult]) -> State:
     headroom = ctl.job.scaling.max_size - ctl.world_size
     ctl.group.trim_spares(ctl.job.scaling.num_spares + headroom)
     # Refills start beside the training group: at low CPU priority until built; first where one
-    # can gather a tp group split over nodes (regroup.py).
-    ctl.group.add_spares(ctl.job.scaling.num_spares - ctl.group.num_spares(), background=True,
-                         at=ctl.group.regroup_homes())
+    # can gather a tp group split over nodes (regroup.py), then a tp group's worth per node.
+    refill = ctl.job.scaling.num_spares - ctl.group.num_spares()
+    ctl.group.add_spares(refill, background=True, at=ctl.group.spare_homes(refill))
     return Running()
 
 

@@ -21,7 +21,8 @@ from elastic.group.node_agent import NodeAgents
 from elastic.group.prestart import PrestartPool, release_slot
 from elastic.group.prestart_claims import CLAIM_POLL_S, PrestartedClaims
 from elastic.group.room import free_cpus_by_node, placing_node
-from elastic.policies.placement import group_node, pick_spare, regroup_nodes, replacement_homes, split_groups
+from elastic.policies.placement import (group_node, pick_spare, regroup_nodes, replacement_homes, spare_homes,
+                                        split_groups)
 from elastic.protocol import LostCause, WorkerInfo
 from elastic.runtime import priority
 from elastic.runtime.actor import WorkerActor
@@ -338,19 +339,28 @@ class SparePool(PrestartedClaims):
             self.vacated.pop(r, None)
         return how
 
-    def regroup_homes(self) -> tuple[str, ...]:
-        """With tensor parallelism, the nodes where spares would let a tp group split over nodes
-        be gathered (policies/placement.py); room is a free slot Ray shows or a killed member's
-        (Ray may not show it free yet). () when no group is split."""
+    def spare_homes(self, n: int) -> tuple[str, ...]:
+        """With tensor parallelism, where `n` spares about to start belong (policies/placement.py):
+        first the nodes where they would let a tp group split over nodes be gathered (room: a
+        free slot Ray shows, or a killed member's that Ray may not show free yet), then a tp
+        group's worth per node, topping up the nodes whose ready spares hold part of one. ()
+        without tensor parallelism; shorter than `n` where nodes lack room."""
         tp = self.job.train.tp.size
-        nodes = {r: m.node_id for r, m in self.members.items()}
-        if tp == 1 or not self.job.train.tp.regroup or not split_groups(nodes, tp):
+        if tp == 1 or n <= 0:
             return ()
+        nodes = {r: m.node_id for r, m in self.members.items()}
         cpus = self.job.scaling.cpus_per_worker
         free = self._free_cpus()
-        for n in set(self.vacated.values()) & set(free):
-            free[n] = max(free[n], cpus)
-        return tuple(regroup_nodes(nodes, tp, free, cpus))
+        first: list[str] = []
+        if self.job.train.tp.regroup and split_groups(nodes, tp):
+            gather = dict(free)
+            for m in set(self.vacated.values()) & set(gather):
+                gather[m] = max(gather[m], cpus)
+            first = regroup_nodes(nodes, tp, gather, cpus)[:n]
+        for m in first:
+            free[m] = free.get(m, 0.0) - cpus
+        return tuple(first) + tuple(spare_homes(n - len(first), tp, free, cpus,
+                                                [s.node_id for s in self.ready_spares]))
 
     def _free_cpus(self) -> dict[str, float]:
         """Free CPUs of each node that is not suspect (Ray's view now)."""

@@ -85,6 +85,32 @@ def replacement_homes(missing: list[int], tp: int, member_nodes: dict[int, str],
     return homes
 
 
+def spare_homes(n: int, tp: int, free_cpus: dict[str, float], cpus_per_worker: float,
+                have: list[str] = ()) -> list[str]:
+    """Where `n` new spares start with tensor parallelism: a tp group's worth on one node, so that
+    a node kill taking a whole tp group finds a spare for each of its ranks on one node, and the
+    replacements keep the group together without a worker started beside a lone spare. A node
+    already holding part of a group's worth (`have`: one entry per spare there) is topped up
+    first; then the nodes with room for most of a group (name order on ties). Shorter than `n` where
+    the nodes lack room: the rest start wherever Ray puts them."""
+    room = _slots(free_cpus, cpus_per_worker)
+    held = {m: have.count(m) for m in set(have)}
+    out: list[str] = []
+    for node in sorted((m for m in held if held[m] % tp), key=lambda m: (-(held[m] % tp), m)):
+        k = min(tp - held[node] % tp, room.get(node, 0), n - len(out))
+        out += [node] * k
+        room[node] = room.get(node, 0) - k
+    while len(out) < n:
+        want = min(tp, n - len(out))
+        fits = sorted((m for m, k in room.items() if k > 0), key=lambda m: (-min(room[m], tp), m))
+        if not fits:
+            break
+        k = min(room[fits[0]], want)
+        out += [fits[0]] * k
+        room[fits[0]] -= k
+    return out
+
+
 def group_node(rank: int, tp: int, member_nodes: dict[int, str]) -> str | None:
     """The node most of `rank`'s tp peers (not `rank` itself) are on: where a replacement for it
     keeps the group whole. None without tensor parallelism, or when no peer is placed."""

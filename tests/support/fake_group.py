@@ -223,7 +223,7 @@ class FakeGroup:
     def suspect(self, node_id: str) -> None:
         self.suspect_nodes.add(node_id)
 
-    def regroup_homes(self) -> tuple[str, ...]:
+    def spare_homes(self, n: int) -> tuple[str, ...]:
         return ()  # fake members hold no tp groups
 
     def take_spare_for(self, rank: int, max_calib_s: float, ping_timeout_s: float, home: str | None = None):
