@@ -64,8 +64,9 @@ OPTIONS = (
               "copies may cost (1: a copy every step, whatever it costs; default: the job's, 0.03)",
          used_by=("recovery",)),
     _opt("--copy-sync", action="store_true",
-         help="elastic's checkpoint.memory_sync with --strategy fsdp: a copy every step, each at its buddy before "
-              "the step is reported (no step redone after a fault)", used_by=("recovery",)),
+         help="elastic's checkpoint.memory_sync with --strategy fsdp (recovery) or --tp (pipeline's stage loss): a "
+              "copy every step, each at its buddy before the step is reported (no step redone after a fault)",
+         used_by=("recovery", "pipeline")),
     _opt("--mtbf-s", type=float, default=30.0, help="mean time between faults, seconds", used_by=("churn",)),
     _opt("--duration-s", type=float, default=600.0, help="length of the fault schedule, seconds", used_by=("churn",)),
     _opt("--replace-after-s", type=float, default=10.0,
@@ -76,8 +77,9 @@ OPTIONS = (
     _opt("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
          help="the schedule every system runs", used_by=("pipeline",)),
     _opt("--tp", type=int, default=1,
-         help="pipeline: tensor-parallel ranks per stage in the throughput layouts (the built-in plan in both "
-              "systems; layouts that do not fit the cluster's 4 one-CPU nodes and the stage-loss part are left out); "
+         help="pipeline: tensor-parallel ranks per stage (the built-in plan in every system; throughput layouts "
+              "that do not fit the cluster's 4 one-CPU nodes are left out; stage loss: 2 stages x 1 replica x tp, "
+              "the node of stage 0's whole tp group killed); "
               "recovery: 2 trains examples/gpt.py at dp 2 x tp 2 and kills the node of a whole tp group",
          used_by=("pipeline", "recovery")),
     _opt("--gpt", default=None,

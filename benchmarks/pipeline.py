@@ -26,9 +26,13 @@ one a system could resume from (Ray Train registers a report only at its control
 The model's size reaches every Ray worker through the job's runtime env (`env_vars`), and the
 plain processes through theirs.
 
-`--tp T`: every stage split over T tensor-parallel ranks in both systems (elastic's built-in
-plan; the plain pipeline applies the same `ColwiseParallel`/`RowwiseParallel` styles per stage),
-throughput only, in the layouts whose stages x replicas x T ranks fit the cluster's nodes.
+`--tp T`: every stage split over T tensor-parallel ranks in every system (elastic's built-in
+plan; the plain pipeline and Ray Train's apply the same `ColwiseParallel`/`RowwiseParallel`
+styles per stage), in the throughput layouts whose stages x replicas x T ranks fit the cluster's
+nodes, and one stage loss: 2 stages x 1 replica x T, a rank taking 1/T of a CPU so that a stage's
+tp group shares a node, the node of rank 1 (stage 0's whole tp group) killed. No replica holds
+stage 0: elastic restores both slices from their in-memory copies at buddies on another node;
+Ray Train saves each rank's slices with `torch.distributed.checkpoint` and restarts from them.
 """
 from __future__ import annotations
 
@@ -52,9 +56,10 @@ RECOVERY_SCENARIOS = [  # (name, stages, replicas, fault)
     ("2x2 kill_process", 2, 2, "kill_process"),
     ("3x1 kill_node", 3, 1, "kill_node"),
 ]
+TP_RECOVERY_SCENARIOS = [("2x1xtp kill_node", 2, 1, "kill_node")]  # --tp: stage 0's tp group lost whole
 RECOVERY_STEPS, CKPT_EVERY, FAULT_STEPS, FAULT_RANK = 34, 10, (22, 25, 28), 1
 NUM_NODES = 4  # one-CPU worker nodes: the largest layout (4 ranks), or 3 ranks and a node to replace one
-SYSTEMS = ["elastic", "torch-pipelining", "ray-train"]
+SYSTEMS = ["elastic", "elastic-spare", "torch-pipelining", "ray-train"]  # elastic-spare: stage loss only
 THROUGHPUT_METRICS = ["steps_per_s", "step_s", "median_step_s"]
 RECOVERY_METRICS = ["recover_s", "lost_steps", "detect_s"]
 
@@ -86,6 +91,20 @@ def gpt_setup(size: str, extra: dict[str, str] | None = None) -> tuple[dict[str,
     return env, sum(p.numel() for p in build_model().parameters())
 
 
+def spares_for(system: str, stages: int, replicas: int, tp: int, fault: str) -> int | None:
+    """Warm spares a stage-loss run of `system` keeps: one per rank a fault loses (a node kill
+    with tp takes the whole tp group: tp ranks of 1/tp CPU, one node's worth), 0 for the others;
+    None where the spares would not fit the cluster beside the ranks and a node to lose, or
+    where the fault replaces a process in place (its slot is free at once: no spare needed)."""
+    if system != "elastic-spare":
+        return 0
+    if fault != "kill_node":
+        return None
+    lost = tp if tp > 1 else 1
+    nodes_used = stages * replicas + 1  # a node per stage's tp group (a rank per node without tp), one for the spares
+    return lost if nodes_used <= NUM_NODES else None
+
+
 def chunks_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
 
@@ -104,12 +123,15 @@ def split_points(stages: int, schedule: str) -> list[str]:
 
 
 def elastic_job(stages: int, replicas: int, *, schedule: str, num_steps: int, every_steps: int, storage_uri: str,
-                storage_options: dict, chaos: list[dict] = (), tp: int = 1) -> dict:
+                storage_options: dict, chaos: list[dict] = (), tp: int = 1, cpus_per_worker: float = 1,
+                copy_sync: bool = False, num_spares: int = 0) -> dict:
     return {
         "run": {"name": f"bench-pipeline-{uuid.uuid4().hex[:8]}", "num_steps": num_steps, "seed": SEED},
-        "scaling": {"num_workers": stages * replicas * tp},
+        "scaling": {"num_workers": stages * replicas * tp, "cpus_per_worker": cpus_per_worker,
+                    "num_spares": num_spares},
         "failure": {"max_failures": 2},
-        "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": every_steps},
+        "checkpoint": {"storage_uri": storage_uri, "storage_options": storage_options, "every_steps": every_steps,
+                       **({"memory_sync": True, "memory_every_steps": 1} if copy_sync else {})},
         "train": {"model": "examples.gpt:build_model", "dataset": "examples.gpt:build_dataset",
                   "optimizer": "benchmarks.plain_pipeline:timed_optimizer", "global_batch_size": GLOBAL_BATCH,
                   "strategy": "pipeline", "tp": {"size": tp},
@@ -170,11 +192,12 @@ def run_plain_throughput(stages: int, replicas: int, schedule: str, step_log: st
 
 # ---------------------------------------------------------------- stage loss: elastic
 def run_elastic_recovery(stages: int, replicas: int, fault: str, at_step: int, schedule: str, storage_uri: str,
-                         storage_options: dict) -> dict:
+                         storage_options: dict, tp: int = 1, copy_sync: bool = False, num_spares: int = 0) -> dict:
     from elastic import Trainer
     job = elastic_job(stages, replicas, schedule=schedule, num_steps=RECOVERY_STEPS, every_steps=CKPT_EVERY,
                       storage_uri=storage_uri, storage_options=storage_options,
-                      chaos=[{"action": fault, "rank": FAULT_RANK, "at_step": at_step}])
+                      chaos=[{"action": fault, "rank": FAULT_RANK, "at_step": at_step}], tp=tp,
+                      cpus_per_worker=1 / tp, copy_sync=copy_sync, num_spares=num_spares)
     t0 = time.time()
     result = Trainer(job).fit(progress=False)
     rec = (result.events_of("recovered") or [{}])[0]
@@ -182,7 +205,7 @@ def run_elastic_recovery(stages: int, replicas: int, fault: str, at_step: int, s
     restored = result.events_of("restored")[-1]
     return {"recover_s": rec.get("recover_s"), "lost_steps": rec.get("lost_steps"), "detect_s": rec.get("detect_s"),
             "fault_step": rec.get("fault_step"), "resumed_step": rec.get("resumed_step"),
-            "restore_plan": plan.get("source"), "restore_source": restored["source"],
+            "restore_plan": plan.get("source"), "restore_reason": plan.get("reason"), "restore_source": restored["source"],
             "final_step": result.metrics["step"], "total_s": time.time() - t0, "run_dir": result.run_dir}
 
 
@@ -194,7 +217,10 @@ def _ray_train_loop(config: dict) -> None:
     """The per-worker training function: the plain pipeline (`plain_pipeline.build_pipeline`,
     `run_step`) with Ray Train's documented checkpointing. Every rank of replica 0 writes its
     stage's shard and reports it (Ray Train merges the workers' files into one checkpoint); the
-    other replicas report metrics only. A restarted group resumes from the newest checkpoint."""
+    other replicas report metrics only. With tp (one replica) every rank writes its stage's
+    tensor slices with `torch.distributed.checkpoint` (`ray_train_fsdp.save`, a collective, the
+    optimizer's state by parameter name as torchtitan saves a pipeline's), as Ray Train's FSDP and
+    tp peers do. A restarted group resumes from the newest checkpoint."""
     import ray.train
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -205,13 +231,20 @@ def _ray_train_loop(config: dict) -> None:
     from elastic.data.order import GlobalOrder
     from examples.gpt import build_dataset, build_model, stage_loss
 
-    timeline_dir, pp = config["timeline_dir"], config["stages"]
+    from benchmarks import ray_train_fsdp
+
+    timeline_dir, pp, tp = config["timeline_dir"], config["stages"], config.get("tp", 1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     fault_marker = os.path.join(timeline_dir, FAULT_MARKER)
     is_recovery = os.path.exists(fault_marker)  # the fault fired before this attempt started
 
-    mesh = init_device_mesh("cpu", (world // pp, pp), mesh_dim_names=("dp", "pp"))  # Ray Train's gloo group
+    if tp > 1:  # the plain pipeline's numbering: replica, then stage, then tp index
+        if world != pp * tp:
+            raise ValueError(f"the Ray Train pipeline peer runs tp with one replica only: world {world}, pp {pp}, tp {tp}")
+        mesh = init_device_mesh("cpu", (1, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world // pp, pp), mesh_dim_names=("dp", "pp"))  # Ray Train's gloo group
     torch.manual_seed(config["seed"])
     me = build_pipeline(mesh, build_model(), config["split"], config["schedule"], config["microbatches"], stage_loss,
                         config["stages_per_rank"])
@@ -219,11 +252,15 @@ def _ray_train_loop(config: dict) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, STAGE_FILE.format(me.stage)), weights_only=True)
-        for m, sd in zip(me.modules, state["modules"]):
-            getattr(m, "module", m).load_state_dict(sd)
-        me.optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+            if tp > 1:
+                step = ray_train_fsdp.load(me.modules[0], me.optimizer, d, ray_train_fsdp.PIPELINE)
+            else:
+                state = torch.load(os.path.join(d, STAGE_FILE.format(me.stage)), weights_only=True)
+        if tp == 1:
+            for m, sd in zip(me.modules, state["modules"]):
+                getattr(m, "module", m).load_state_dict(sd)
+            me.optimizer.load_state_dict(state["optimizer"])
+            step = state["step"]
     _log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery)
 
     dataset = build_dataset()
@@ -251,9 +288,12 @@ def _ray_train_loop(config: dict) -> None:
         if step % config["ckpt_every"] == 0:
             if me.replica == 0:
                 with tempfile.TemporaryDirectory() as tmp:
-                    torch.save({"modules": [getattr(m, "module", m).state_dict() for m in me.modules],
-                                "optimizer": me.optimizer.state_dict(), "step": step},
-                               os.path.join(tmp, STAGE_FILE.format(me.stage)))
+                    if tp > 1:
+                        ray_train_fsdp.save(me.modules[0], me.optimizer, step, tmp, rank, ray_train_fsdp.PIPELINE)
+                    else:
+                        torch.save({"modules": [getattr(m, "module", m).state_dict() for m in me.modules],
+                                    "optimizer": me.optimizer.state_dict(), "step": step},
+                                   os.path.join(tmp, STAGE_FILE.format(me.stage)))
                     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
                 _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step)
             else:
@@ -265,7 +305,7 @@ def _ray_train_loop(config: dict) -> None:
 
 
 def run_ray_train_recovery(stages: int, replicas: int, fault: str, at_step: int, schedule: str,
-                           storage_dir: str) -> dict:
+                           storage_dir: str, tp: int = 1) -> dict:
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -280,9 +320,9 @@ def run_ray_train_recovery(stages: int, replicas: int, fault: str, at_step: int,
                            "schedule": schedule, "stages_per_rank": chunks_per_rank(schedule),
                            "microbatches": MICROBATCHES, "global_batch": GLOBAL_BATCH, "seed": SEED,
                            "num_steps": RECOVERY_STEPS, "fault_step": at_step, "fault": fault,
-                           "ckpt_every": CKPT_EVERY},
-        scaling_config=ray.train.ScalingConfig(num_workers=stages * replicas, use_gpu=False,
-                                               resources_per_worker={"CPU": 1}),
+                           "ckpt_every": CKPT_EVERY, "tp": tp},
+        scaling_config=ray.train.ScalingConfig(num_workers=stages * replicas * tp, use_gpu=False,
+                                               resources_per_worker={"CPU": 1 / tp}),
         run_config=ray.train.RunConfig(storage_path=storage_dir, name=name,
                                        failure_config=ray.train.FailureConfig(max_failures=2),
                                        callbacks=[_TimelineCallback(timeline_dir)]),
@@ -336,13 +376,18 @@ def summarise(records: list[dict]) -> tuple[dict, str]:
         med = medians([{**r, "row": f"{r['system']} {r['scenario']}"} for r in rec], RECOVERY_METRICS, key="row")
         notes = []
         for scenario in dict.fromkeys(r["scenario"] for r in rec):
-            mine, peer = med.get(f"elastic {scenario}", {}), med.get(f"ray-train {scenario}", {})
-            entry = {f"{s}_{m}": v.get(m) for s, v in (("elastic", mine), ("ray_train", peer))
-                     for m in RECOVERY_METRICS}
-            if mine.get("recover_s") and peer.get("recover_s"):
-                entry["recover_s_ratio"] = mine["recover_s"] / peer["recover_s"]
-                notes.append(f"recover_s ratio {scenario} (elastic / ray-train, medians of the same run): "
-                             f"{entry['recover_s_ratio']:.3f}")
+            peer = med.get(f"ray-train {scenario}", {})
+            entry = {f"ray_train_{m}": peer.get(m) for m in RECOVERY_METRICS}
+            for system in ("elastic", "elastic-spare"):
+                mine, key = med.get(f"{system} {scenario}", {}), system.replace("-", "_")
+                if not mine:
+                    continue
+                entry.update({f"{key}_{m}": mine.get(m) for m in RECOVERY_METRICS})
+                if mine.get("recover_s") and peer.get("recover_s"):
+                    ratio = mine["recover_s"] / peer["recover_s"]
+                    entry["recover_s_ratio" if system == "elastic" else f"{key}_recover_s_ratio"] = ratio
+                    notes.append(f"recover_s ratio {scenario} ({system} / ray-train, medians of the same run): "
+                                 f"{ratio:.3f}")
             out["recovery"][scenario] = entry
         md.append(markdown_table(med, RECOVERY_METRICS, "pipeline stage loss", notes))
     return out, "\n".join(md)
@@ -362,7 +407,7 @@ def plot(path: str, records: list[dict]) -> None:
             vals = [r[metric] for r in records if r["part"] == part and r[group] == g and r["system"] == s
                     and r.get(metric) is not None]
             if vals:
-                ax.bar(i, statistics.median(vals), color="#8fb3d9" if s == "elastic" else "#d9b38f", width=0.6)
+                ax.bar(i, statistics.median(vals), color="#8fb3d9" if s.startswith("elastic") else "#d9b38f", width=0.6)
                 ax.scatter([i] * len(vals), vals, color="#1f4e79", zorder=3, s=14)
         ax.set_xticks(range(len(rows)), [f"{s}\n{g}" for g, s in rows], fontsize=7)
         ax.set_ylabel(metric)
@@ -389,6 +434,7 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     schedule, tp = args.schedule, getattr(args, "tp", None) or 1
+    copy_sync = bool(getattr(args, "copy_sync", False))
     if tp > 1 and schedule == "interleaved_1f1b":
         print("python -m benchmarks pipeline: --tp with --schedule interleaved_1f1b is not measured (a tp rank "
               "holds one stage)", file=sys.stderr)
@@ -442,22 +488,26 @@ def main(args) -> int:
                 for r in got.values():
                     records.append(r)
                     emit(r)
-            # Stage loss (without tensor parallelism: the Ray Train peer has none).
-            if tp > 1:
-                continue
+            # Stage loss; with tp, stage 0's whole tp group.
             at = fault_step(rep)
-            for scenario, stages, replicas, fault in RECOVERY_SCENARIOS:
-                for system in [s for s in ("elastic", "ray-train") if s in systems]:
+            for scenario, stages, replicas, fault in (TP_RECOVERY_SCENARIOS if tp > 1 else RECOVERY_SCENARIOS):
+                scenario = scenario.replace("xtp", f"xtp{tp}")
+                for system in [s for s in ("elastic", "elastic-spare", "ray-train") if s in systems]:
+                    spares = spares_for(system, stages, replicas, tp, fault)
+                    if spares is None:
+                        continue  # no node left for the spares, or one replaced in place
                     cluster.ensure_worker_nodes(NUM_NODES)
-                    if system == "elastic":
+                    if system.startswith("elastic"):
                         figs = run_elastic_recovery(stages, replicas, fault, at, schedule, storage_uri,
-                                                    storage_options)
+                                                    storage_options, tp, copy_sync, spares)
                     else:
-                        figs = run_ray_train_recovery(stages, replicas, fault, at, schedule, work)
+                        figs = run_ray_train_recovery(stages, replicas, fault, at, schedule, work, tp)
                     r = {**common, "part": "recovery", "system": system, "scenario": scenario, "stages": stages,
-                         "replicas": replicas, "fault": fault, "fault_rank": FAULT_RANK, "rep": rep,
+                         "replicas": replicas, "tp": tp, "fault": fault, "fault_rank": FAULT_RANK, "rep": rep,
                          "ckpt_every": CKPT_EVERY, "num_steps": RECOVERY_STEPS,
-                         "storage": args.storage if system == "elastic" else "file", **figs}
+                         "storage": args.storage if system.startswith("elastic") else "file",
+                         **({"copy_sync": copy_sync, "num_spares": spares} if system.startswith("elastic") else {}),
+                         **figs}
                     records.append(r)
                     emit(r)
     summary, table = summarise(records)

@@ -15,11 +15,16 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 STEP_FILE = "step.json"
+# Pipeline stages: the optimizer's state by parameter name, as torchtitan saves it. Unflattened,
+# each stage's param_groups are saved by position ("param_groups.0"), the same keys on every
+# stage: DCP keeps one stage's, and the other stage's optimizer loads without its learning rate
+# and betas (measured: AdamW then fails its next step with KeyError 'betas').
+PIPELINE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def shard(model: nn.Module, world_size: int, use_gpu: bool) -> nn.Module:
@@ -34,20 +39,24 @@ def shard(model: nn.Module, world_size: int, use_gpu: bool) -> nn.Module:
     return model
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, directory: str, rank: int) -> None:
-    """This rank's shards of model and optimizer (collective: every rank calls it at the same step)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, directory: str, rank: int,
+         options: StateDictOptions | None = None) -> None:
+    """This rank's shards of model and optimizer (collective: every rank calls it at the same step).
+    `options`: `PIPELINE` where ranks hold different modules (pipeline stages)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
     if rank == 0:
         with open(os.path.join(directory, STEP_FILE), "w") as f:
             json.dump({"step": step}, f)
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> int:
-    """The merged checkpoint into this rank's shards; returns its step."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str,
+         options: StateDictOptions | None = None) -> int:
+    """The merged checkpoint into this rank's shards; returns its step. `options` as saved."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     with open(os.path.join(directory, STEP_FILE)) as f:
         return int(json.load(f)["step"])

@@ -125,11 +125,12 @@ def test_summary_divides_medians_of_the_same_run():
             for s, v in [("elastic", 9.0), ("torch-pipelining", 10.0), ("elastic", 9.6), ("torch-pipelining", 12.0),
                          ("elastic", 9.5), ("torch-pipelining", 10.0)]]
     recs += [{"part": "recovery", "system": s, "scenario": "3x1 kill_node", "recover_s": v, "lost_steps": n,
-              "detect_s": 1.0} for s, v, n in [("elastic", 4.0, 2), ("ray-train", 20.0, 12)]]
+              "detect_s": 1.0} for s, v, n in [("elastic", 4.0, 2), ("ray-train", 20.0, 12), ("elastic-spare", 2.0, 0)]]
     summary, table = bench.summarise(recs)
     assert summary["throughput"]["2x1"]["pipeline_ratio"] == pytest.approx(9.5 / 10.0)
     assert summary["recovery"]["3x1 kill_node"]["recover_s_ratio"] == pytest.approx(0.2)
     assert summary["recovery"]["3x1 kill_node"]["ray_train_lost_steps"] == 12
+    assert summary["recovery"]["3x1 kill_node"]["elastic_spare_recover_s_ratio"] == pytest.approx(0.1)
     assert "pipeline throughput" in table and "pipeline stage loss" in table
 
 
@@ -140,3 +141,88 @@ def test_cli_refuses_unknown_systems_and_sizes_before_starting_anything(capsys):
     assert "--gpt" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_main(["pipeline", "--schedule", "zero_bubble"])
+
+
+def test_every_elastic_job_of_the_tp_stage_loss_is_valid(tmp_path):
+    for _, stages, replicas, fault in bench.TP_RECOVERY_SCENARIOS:
+        job = parse_job(bench.elastic_job(
+            stages, replicas, schedule="1f1b", num_steps=bench.RECOVERY_STEPS, every_steps=bench.CKPT_EVERY,
+            storage_uri="file://" + str(tmp_path), storage_options={}, tp=2, cpus_per_worker=0.5,
+            chaos=[{"action": fault, "rank": bench.FAULT_RANK, "at_step": bench.fault_step(0)}]))
+        # Two ranks of half a CPU: stage 0's tp group fits one one-CPU node, and the fault takes it whole.
+        assert job.scaling.num_workers == 4 and job.scaling.cpus_per_worker == 0.5 and job.train.tp.size == 2
+        assert replicas == 1 and bench.FAULT_RANK < job.train.tp.size  # rank 1: stage 0, tp index 1
+
+
+def _peer_checkpoint_rank(rank: int, init_file: str, ckpt: str, out: str) -> None:
+    """One rank of the Ray Train pipeline peer's checkpoint at pp 2 x tp 2: train a step, save with
+    its DCP save, build again from another seed, load, train one more step on both, and write
+    the states' digests."""
+    import hashlib
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from benchmarks import ray_train_fsdp
+    from elastic.data.order import GlobalOrder
+    from examples.gpt import build_dataset, build_model, stage_loss
+
+    def digest(me) -> str:
+        h = hashlib.sha256()
+        tensors = list(me.modules[0].state_dict().items())
+        tensors += sorted((f"{k}.{n}", t) for k, s in me.optimizer.state_dict()["state"].items()
+                          for n, t in s.items() if torch.is_tensor(t))
+        for name, t in tensors:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            h.update(name.encode() + t.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    split = bench.split_points(2, "1f1b")
+    dataset = build_dataset()
+    torch.manual_seed(0)
+    me = plain.build_pipeline(mesh, build_model(), split, "1f1b", 2, stage_loss)
+    plain.run_step(me, dataset, GlobalOrder(len(dataset), 0), 0, 8)
+    ray_train_fsdp.save(me.modules[0], me.optimizer, 1, ckpt, rank, ray_train_fsdp.PIPELINE)
+    torch.manual_seed(1)
+    again = plain.build_pipeline(mesh, build_model(), split, "1f1b", 2, stage_loss)
+    before = digest(again)
+    step = ray_train_fsdp.load(again.modules[0], again.optimizer, ckpt, ray_train_fsdp.PIPELINE)
+    saved, loaded = digest(me), digest(again)
+    for p in (me, again):  # and both train on alike
+        plain.run_step(p, dataset, GlobalOrder(len(dataset), 0), 1, 8)
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump({"saved": saved, "fresh": before, "loaded": loaded, "step": step,
+                   "next": [digest(me), digest(again)]}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_the_ray_train_peer_restores_a_tp_stage_exactly(tmp_path, monkeypatch):
+    """What the Ray Train peer's restart reads back at pp 2 x tp 2 is what it saved: every rank's
+    tensor slices and optimizer state, bit for bit, and the next step runs alike from both (a peer
+    restoring less would look faster)."""
+    import json
+
+    import torch.multiprocessing as mp
+    monkeypatch.setenv("GPT_LAYERS", "2")
+    monkeypatch.setenv("GPT_DIM", "64")
+    (tmp_path / "ckpt").mkdir()
+    mp.spawn(_peer_checkpoint_rank, args=(str(tmp_path / "init"), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=4)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    for g in got:
+        assert g["loaded"] == g["saved"] != g["fresh"] and g["step"] == 1, g
+        assert g["next"][0] == g["next"][1] != g["saved"], g
+    assert len({g["saved"] for g in got}) == 4  # each rank holds its own stage's own slice
+
+
+def test_a_spare_run_keeps_one_spare_per_rank_a_node_kill_takes_where_they_fit():
+    assert bench.spares_for("elastic", 2, 1, 2, "kill_node") == 0 and bench.spares_for("ray-train", 3, 1, 1, "kill_node") == 0
+    assert bench.spares_for("elastic-spare", 2, 1, 2, "kill_node") == 2  # stage 0's whole tp group
+    assert bench.spares_for("elastic-spare", 3, 1, 1, "kill_node") == 1  # the middle stage
+    assert bench.spares_for("elastic-spare", 2, 2, 1, "kill_process") is None  # replaced in its own slot
+    assert bench.spares_for("elastic-spare", 4, 1, 1, "kill_node") is None  # no node left for it
