@@ -109,7 +109,9 @@ class TensorParallelSpec(_Strict):
         True, description="When a tp group's ranks span nodes (a straggler's spare or a replacement found no room "
                           "beside the group), a refilled spare starts on the node holding most of the group and, "
                           "once warm (and, with stragglers on, calibrated within their threshold), the rank off "
-                          "that node moves to it at a step boundary: a planned swap, its state from memory.")
+                          "that node moves to it at a step boundary: a planned swap, its state from memory. "
+                          "Where replicas of a slot hold the same state (not fsdp), two split groups first trade "
+                          "ranks of one slot instead (a renumbering at a step boundary, nothing moved).")
     sequence_parallel: bool = Field(
         False, description="With the built-in plan: also split the norms and the residual stream inside the blocks "
                            "along the sequence (Megatron's sequence parallelism), so those activations cost 1/size "
