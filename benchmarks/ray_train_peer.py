@@ -56,6 +56,21 @@ def _log_event(timeline_dir: str, event: str, **fields: Any) -> None:
         os.close(fd)
 
 
+def fire_fault_once(timeline_dir: str, rank: int, step: int, fault: str) -> None:
+    """Inject `fault` from this rank unless it fired already in this run: O_EXCL on the marker
+    makes the claim atomic and the fault fire once per run, whatever restarts follow; the marker
+    (holding the fault time) is on disk before the node dies."""
+    try:
+        fd = os.open(os.path.join(timeline_dir, FAULT_MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    fault_t = time.time()
+    os.write(fd, json.dumps({"t": fault_t, "step": step, "rank": rank}).encode())
+    os.close(fd)
+    _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=fault_t)
+    chaos.inject(fault)
+
+
 def _read_events(timeline_dir: str) -> list[dict]:
     path = os.path.join(timeline_dir, EVENTS_FILE)
     if not os.path.exists(path):
@@ -204,19 +219,7 @@ def _train_loop(config: dict) -> None:
     first_step_logged = False
     while step < num_steps:
         if rank == config.get("fault_rank", 1) and step == fault_step:
-            # O_EXCL makes the claim atomic and the fault fire once per run,
-            # whatever restarts follow; the marker (holding the fault time)
-            # is on disk before the node dies.
-            try:
-                fd = os.open(fault_marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                fd = None
-            if fd is not None:
-                fault_t = time.time()
-                os.write(fd, json.dumps({"t": fault_t, "step": step, "rank": rank}).encode())
-                os.close(fd)
-                _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=fault_t)
-                chaos.inject(config.get("fault", "kill_node"))
+            fire_fault_once(timeline_dir, rank, step, config.get("fault", "kill_node"))
 
         if tp > 1:
             loss = ray_train_tp.train_step(model, optimizer, dataset, order, step, global_batch, mesh, strategy)

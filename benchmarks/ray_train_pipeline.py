@@ -4,7 +4,6 @@ checkpointing and `FailureConfig`, restarting the whole group from its last regi
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -28,13 +27,11 @@ def _ray_train_loop(config: dict) -> None:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic.runtime import chaos
+    from benchmarks import ray_train_fsdp
     from benchmarks.plain_pipeline import build_pipeline, run_step
-    from benchmarks.ray_train_peer import FAULT_MARKER, _log_event
+    from benchmarks.ray_train_peer import FAULT_MARKER, _log_event, fire_fault_once
     from elastic.data.order import GlobalOrder
     from examples.gpt import build_dataset, build_model, stage_loss
-
-    from benchmarks import ray_train_fsdp
 
     timeline_dir, pp, tp = config["timeline_dir"], config["stages"], config.get("tp", 1)
     ctx = ray.train.get_context()
@@ -72,16 +69,7 @@ def _ray_train_loop(config: dict) -> None:
     logged_first = False
     while step < num_steps:
         if rank == FAULT_RANK and step == fault_at:
-            try:  # O_EXCL: the fault fires once per run, whatever restarts follow
-                fd = os.open(fault_marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                fd = None
-            if fd is not None:
-                t = time.time()
-                os.write(fd, json.dumps({"t": t, "step": step, "rank": rank}).encode())
-                os.close(fd)
-                _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=t)
-                chaos.inject(config["fault"])
+            fire_fault_once(timeline_dir, rank, step, config["fault"])
         loss = run_step(me, dataset, order, step, config["global_batch"])
         step += 1
         if rank == 0 and is_recovery and not logged_first:
