@@ -198,23 +198,21 @@ def trade_move(member_nodes: dict[int, str], tp: int, slots: int) -> tuple[int, 
     other's replica number is a renumbering, and nothing moves. The exchange that leaves the
     fewest ranks off their tp group's node, strictly fewer than now (the lowest ranks on ties);
     None when no exchange does. One of the two is in a split group: the candidates are few."""
-    groups: dict[int, list[int]] = {}
-    for r in member_nodes:
-        groups.setdefault(r // tp, []).append(r)
+    top = max(member_nodes, default=-1)
 
-    def off(g: int, nodes: dict[int, str]) -> int:  # ranks of group g off the node most of it is on
-        on = [nodes[r] for r in groups[g]]
+    def off(g: int, a: int, b: int) -> int:  # ranks of tp group g off its most common node, a and b exchanged
+        on = [member_nodes[b if r == a else a if r == b else r] for r in range(g * tp, (g + 1) * tp)
+              if r in member_nodes]
         return len(on) - max(on.count(n) for n in set(on))
 
     best, best_gain = None, 0
     for first in split_groups(member_nodes, tp):
-        for a in sorted(groups[first // tp]):
-            for b in sorted(member_nodes):
-                if b % slots != a % slots or b // tp == a // tp:
+        for a in (r for r in range(first, first + tp) if r in member_nodes):
+            for b in range(a % slots, top + 1, slots):  # the same slot in every replica
+                if b not in member_nodes or b // tp == a // tp:
                     continue
                 ga, gb = a // tp, b // tp
-                swapped = {**member_nodes, a: member_nodes[b], b: member_nodes[a]}
-                gain = off(ga, member_nodes) + off(gb, member_nodes) - off(ga, swapped) - off(gb, swapped)
+                gain = off(ga, a, a) + off(gb, a, a) - off(ga, a, b) - off(gb, a, b)
                 pair = (min(a, b), max(a, b))
                 if gain > best_gain or (gain == best_gain and best is not None and pair < best):
                     best, best_gain = pair, gain
