@@ -9,7 +9,9 @@ import pytest
 
 from elastic.config import JobConfig
 from elastic.controller.controller import Controller
+from elastic.controller.running import POLL_INTERVAL_S
 from elastic.controller.states import TERMINAL, Errored, Finished, Recovering
+from elastic.policies.failure import REFUSED_GRACE_S
 from tests.support.fake_group import FakeClock, FakeGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -486,6 +488,32 @@ def test_a_dead_machine_whose_peers_collectives_failed_is_lost_before_ping_timeo
             assert 0.4 < waited <= 1.0, waited
         else:
             assert waited > 5.0, waited
+
+
+def test_a_node_that_refuses_the_heartbeat_is_lost_after_one_round_whatever_its_peers_do():
+    # Its processes died with the machine up (a killed node, a dead agent): its kernel refuses the
+    # heartbeat's pings. With 2.5 s steps and ping_timeout_s 5 s, silence would take 5 s, and while
+    # its peers compute none of their collectives fails; the refusal decides once the rank's own
+    # poll has waited a heartbeat round. With its peers' collectives failed, the same.
+    for peers_failed in (False, True):
+        c, g, clock = make(num_steps=30, step_s=2.5, failure={"ping_timeout_s": 5.0}, heartbeats=True)
+        drive(c, lambda c: c.step >= 8)
+        if peers_failed:
+            g.kill_node(1, refuses=True)
+        else:
+            g.freeze(1, how="refused")
+        at = clock()
+        drive(c, lambda c: isinstance(c.state, Recovering))
+        waited = clock() - at
+        assert REFUSED_GRACE_S < waited <= REFUSED_GRACE_S + 2 * POLL_INTERVAL_S, waited
+        drive(c)
+        assert isinstance(c.state, Finished) and c.step == 30
+        (detected,) = kinds(c, "failure_detected")
+        (lost,) = detected["lost"]
+        assert lost["rank"] == 1 and lost["cause"] == "unresponsive" and "refused" in lost["detail"], lost
+        if not peers_failed:
+            (silence,) = kinds(c, "silence_detected")
+            assert silence["ranks"] == [1] and silence["heartbeat"]["1"]["refused"] is True, silence
 
 
 def test_a_survivor_whose_run_does_not_return_after_the_abort_is_replaced_and_the_event_says_so():

@@ -111,6 +111,42 @@ def test_a_silent_sidecar_ages_from_its_first_unanswered_ping_and_recovers(worke
     assert answered(hb, 1).age_s == 0.0
 
 
+def test_a_node_whose_sidecar_is_gone_refuses_the_pings_until_it_answers_again(worker):
+    """The machine is up but nothing listens on the sidecar's port (its agent died, and the sidecar
+    with it): the node's kernel answers each ping with an ICMP "port unreachable", read from the
+    pinger's error queue. A stopped sidecar is silent, not refused; an answer to a later ping ends
+    the refusal."""
+    import socket
+
+    proc, side = worker
+    hb, clock = pinger(side, proc.pid)
+    rounds(hb, clock, 2)
+    assert not answered(hb, 1).refused
+    os.kill(side.proc.pid, signal.SIGSTOP)  # stopped: its socket is still bound, nothing is refused
+    rounds(hb, clock, 3)
+    assert not hb.beats()[1].refused and hb.beats().refused() == []
+    os.kill(side.proc.pid, signal.SIGCONT)
+    assert answered(hb, 1).age_s == 0.0
+    port = side.port
+    side.close()  # gone: its port closed
+    rounds(hb, clock, 2)
+    until(lambda: hb.beats()[1].refused)
+    assert hb.beats().refused() == [1] and hb.beats()[1].state == "S"  # its last answer, before it went
+    # Something answers on that port again (a sidecar, as far as the pinger can tell: the token
+    # and the address match): the refusal is over.
+    back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    back.bind(("127.0.0.1", port))
+    back.settimeout(5)
+    try:
+        clock.advance(INTERVAL_S)
+        hb.tick()
+        ping, addr = back.recvfrom(128)
+        back.sendto(ping + f" {proc.pid} S 0".encode(), addr)
+        until(lambda: not hb.beats()[1].refused)
+    finally:
+        back.close()
+
+
 def test_a_pause_of_the_controller_is_not_a_node_silence(worker):
     proc, side = worker
     hb, clock = pinger(side, proc.pid)
@@ -272,10 +308,14 @@ def test_the_pinger_process_pings_and_reads_answers_while_the_caller_does_neithe
         until(lambda: hb.beats()[1].age_s > 0.2)
         os.kill(side.proc.pid, signal.SIGCONT)
         until(lambda: hb.beats()[1].age_s == 0.0)
+        assert not hb.beats()[1].refused
+        side.close()  # its node's sidecar is gone: the refusals reach the caller too
+        until(lambda: hb.beats().refused() == [1])
         hb.proc.kill()  # the pinger dies
         until(lambda: 1 not in hb.beats())
     finally:
-        os.kill(side.proc.pid, signal.SIGCONT)
+        if side.proc.poll() is None:
+            os.kill(side.proc.pid, signal.SIGCONT)
         hb.close()
     assert hb.proc.poll() is not None
 

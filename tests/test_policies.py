@@ -1,8 +1,8 @@
 """The failure policy and hang detection, with a fake clock: decisions and their reasons."""
 from elastic.config import FailureConfig
 from elastic.policies.failure import (
-    FailureObservation, LostRank, Raise, Restart, decide_after_peers_failed, decide_failure, decide_silence,
-    detect_hang, excused_by_heartbeat, formation_silent, hang_bound_s, silence_bound_s)
+    REFUSED_GRACE_S, FailureObservation, LostRank, Raise, Restart, decide_after_peers_failed, decide_failure,
+    decide_refused, decide_silence, detect_hang, excused_by_heartbeat, formation_silent, hang_bound_s, silence_bound_s)
 from elastic.policies.restore import FromPeer, FromStorage, choose_restore
 from elastic.protocol import LostCause
 from elastic.runtime.heartbeat import Beat
@@ -162,6 +162,20 @@ def test_a_forming_group_waits_for_a_member_whose_node_says_it_runs():
     assert not formation_silent(60.0, Beat(0.1, "S"), 0.5)  # busy, its node up: the rendezvous timeout decides
     assert formation_silent(0.6, Beat(0.0, "T"), 0.5) and not formation_silent(0.4, Beat(0.0, "T"), 0.5)
     assert formation_silent(0.6, Beat(0.6, "R"), 0.5)  # its node silent too
+    # Its node refuses the pings (its agent gone): lost once its own ping has waited a round.
+    assert formation_silent(REFUSED_GRACE_S + 0.01, Beat(0.1, "S", refused=True), 5.0)
+    assert not formation_silent(REFUSED_GRACE_S - 0.01, Beat(0.1, "S", refused=True), 5.0)
+
+
+def test_a_refused_heartbeat_loses_a_rank_once_its_own_poll_has_waited_a_round():
+    grace = 0.2
+    ranks, why = decide_refused({0, 1, 2}, [1], {1: 0.25}, grace)
+    assert ranks == (1,) and "refused" in why
+    assert decide_refused({0, 1, 2}, [1], {1: 0.15}, grace) is None  # its poll may still be answered
+    assert decide_refused({0, 1, 2}, [1], {}, grace) is None  # it answered: the refusal was stale
+    assert decide_refused({0, 2}, [1], {1: 5.0}, grace) is None  # done, stopped or already lost
+    assert decide_refused({0, 1, 2}, [], {1: 5.0}, grace) is None  # silent but not refused: decide_silence's
+    assert decide_refused({0, 1, 2}, [1, 2], {1: 0.3, 2: 0.5}, grace)[0] == (1, 2)
 
 
 def test_a_rollback_skips_only_the_bad_batches_and_keeps_the_good_ones():

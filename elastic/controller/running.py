@@ -12,11 +12,11 @@ from elastic.controller import finish, lifecycle, regroup, reports, resize, stra
 from elastic.controller.states import Errored, Recovering, Restoring, Running, RunWatch, State
 from elastic.group.worker_group import cause_of
 from elastic.policies.buddies import choose_buddies, has_copies
-from elastic.policies.failure import (LostRank, decide_after_peers_failed, decide_silence, detect_hang,
-                                     excused_by_heartbeat)
+from elastic.policies.failure import (REFUSED_GRACE_S, LostRank, decide_after_peers_failed, decide_refused,
+                                     decide_silence, detect_hang, excused_by_heartbeat)
 from elastic.policies.restore import FromStorage, rollback_target
 from elastic.protocol import LostCause, RankStatus, RunStatus
-from elastic.runtime.heartbeat import PING_INTERVAL_S
+from elastic.runtime.heartbeat import PING_INTERVAL_S, refused_ranks
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
@@ -100,16 +100,18 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
         unanswered = ctl.group.unanswered_s()
         beats = ctl.house.beats = ctl.group.beats() if cfg.heartbeat else {}
         idle = ctl.now() - tr.last_progress_at
-        decision = decide_silence(silent, unanswered, idle, cfg, list(tr.step_times), beats)
+        waiting = set(ctl.group.members) - set(w.done) - w.stopped
+        decision = (decide_refused(waiting, refused_ranks(beats), unanswered, REFUSED_GRACE_S)
+                    or decide_silence(silent, unanswered, idle, cfg, list(tr.step_times), beats))
         note_excused(ctl, silent, unanswered, idle, beats)
         if decision is not None:
-            # Silence while the others wait: a stopped or cut-off machine. Its peers are blocked on
-            # it and will never see an error of their own; the recovery aborts their collectives.
+            # Silence while the others wait (a stopped or cut-off machine), or a node that refuses
+            # the heartbeat (its processes gone). Its peers may be blocked on it and never see an
+            # error of their own; the recovery aborts their collectives.
             quiet, why = decision
             ctl.events.emit("silence_detected", ranks=list(quiet), reason=why,
                             unanswered_s={r: round(unanswered[r], 2) for r in quiet},
-                            heartbeat={r: ({"age_s": round(beats[r].age_s, 2), "state": beats[r].state}
-                                           if r in beats else None) for r in quiet})
+                            heartbeat={r: (beat_record(beats[r]) if r in beats else None) for r in quiet})
             for r in quiet:
                 w.lost[r] = LostRank(r, LostCause.UNRESPONSIVE, why)
             return Recovering(tuple(w.lost[r] for r in sorted(w.lost)), ctl.wall())
@@ -139,6 +141,12 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
         for r, why in silent.items():
             w.lost.setdefault(r, LostRank(r, cause_of(why), why))
         unaccounted = members - w.aborted - w.stopped - set(w.done) - set(w.lost)
+        if unaccounted and cfg.heartbeat:
+            refused = decide_refused(unaccounted, refused_ranks(ctl.group.beats()), ctl.group.unanswered_s(),
+                                     REFUSED_GRACE_S)
+            for r in refused[0] if refused else ():
+                w.lost[r] = LostRank(r, LostCause.UNRESPONSIVE, refused[1])
+                unaccounted.discard(r)
         if unaccounted and w.aborted and cfg.heartbeat:
             # A death closes sockets: its peers' collectives fail at once, and its node's
             # heartbeat says at once whether it is gone. No need to wait out ping_timeout_s.
@@ -203,6 +211,11 @@ def storage_wait_verdict(ctl: Controller, waited_s: float, ranks: list[int]) -> 
     ctl.events.emit("storage_timeout", step=ctl.step, ranks=ranks, waited_s=round(waited_s, 1),
                     bound_s=round(bound_s, 1), reason=reason)
     return Errored(reason)
+
+
+def beat_record(beat) -> dict:
+    """What an event says of a rank's heartbeat."""
+    return {"age_s": round(beat.age_s, 2), "state": beat.state, **({"refused": True} if beat.refused else {})}
 
 
 def note_excused(ctl: Controller, silent: dict[int, str], unanswered: dict[int, float], idle: float,

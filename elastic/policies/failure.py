@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from elastic.config import FailureConfig
 from elastic.protocol import LostCause
-from elastic.runtime.heartbeat import STOPPED_STATES
+from elastic.runtime.heartbeat import PING_INTERVAL_S, STOPPED_STATES
 
 GONE_STATES = frozenset("ZXx")  # of STOPPED_STATES, those of a process that is no more: zombie, dead
 
@@ -128,6 +128,23 @@ def decide_silence(silent: dict[int, str], unanswered_s: dict[int, float], idle_
     return tuple(sorted(by_poll + [r for r, _ in by_beat])), "; ".join(reasons)
 
 
+def decide_refused(waiting, refused: list[int], unanswered_s, grace_s: float) -> tuple[tuple[int, ...], str] | None:
+    """Ranks lost on their node's refusal: of those still `waiting` (neither failed nor done), the
+    ones whose node refused its newest heartbeat pings (`refused`: an ICMP "port unreachable",
+    the machine up but nothing listening where its sidecar was; the sidecar exits only with the
+    node's agent, and an agent's death is its node's loss) and whose own poll has gone unanswered
+    for `grace_s` too. No need to wait out ping_timeout_s, nor for a peer's collective to fail:
+    a refusal, unlike silence, is never a busy or starved machine. Returns (ranks, reason) as
+    decide_silence does (cause: unresponsive, so nothing new goes to that node until it answers),
+    or None."""
+    lost = tuple(r for r in refused if r in waiting and unanswered_s.get(r, 0.0) > grace_s)
+    if not lost:
+        return None
+    return lost, (f"ranks {list(lost)}: their node refused the heartbeat's pings (nothing listens where its "
+                  f"sidecar was: the node's agent is gone) and they answered no poll for "
+                  f"{min(unanswered_s[r] for r in lost):.2f}s or more")
+
+
 def decide_after_peers_failed(waiting, unanswered_s, beats, grace_s: float, ping_timeout_s: float
                               ) -> dict[int, tuple[LostCause, str]]:
     """Peers' collectives failed (a socket closed under them: gloo's "Connection closed by peer"
@@ -192,6 +209,9 @@ def decide_none_loaded(reasons: list[str], last_reasons: list[str] | None, waite
 # answered its first formation's ping after more than 1 s and was replaced as "unresponsive", which
 # cost 55 s; a stopped machine is still found 12x sooner than the rendezvous timeout would find it.
 FORMATION_SILENCE = 5
+# A rank whose node refuses the heartbeat's pings is lost once its own poll has waited this long
+# too: one heartbeat round, so a poll answered in the meantime (the refusal was stale) keeps it.
+REFUSED_GRACE_S = PING_INTERVAL_S
 
 
 def formation_silent(unanswered_s: float, beat, ping_timeout_s: float) -> bool:
@@ -199,9 +219,12 @@ def formation_silent(unanswered_s: float, beat, ping_timeout_s: float) -> bool:
     heartbeat (`elastic.runtime.heartbeat.Beat`): as soon as its ping and its node's heartbeat have both
     been silent for ping_timeout_s, or the node says the process is stopped; never while the node
     says the process runs (a busy machine: the rendezvous timeout bounds the wait). Without one:
-    after FORMATION_SILENCE x ping_timeout_s."""
+    after FORMATION_SILENCE x ping_timeout_s. A member whose node refuses the heartbeat's pings
+    is lost once its ping has waited REFUSED_GRACE_S."""
     if beat is None:
         return unanswered_s > ping_timeout_s * FORMATION_SILENCE
+    if beat.refused and unanswered_s > REFUSED_GRACE_S:
+        return True  # its node refused the pings: its agent is gone (decide_refused)
     return not node_says_running(beat, ping_timeout_s) and unanswered_s > ping_timeout_s
 
 

@@ -20,6 +20,13 @@ Once its peers' collectives have failed (a death closes sockets), a rank whose n
 process is gone or stopped, or whose node is silent as long as its poll for two ping rounds, is
 lost without waiting out ping_timeout_s (`elastic.policies.failure.decide_after_peers_failed`).
 
+A ping can also be refused: where the node's machine is up but nothing listens on the sidecar's
+port any more, its kernel answers with an ICMP "port unreachable", which the pinger reads from
+its socket's error queue (IP_RECVERR). The sidecar exits only with its agent, and an agent's death
+is its node's loss, so a refused ping is that loss said at once, where silence must be waited
+out (`elastic.policies.failure.decide_refused`). A stopped machine, a partition, or a pod whose
+address is gone refuses nothing: those are still found by silence.
+
 The agent tells the sidecar which pids to watch (a line of pids on its stdin). The sidecar exits
 when the agent does (its stdin pipe closes, or it is re-parented). It leaves SCHED_IDLE if it was
 started from a process at low priority (elastic/priority.py): a heartbeat that starves would be
@@ -32,6 +39,7 @@ import os
 import secrets
 import select
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -41,6 +49,12 @@ from dataclasses import dataclass
 STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the process runs no more code
 PING_INTERVAL_S = 0.2  # one ping per node this often
 RECEIVE_BUFFER = 8 << 20  # bytes asked for the pinger's socket (the kernel caps it at net.core.rmem_max)
+# Linux: a socket option that queues each ICMP error for a datagram sent, with that datagram's
+# payload (the ping) and where it went; (level, option) per family: IP_RECVERR, IPV6_RECVERR.
+RECVERR = {socket.AF_INET: (0, 11), socket.AF_INET6: (41, 25)}
+EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err: errno, origin, type, code, pad, info, data
+# (origin, type, code) of a "port unreachable": ICMP (2) type 3 code 3; ICMPv6 (3) type 1 code 4
+PORT_UNREACHABLE = frozenset({(2, 3, 3), (3, 1, 4)})
 
 # Run with `python -I -S -c`: stdlib built-ins only, so it starts in milliseconds and never
 # imports elastic (whose import would lower a background spare's priority again).
@@ -152,18 +166,21 @@ def start_sidecar(ip: str) -> Sidecar | None:
 @dataclass(frozen=True)
 class Beat:
     """What a rank's sidecar last said. `age_s`: how long its oldest unanswered ping has waited
-    (0 when none is waiting); `state`: the worker process's state in its last answer."""
+    (0 when none is waiting); `state`: the worker process's state in its last answer; `refused`:
+    a ping sent after that answer was refused by the node (its sidecar's port is closed)."""
 
     age_s: float
     state: str
     cpu_ticks: int = 0
+    refused: bool = False  # its node refused the newest pings (nothing listens there: the agent is gone)
 
 
 class Beats(Mapping):
     """rank -> Beat, as of one moment (see `Heartbeats.beats`)."""
 
-    def __init__(self, targets: dict, tokens: dict, last: dict, pending: dict, now: float):
+    def __init__(self, targets: dict, tokens: dict, last: dict, pending: dict, now: float, refused: dict = None):
         self._targets, self._tokens, self._last, self._pending, self._now = targets, tokens, last, pending, now
+        self._refused = refused or {}  # token -> the newest ping its node refused, after its last answer
         self._procs: dict[bytes, dict[int, tuple[str, int]]] = {}  # token -> its answer, parsed once read
 
     def _answer(self, token: bytes) -> dict[int, tuple[str, int]]:
@@ -183,7 +200,15 @@ class Beats(Mapping):
         token = self._tokens[(ip, port)]
         state, ticks = self._answer(token)[pid]  # KeyError: never answered for this pid
         pending = self._pending.get(token)
-        return Beat(0.0 if pending is None else self._now - pending[0], state, ticks)
+        return Beat(0.0 if pending is None else self._now - pending[0], state, ticks, token in self._refused)
+
+    def refused(self) -> list[int]:
+        """The watched ranks whose node refused its newest pings and that it had answered for:
+        O(ranks), and only while some node refuses (a node just lost)."""
+        if not self._refused:
+            return []
+        return sorted(r for r, (ip, port, _) in self._targets.items()
+                      if self._tokens.get((ip, port)) in self._refused and r in self)
 
     def __contains__(self, rank) -> bool:
         t = self._targets.get(rank)
@@ -197,6 +222,14 @@ class Beats(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def refused_ranks(beats: Mapping) -> list[int]:
+    """The ranks whose node refuses the heartbeat's pings (`Beat.refused`): from a `Beats`
+    snapshot without reading every rank's beat, from any other mapping by reading them."""
+    if isinstance(beats, Beats):
+        return beats.refused()
+    return sorted(r for r, b in beats.items() if b.refused)
 
 
 class Heartbeats:
@@ -218,6 +251,7 @@ class Heartbeats:
         self._pending_since: dict[bytes, tuple[float, int]] = {}
         # token -> (ping number, b"pid state ticks ..."): its newest answer, as sent
         self._last: dict[bytes, tuple[int, bytes]] = {}
+        self._refused: dict[bytes, int] = {}  # token -> the newest ping its node refused since its last answer
 
     def watch(self, targets: dict[int, tuple[str, int, int]]) -> None:
         """The ranks to watch now: their node's sidecar (ip, port) and their pid; others are
@@ -235,6 +269,7 @@ class Heartbeats:
         live = set(self._token.values())
         self._pending_since = {t: v for t, v in self._pending_since.items() if t in live}
         self._last = {t: v for t, v in self._last.items() if t in live}
+        self._refused = {t: v for t, v in self._refused.items() if t in live}
 
     def tick(self, between=None) -> None:
         """Read the answers that arrived, and send a round of pings if one is due; `between()`,
@@ -251,14 +286,23 @@ class Heartbeats:
             if between is not None and i and not i % 1024:
                 between()
             token = self._token[(ip, port)]
+            self._send(self._sock(_family(ip)), token + ping, (ip, port))
+            self._pending_since.setdefault(token, (now, self._seq))
+
+    def _send(self, sock: socket.socket, ping: bytes, addr: tuple[str, int]) -> None:
+        """One ping. A send can fail with an error that belongs to an earlier ping (with
+        IP_RECVERR the kernel reports a pending ICMP error, another node's refusal say, on the
+        next send and drops that datagram): tried once more, so one dead node never costs the
+        next node its ping. An error of its own (unreachable now: a partition) leaves it unanswered."""
+        for _ in range(2):
             try:
-                self._sock(_family(ip)).sendto(token + ping, (ip, port))
+                sock.sendto(ping, addr)
                 self.pings_sent += 1
-            except OSError as e:  # unreachable now (a partition): the ping simply goes unanswered
+                return
+            except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED,
                                    errno.EPERM, errno.ENOBUFS):
                     raise
-            self._pending_since.setdefault(token, (now, self._seq))
 
     def _sock(self, family: socket.AddressFamily) -> socket.socket:
         if family not in self._socks:
@@ -268,6 +312,10 @@ class Heartbeats:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
             except OSError:
                 pass  # the system's default; past net.core.rmem_max the kernel caps it silently
+            try:  # a refused ping is then read from the error queue (`_read_refusals`)
+                s.setsockopt(*RECVERR[family], 1)
+            except (OSError, KeyError):
+                pass  # not Linux: a dead node's refusals go unread, and its silence still says it
             self._socks[family] = s
         return self._socks[family]
 
@@ -278,7 +326,7 @@ class Heartbeats:
                     data, sender = s.recvfrom(65536)
                 except (BlockingIOError, InterruptedError):
                     break
-                except OSError:  # an ICMP error from an earlier ping (port closed): that ping is lost
+                except OSError:  # an ICMP error for an earlier ping: read below, from the error queue
                     continue
                 # Only the ping it answers is read here; what it says of each process is parsed
                 # when a rank's beat is read (`Beats`): the run loop reads the silent ranks' only.
@@ -286,6 +334,26 @@ class Heartbeats:
                 token, _, seq = ping.rpartition(b":")
                 if seq.isdigit() and not (procs and (procs.count(b" ") + 1) % 3):
                     self._take(token, int(seq), procs, sender)
+            self._read_refusals(s)
+
+    def _read_refusals(self, s: socket.socket) -> None:
+        """Read the socket's error queue: each entry is one ping the network returned, with the
+        ping itself and where it went. A "port unreachable" from the address the ping's token
+        was given to marks that node as refusing (`_refused`) until it answers again."""
+        while True:
+            try:
+                data, ancillary, _, addr = s.recvmsg(256, 512, socket.MSG_ERRQUEUE)
+            except (OSError, AttributeError):
+                return  # the queue is empty (or this system has none)
+            for level, kind, raw in ancillary:
+                if (level, kind) not in RECVERR.values() or len(raw) < EXTENDED_ERR.size:
+                    continue
+                err, origin, icmp_type, code = EXTENDED_ERR.unpack_from(raw)[:4]
+                token, _, seq = data.rpartition(b":")
+                if (err == errno.ECONNREFUSED and (origin, icmp_type, code) in PORT_UNREACHABLE and seq.isdigit()
+                        and addr is not None and self._token.get(tuple(addr[:2])) == token
+                        and int(seq) > self._last.get(token, (0,))[0]):  # not older than its newest answer
+                    self._refused[token] = max(int(seq), self._refused.get(token, 0))
 
     def _take(self, token: bytes, seq: int, procs: bytes, sender) -> None:
         if token not in self._pending_since and token not in self._last:
@@ -296,13 +364,16 @@ class Heartbeats:
             self._pending_since.pop(token, None)  # answered that ping or a later one
         if seq >= self._last.get(token, (0,))[0]:
             self._last[token] = (seq, procs)
+        if seq > self._refused.get(token, seq):
+            del self._refused[token]  # it answered a ping sent after the one refused: it is back
 
     def beats(self) -> "Beats":
         """Each watched rank's Beat, for those whose node's sidecar has answered for its pid at
         least once: a read-only mapping over a snapshot of the nodes' answers, taken in O(nodes);
         a rank's Beat is made when it is read (the run loop reads only the silent ranks')."""
         self._drain()
-        return Beats(self._targets, self._token, dict(self._last), dict(self._pending_since), self.clock())
+        return Beats(self._targets, self._token, dict(self._last), dict(self._pending_since), self.clock(),
+                     dict(self._refused))
 
     def close(self) -> None:
         for s in self._socks.values():

@@ -126,9 +126,9 @@ class PingerProcess:
         except OSError as e:
             self._gone(f"exited ({e})")
             return self._latest
-        for tokens, last, pending, now, sent, rounds in _take_frames(self._inbox):
+        for tokens, last, pending, now, sent, rounds, refused in _take_frames(self._inbox):
             self._tokens = self._tokens if tokens is None else tokens
-            self._latest = Beats(self._targets, self._tokens, last, pending, now)
+            self._latest = Beats(self._targets, self._tokens, last, pending, now, refused)
             self._asked, self.pings_sent, self.rounds = False, sent, rounds
         if not self._asked:
             self._asked = True
@@ -178,6 +178,7 @@ def serve(interval_s: float) -> None:
                 hb._drain()
                 # The tokens once per change of targets: a snapshot at 12,500 nodes is then ~1.8 MB.
                 outbox += _frame((None if tokens_sent else dict(hb._token), dict(hb._last),
-                                  dict(hb._pending_since), hb.clock(), hb.pings_sent, hb._seq))
+                                  dict(hb._pending_since), hb.clock(), hb.pings_sent, hb._seq,
+                                  dict(hb._refused)))
                 tokens_sent = True
                 flush()

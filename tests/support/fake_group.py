@@ -110,8 +110,9 @@ class FakeGroup:
 
     def freeze(self, rank: int, how: str = "machine") -> None:
         """`rank` answers no poll from now on: its machine stopped ("machine": its heartbeat is
-        silent too), its process was stopped ("process": the heartbeat says T), or its Python is
-        held ("held": the heartbeat says S; `thaw` lets it go)."""
+        silent too), its process was stopped ("process": the heartbeat says T), its Python is
+        held ("held": the heartbeat says S; `thaw` lets it go), or its node's processes died with
+        the machine up ("refused": the node refuses the heartbeat's pings)."""
         m = self.members[rank]
         m.frozen_at, m.frozen_how = self.clock(), how
 
@@ -129,10 +130,11 @@ class FakeGroup:
     def kill_process(self, rank: int) -> None:
         self.members[rank].dead = True
 
-    def kill_node(self, rank: int) -> None:
+    def kill_node(self, rank: int, refuses: bool = False) -> None:
         """`rank`'s machine dies and Ray has not noticed yet: it and its node's heartbeat fall
-        silent, and its peers' collectives fail at once (their sockets to it closed)."""
-        self.freeze(rank, how="machine")
+        silent (or, `refuses`, its processes die with the machine up and the node refuses the
+        heartbeat's pings), and its peers' collectives fail at once (their sockets to it closed)."""
+        self.freeze(rank, how="refused" if refuses else "machine")
         for r, m in self.members.items():
             if r != rank and m.running:
                 m.running, m.run_out = False, RunResult(RunStatus.ABORTED, m.step, m.generation,
@@ -416,6 +418,8 @@ class FakeGroup:
                 out[r] = Beat(0.0, "R")
             elif m.frozen_how == "machine":
                 out[r] = Beat(now - m.frozen_at, "R")  # its last answer, from before it stopped
+            elif m.frozen_how == "refused":
+                out[r] = Beat(now - m.frozen_at, "R", refused=True)
             elif not m.dead:
                 out[r] = Beat(0.0, "T" if m.frozen_how == "process" else "S")
         self.self_s += time.perf_counter() - t0
