@@ -23,7 +23,7 @@ def _fence_before_join(w) -> None:
     w.join = join
 
 
-def _one_rank(tmp_path, checkpoint=None, failure=None) -> Worker:
+def _one_rank(tmp_path, checkpoint=None, failure=None, joined: bool = True) -> Worker:
     """A worker in a world of one, joined (generation 1) and restored from nothing."""
     job = JobConfig.model_validate({
         "run": {"name": "w", "num_steps": 20, "seed": 1},
@@ -35,8 +35,9 @@ def _one_rank(tmp_path, checkpoint=None, failure=None) -> Worker:
     })
     w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
     _fence_before_join(w)
-    w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=1)
-    w.restore([])
+    if joined:
+        w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=1)
+        w.restore([])
     return w
 
 
@@ -45,6 +46,31 @@ def worker(tmp_path):
     w = _one_rank(tmp_path)
     yield w
     w.leave()
+
+
+def test_a_worker_started_for_a_recovery_allocates_its_model_without_its_init(tmp_path):
+    """Started for a recovery (no calibration), a worker's model will be loaded over before it
+    trains: it is allocated without running the model's init, NaN where the load must write, so
+    a tensor a load missed cannot pass for trained values. A spare, which times its compute
+    first, builds the seed's values. Either, restored, holds the seed's values."""
+    import torch
+
+    from elastic.workload import build_model
+
+    torch.manual_seed(1)
+    seeded = build_model().state_dict()
+    on_demand = _one_rank(tmp_path, joined=False)
+    on_demand.warm(calibrate=False)
+    assert all(torch.isnan(p).all() for p in on_demand.model.parameters())
+    spare = _one_rank(tmp_path / "spare", joined=False)
+    assert spare.warm(calibrate=True).calib_s > 0
+    assert all(torch.equal(t, seeded[k]) for k, t in spare.model.state_dict().items())
+    on_demand.join("127.0.0.1", rendezvous_port(), 0, 1, generation=1)
+    on_demand.restore([])  # no checkpoint: the seed's init
+    try:
+        assert all(torch.equal(t, seeded[k]) for k, t in on_demand.model.state_dict().items())
+    finally:
+        on_demand.leave()
 
 
 def test_a_stop_requested_before_run_starts_is_kept(worker):

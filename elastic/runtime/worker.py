@@ -133,9 +133,12 @@ class Worker(GroupMembership):
         """Build model and optimizer from the seed now, so that joining later costs only a
         rendezvous and a state transfer. Spares are warmed before they are needed. A worker
         started for a recovery in progress takes a rank at once: its calibration (a few steps'
-        compute, seconds at 100 M parameters) is left for when it is ever weighed for a swap."""
+        compute, seconds at 100 M parameters) is left for when it is ever weighed for a swap, and
+        its model is allocated without its init (`state.build(fill=False)`: NaN where a load must
+        write), as every way into a group loads a state over it. Calibrated later, it times the
+        same compute on those values."""
         if self.model is None:
-            state.build(self)
+            state.build(self, fill=calibrate)
         # Started beside training at the lowest priority (elastic/priority.py): built now, it
         # calibrates and later trains at the priority it had.
         low = priority.restore()
