@@ -201,7 +201,11 @@ def test_a_killed_node_agent_takes_its_ranks_and_ends_bit_identical(cluster, bas
     (fault,) = [f for f in result.events_of("fault_injected") if f["action"] == "kill_agent"]
     assert fault["step"] == 5
     (detected,) = result.events_of("failure_detected")
-    assert [(x["rank"], x["cause"]) for x in detected["lost"]] == [(1, "process_died")]
+    # Ray reports the agent's actor dead (process_died), or, should its sidecar's port refuse the
+    # heartbeat's pings first, the refusal decides (unresponsive): the same loss, either way first.
+    (lost,) = detected["lost"]
+    assert lost["rank"] == 1 and (lost["cause"] == "process_died"
+                                  or (lost["cause"] == "unresponsive" and "refused" in lost["detail"])), lost
     # The workers trained on until the agent's death was seen: restored from a survivor at or after
     # the step it was seen at. On a fast machine that can be the last step (a CI simulation: seen at
     # step 27 of 30, restored at 30), and then no step follows to close the recovery with its

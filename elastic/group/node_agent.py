@@ -14,7 +14,8 @@ run loop reads per rank (answers, silent ranks, unanswered seconds). Until a nod
 answered that it is up (a second or two after the node's first rank), its ranks are polled
 directly, as before agents. An agent that dies takes its node's ranks with it: they are reported
 lost with the agent's cause (`node_died` when the node went, `process_died` when only the agent
-did), and replaced like any lost rank; a new agent starts with the next member on that node.
+did; `unresponsive` when its sidecar's port refusing the heartbeat says so first), and replaced
+like any lost rank; a new agent starts with the next member on that node.
 """
 from __future__ import annotations
 
