@@ -51,7 +51,8 @@ PING_INTERVAL_S = 0.2  # one ping per node this often
 RECEIVE_BUFFER = 8 << 20  # bytes asked for the pinger's socket (the kernel caps it at net.core.rmem_max)
 # Linux: a socket option that queues each ICMP error for a datagram sent, with that datagram's
 # payload (the ping) and where it went; (level, option) per family: IP_RECVERR, IPV6_RECVERR.
-RECVERR = {socket.AF_INET: (0, 11), socket.AF_INET6: (41, 25)}
+# The numbers are Linux's (elsewhere they name other options): none off Linux.
+RECVERR = {socket.AF_INET: (0, 11), socket.AF_INET6: (41, 25)} if sys.platform.startswith("linux") else {}
 EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err: errno, origin, type, code, pad, info, data
 # (origin, type, code) of a "port unreachable": ICMP (2) type 3 code 3; ICMPv6 (3) type 1 code 4
 PORT_UNREACHABLE = frozenset({(2, 3, 3), (3, 1, 4)})
