@@ -142,16 +142,17 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
             w.lost.setdefault(r, LostRank(r, cause_of(why), why))
         unaccounted = members - w.aborted - w.stopped - set(w.done) - set(w.lost)
         if unaccounted and cfg.heartbeat:
-            refused = decide_refused(unaccounted, refused_ranks(ctl.group.beats()), ctl.group.unanswered_s(),
-                                     REFUSED_GRACE_S)
+            # A node that refuses the heartbeat lost its processes: no need for a failed collective.
+            now_beats, waits = ctl.group.beats(), ctl.group.unanswered_s()
+            refused = decide_refused(unaccounted, refused_ranks(now_beats), waits, REFUSED_GRACE_S)
             for r in refused[0] if refused else ():
                 w.lost[r] = LostRank(r, LostCause.UNRESPONSIVE, refused[1])
                 unaccounted.discard(r)
         if unaccounted and w.aborted and cfg.heartbeat:
             # A death closes sockets: its peers' collectives fail at once, and its node's
             # heartbeat says at once whether it is gone. No need to wait out ping_timeout_s.
-            gone = decide_after_peers_failed(unaccounted, ctl.group.unanswered_s(), ctl.group.beats(),
-                                             PEERS_FAILED_GRACE_S, cfg.ping_timeout_s)
+            gone = decide_after_peers_failed(unaccounted, waits, now_beats, PEERS_FAILED_GRACE_S,
+                                             cfg.ping_timeout_s)
             for r, (cause, why) in gone.items():
                 w.lost[r] = LostRank(r, cause, why)
             unaccounted -= gone.keys()
