@@ -82,8 +82,8 @@ def _meta_for_load(w: Worker):
     device, so that each rank then allocates only its part and runs none of the model's init (at
     90 M parameters and 3 ranks on 2 cores the eager build took 5.9 s of a re-shard's 10.3). For
     a sharded strategy's rank; and for a worker not in a group yet whose model will be loaded
-    over before it trains (one started for a recovery or a resize: its init, 1.0-1.6 s at 90 M
-    here, was thrown away). None where the eager build is needed: a replicated strategy's rank (a
+    over before it trains (one started for a recovery or a resize: its init, 0.5 s of a 0.8 s
+    build at 90 M here, benchmarks/probes/warm_build.py, was thrown away). None where the eager build is needed: a replicated strategy's rank (a
     restore from storage builds it again anyway), a model with non-persistent buffers (no state
     carries their values; the model function computes them), one that cannot be built on meta,
     and CPU offload (its build stays in host memory)."""
