@@ -100,9 +100,12 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
         unanswered = ctl.group.unanswered_s()
         beats = ctl.house.beats = ctl.group.beats() if cfg.heartbeat else {}
         idle = ctl.now() - tr.last_progress_at
-        waiting = set(ctl.group.members) - set(w.done) - w.stopped
-        decision = (decide_refused(waiting, refused_ranks(beats), unanswered, REFUSED_GRACE_S)
-                    or decide_silence(silent, unanswered, idle, cfg, list(tr.step_times), beats))
+        refused = refused_ranks(beats)  # none but while a node refuses: no per-rank work otherwise
+        decision = None
+        if refused:
+            waiting = set(ctl.group.members) - set(w.done) - w.stopped
+            decision = decide_refused(waiting, refused, unanswered, REFUSED_GRACE_S)
+        decision = decision or decide_silence(silent, unanswered, idle, cfg, list(tr.step_times), beats)
         note_excused(ctl, silent, unanswered, idle, beats)
         if decision is not None:
             # Silence while the others wait (a stopped or cut-off machine), or a node that refuses

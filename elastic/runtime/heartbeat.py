@@ -226,9 +226,10 @@ class Beats(Mapping):
 
 
 def refused_ranks(beats: Mapping) -> list[int]:
-    """The ranks whose node refuses the heartbeat's pings (`Beat.refused`): from a `Beats`
-    snapshot without reading every rank's beat, from any other mapping by reading them."""
-    if isinstance(beats, Beats):
+    """The ranks whose node refuses the heartbeat's pings (`Beat.refused`): from the mapping's
+    own `refused()` where it has one (`Beats`: without reading every rank's beat), else by
+    reading them (a plain dict: no heartbeat, or a test's)."""
+    if hasattr(beats, "refused"):
         return beats.refused()
     return sorted(r for r, b in beats.items() if b.refused)
 

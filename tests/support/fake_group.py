@@ -33,6 +33,17 @@ class FakeClock:
         self.t += dt
 
 
+class _FakeBeats(dict):
+    """rank -> Beat, and the refusing ones without a scan (as `heartbeat.Beats.refused`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refusing: list[int] = []
+
+    def refused(self) -> list[int]:
+        return self.refusing
+
+
 @dataclass
 class FakeRank:
     rank: int
@@ -412,7 +423,7 @@ class FakeGroup:
             return {}
         t0 = time.perf_counter()
         self._pings_sent += len({m.node_id for m in self.members.values()})
-        now, out = self.clock(), {}
+        now, out = self.clock(), _FakeBeats()
         for r, m in self.members.items():
             if m.frozen_at is None:
                 out[r] = Beat(0.0, "R")
@@ -420,6 +431,7 @@ class FakeGroup:
                 out[r] = Beat(now - m.frozen_at, "R")  # its last answer, from before it stopped
             elif m.frozen_how == "refused":
                 out[r] = Beat(now - m.frozen_at, "R", refused=True)
+                out.refusing.append(r)
             elif not m.dead:
                 out[r] = Beat(0.0, "T" if m.frozen_how == "process" else "S")
         self.self_s += time.perf_counter() - t0
