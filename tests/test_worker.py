@@ -1,14 +1,27 @@
 """One Worker in this process, in a world of one (gloo, no Ray): the stop flag's lifetime."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
+from elastic.protocol import WorkerInfo
 from elastic.runtime.worker import Worker
 from tests.spawn_ranks import rendezvous_port
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def no_ray():
+    """These workers run outside Ray: a call that reaches Ray would start a local cluster (or join
+    a stale one) and leave it initialized for the modules after this one."""
+    import ray
+
+    yield
+    assert not ray.is_initialized(), "a test in this module started Ray"
 
 
 def _fence_before_join(w) -> None:
@@ -34,6 +47,8 @@ def _one_rank(tmp_path, checkpoint=None, failure=None, joined: bool = True) -> W
                   "loss": "elastic.workload:loss_fn", "global_batch_size": 8},
     })
     w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
+    # Its identity comes from Ray's runtime context in an actor; outside Ray, asking would start Ray.
+    w.info = lambda: WorkerInfo(node_id="local", ip="127.0.0.1", pid=os.getpid(), actor_id="local")
     _fence_before_join(w)
     if joined:
         w.join("127.0.0.1", rendezvous_port(), 0, 1, generation=1)
