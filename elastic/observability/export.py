@@ -7,6 +7,7 @@ controller; a failing backend is logged once and the run goes on without it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Iterable, Protocol
@@ -45,43 +46,91 @@ class MemoryBackend:
         return found[0] if found else None
 
 
+def _ray_metrics() -> dict[str, Any]:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    out: dict[str, Any] = {}
+    for m in _CATALOGUE:
+        if m.kind == "gauge":
+            out[m.name] = Gauge(m.name, m.description, tag_keys=m.tags)
+        elif m.kind == "counter":
+            out[m.name] = Counter(m.name, m.description, tag_keys=m.tags)
+        else:
+            out[m.name] = Histogram(m.name, m.description, boundaries=list(m.boundaries), tag_keys=m.tags)
+    return out
+
+
+# Ray's metrics agent stops serving a gauge series that has not been set for a while, whether or
+# not its process still lives: about 20 s after its last set with a 1 s report interval (measured
+# with Ray 2.60). A run's series that rarely move (num_steps, world_size, the controller's state,
+# the checkpoint step) would vanish mid-run; each is set again at this period.
+GAUGE_REFRESH_S = 5.0
+
+
 class RayBackend:
     """`ray.util.metrics` objects, one per catalogue entry, created in the calling process (the
-    controller actor); Ray's metrics agent on its node exports them."""
+    controller actor); Ray's metrics agent on its node exports them. Once started, a thread sets
+    again every gauge series not set for `refresh_s` (`GAUGE_REFRESH_S`), so that it stays in
+    the scrape for as long as the controller lives."""
 
-    def __init__(self):
-        from ray.util.metrics import Counter, Gauge, Histogram
+    def __init__(self, refresh_s: float = GAUGE_REFRESH_S, clock: Callable[[], float] = time.monotonic,
+                 metrics: dict[str, Any] | None = None):
+        self._metrics = _ray_metrics() if metrics is None else metrics  # by catalogue name
+        self.refresh_s, self._clock = refresh_s, clock
+        self._gauges: dict[tuple[str, tuple], tuple[float, float]] = {}  # series -> (value, when set)
+        self._lock = threading.Lock()
 
-        self._metrics = {}
-        for m in _CATALOGUE:
-            if m.kind == "gauge":
-                self._metrics[m.name] = Gauge(m.name, m.description, tag_keys=m.tags)
-            elif m.kind == "counter":
-                self._metrics[m.name] = Counter(m.name, m.description, tag_keys=m.tags)
-            else:
-                self._metrics[m.name] = Histogram(m.name, m.description, boundaries=list(m.boundaries),
-                                                  tag_keys=m.tags)
+    def start(self) -> "RayBackend":
+        """Start the thread that refreshes the gauges (`refresh`, every `refresh_s`)."""
+        threading.Thread(target=self._keep_alive, name="elastic-metrics-refresh", daemon=True).start()
+        return self
 
     def apply(self, updates: Iterable[Update]) -> None:
-        for u in updates:
-            metric = self._metrics[u.metric]
-            if u.op == "set":
-                metric.set(u.value, tags=u.tag_dict)
-            elif u.op == "inc":
-                if u.value > 0:
-                    metric.inc(u.value, tags=u.tag_dict)
-                elif u.value == 0:
-                    # A counter's series at 0 (ZERO_AT_START): Ray's inc() refuses 0, its record does not.
-                    metric._record(0.0, tags=u.tag_dict)
-            else:
-                metric.observe(u.value, tags=u.tag_dict)
+        now = self._clock()
+        with self._lock:
+            for u in updates:
+                metric = self._metrics[u.metric]
+                if u.op == "set":
+                    metric.set(u.value, tags=u.tag_dict)
+                    if math.isnan(u.value):  # a series ended (a rank gone after a shrink): let it lapse
+                        self._gauges.pop((u.metric, u.tags), None)
+                    else:
+                        self._gauges[(u.metric, u.tags)] = (u.value, now)
+                elif u.op == "inc":
+                    if u.value > 0:
+                        metric.inc(u.value, tags=u.tag_dict)
+                    elif u.value == 0:
+                        # A counter's series at 0 (ZERO_AT_START): Ray's inc() refuses 0, its record does not.
+                        metric._record(0.0, tags=u.tag_dict)
+                else:
+                    metric.observe(u.value, tags=u.tag_dict)
+
+    def refresh(self) -> int:
+        """Set again, to the same value, every gauge series last set `refresh_s` ago or more;
+        how many were."""
+        now = self._clock()
+        with self._lock:
+            stale = [(key, value) for key, (value, at) in self._gauges.items() if now - at >= self.refresh_s]
+            for (name, tags), value in stale:
+                self._metrics[name].set(value, tags=dict(tags))
+                self._gauges[(name, tags)] = (value, now)
+        return len(stale)
+
+    def _keep_alive(self) -> None:
+        while True:
+            time.sleep(self.refresh_s)
+            try:
+                self.refresh()
+            except Exception as e:  # noqa: BLE001 - metrics are best effort; the controller must go on
+                log.warning("gauges no longer refreshed: %s: %s", type(e).__name__, e)
+                return
 
 
 def _default_backend() -> Backend | None:
     """Ray's metrics inside a Ray process; nothing elsewhere (the controller driven by tests)."""
     import ray
 
-    return RayBackend() if ray.is_initialized() else None
+    return RayBackend().start() if ray.is_initialized() else None
 
 
 class MetricsHook:
