@@ -593,11 +593,12 @@ def _read_back_from_prometheus(prom, run: str, result, t_start: float, t_end: fl
     (series,) = prom.query_range(f'max by (run) (ray_elastic_step{{run="{run}"}})', t_start, now)
     steps = [float(v) for _, v in series["values"]]
     assert steps == sorted(steps) and steps[0] < steps[-1] == NUM_STEPS, steps
-    # a gauge set once, at the start, is served without a gap until the run ends (Ray's agent
-    # drops a series not set for ~20 s; the controller sets each again: export.GAUGE_REFRESH_S)
+    # a gauge set once, at the start, is still served when the run ends (Ray's agent drops a series
+    # not set for ~20 s, for good if its value never changes; the controller sets each again every
+    # export.GAUGE_REFRESH_S). A failed scrape may leave a gap; the series comes back at the next.
     (ns,) = prom.query_range(f'max by (run) (ray_elastic_num_steps{{run="{run}"}})', t_start, now)
     at = [float(t) for t, _ in ns["values"]]
-    assert at[-1] >= t_end and all(b - a == pytest.approx(1.0) for a, b in zip(at, at[1:])), (at, t_end)
+    assert at[-1] >= t_end, (at, t_end)
     # the recovery, counted by its cause
     (rec,) = prom.query(f'sum by (cause) (ray_elastic_recoveries_total{{run="{run}"}}) > 0')
     assert rec["metric"]["cause"] == cause and float(rec["value"][1]) == 1
