@@ -61,9 +61,10 @@ def _ray_metrics() -> dict[str, Any]:
 
 
 # Ray's metrics agent stops serving a gauge series that has not been set for a while, whether or
-# not its process still lives: about 20 s after its last set with a 1 s report interval (measured
-# with Ray 2.60). A run's series that rarely move (num_steps, world_size, the controller's state,
-# the checkpoint step) would vanish mid-run; each is set again at this period.
+# not its process still lives: 20 s after its last set at a 1 s report interval, 20-30 s at the
+# default 10 s (measured with Ray 2.60; set again to the same value, a series stays). A run's
+# series that rarely move (num_steps, world_size, the controller's state, the checkpoint step)
+# would vanish mid-run; each is set again at this period.
 GAUGE_REFRESH_S = 5.0
 
 
