@@ -45,6 +45,9 @@ if not logger.handlers:
 NODE_REGISTER_TIMEOUT_S = 120.0
 # Custom resource on worker nodes when the head has CPUs: request it to stay off the head.
 WORKER_NODE_RESOURCE = "elastic_worker_node"
+# Between tests: Ray's health checks declare a killed node dead within ~15-30 s; a run's actors
+# give their CPUs back within seconds of its end.
+QUIET_TIMEOUT_S = 90.0
 
 
 def _raylet_alive(node: "ray._private.node.Node") -> bool:
@@ -113,6 +116,30 @@ class LocalCluster:
             self._add_worker_node()
             logger.info("added a worker node (%d running)", len(self.cluster.worker_nodes))
         self._wait_registered(timeout_s)
+
+    def wait_quiet(self, timeout_s: float = QUIET_TIMEOUT_S) -> float:
+        """Wait until the cluster is as a new run should find it, and return the seconds waited:
+        the GCS lists no worker node whose raylet is gone (one killed by the last run is declared
+        dead only after its health checks, ~15 s) and no actor holds a CPU on a running node (the
+        last run's workers and spares give theirs back as their processes exit). A run's placement
+        reads both: started earlier, it may put a tp group on a node about to be declared dead, or
+        split one for want of CPUs that are only late to be freed. Between tests, not mid-run."""
+        t0 = time.monotonic()
+        while True:
+            running = {n.node_id for n in self.cluster.worker_nodes if _raylet_alive(n)}
+            listed = {n["NodeID"] for n in self.alive_worker_nodes()}
+            free = ray._private.state.available_resources_per_node()
+            held = sorted(n[:8] for n in running if free.get(n, {}).get("CPU", 0.0) < self.cpus_per_node)
+            stale = sorted(n[:8] for n in listed - running)
+            waited = time.monotonic() - t0
+            if not held and not stale and running <= listed:
+                if waited > 1.0:
+                    logger.info("waited %.1f s for the last run's CPUs and dead nodes to clear", waited)
+                return waited
+            if waited > timeout_s:
+                raise TimeoutError(f"cluster not quiet after {timeout_s:.0f} s: CPUs still held on nodes {held}, "
+                                   f"nodes gone but listed alive {stale}")
+            time.sleep(0.2)
 
     def _wait_registered(self, timeout_s: float) -> None:
         wanted = {n.node_id for n in self.cluster.worker_nodes}

@@ -30,6 +30,7 @@ def ray_cluster() -> Iterator[LocalCluster]:
 @pytest.fixture
 def cluster(ray_cluster: LocalCluster) -> LocalCluster:
     ray_cluster.ensure_worker_nodes(NUM_WORKER_NODES)
+    ray_cluster.wait_quiet()  # the last test's CPUs back and its killed nodes declared dead
     return ray_cluster
 
 

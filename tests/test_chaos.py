@@ -49,6 +49,7 @@ def job(tmp_path, chaos=(), name=None, storage_uri=None, storage_options=None, *
 @pytest.fixture(scope="module")
 def baseline(ray_cluster, tmp_path_factory):  # noqa: F811
     ray_cluster.ensure_worker_nodes(4)
+    ray_cluster.wait_quiet()
     j = job(_baseline_dir(tmp_path_factory), name="baseline")
     j["run"]["sample_ledger"] = True  # what every sample id of the uninterrupted run was
     result = Trainer(j).fit(progress=False)
