@@ -554,6 +554,40 @@ def test_a_survivor_slow_to_return_after_the_abort_it_answered_gets_one_more_gra
     assert isinstance(c.state, Finished) and c.step == 30
 
 
+def test_a_survivor_that_answers_the_recovery_s_polls_late_while_its_node_says_it_runs_is_kept():
+    # Rank 2's machine stops. Rank 1 is busy (a loaded machine): it answers none of the recovery's
+    # first two polls within ping_timeout_s, while its node's heartbeat says its process runs.
+    # It is polled again, answers the third, and keeps its place and its state: no worker started
+    # for it, and the restore takes the survivors' memory.
+    c, g, clock = make(num_steps=30, step_s=2.5, heartbeats=True)
+    drive(c, lambda c: c.step >= 8)
+    g.freeze(2, how="machine")
+    g.late_polls = {1: 2}
+    drive(c, lambda c: bool(kinds(c, "restore_plan")) or isinstance(c.state, Finished))
+    assert not kinds(c, "worker_replaced") and ("kill", 1) not in g.calls
+    (plan,) = kinds(c, "restore_plan")
+    assert plan["source"] == "FromPeer", plan
+    drive(c)
+    assert isinstance(c.state, Finished) and c.step == 30
+
+
+def test_a_survivor_silent_through_every_recovery_poll_is_replaced_and_the_event_says_so():
+    # The same, but rank 1 answers none of the polls within FORMATION_SILENCE x ping_timeout_s
+    # (5 s): it is replaced, and the event says how long the polls waited and what its heartbeat
+    # said. Without a heartbeat that says it runs, one poll is all it gets (the rule before).
+    for heartbeats, waited in ((True, 5), (False, 1)):
+        c, g, clock = make(num_steps=30, step_s=2.5, heartbeats=heartbeats)
+        drive(c, lambda c: c.step >= 8)
+        g.freeze(2, how="machine")
+        g.late_polls = {1: 100}
+        drive(c, lambda c: bool(kinds(c, "worker_replaced")) or isinstance(c.state, Finished))
+        (replaced,) = kinds(c, "worker_replaced")
+        assert replaced["rank"] == 1, replaced
+        said = "age 0.00 s, state R" if heartbeats else "none"
+        assert replaced["reason"] == (f"it answered no poll within {waited:g} s during the recovery "
+                                      f"(its node's heartbeat: {said}): unresponsive"), replaced
+
+
 def test_a_final_checkpoint_that_did_not_commit_is_saved_again_until_it_commits():
     # Storage was out at the end for longer than the persist's retries: the ranks still hold the
     # final state, so they save it again; the second try commits.

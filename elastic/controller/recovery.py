@@ -12,7 +12,8 @@ from elastic.controller import reports
 from elastic.controller.records import RecoveryRecord
 from elastic.controller.states import Errored, Forming, Recovering, State
 from elastic.group.worker_group import GroupError, cause_of
-from elastic.policies.failure import FailureObservation, LostRank, Raise, decide_failure
+from elastic.policies.failure import (FORMATION_SILENCE, FailureObservation, LostRank, Raise, decide_failure,
+                                     node_says_running)
 from elastic.policies.buddies import choose_copies, has_copies
 from elastic.policies.placement import split_groups
 from elastic.policies.restore import FromShards, FromStorage, choose_restore
@@ -86,7 +87,10 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
             group.suspect(group.members[rank].node_id)
         group.kill(rank)
     answers, silent = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
-    for rank in silent:
+    answers, silent, waited = poll_busy_again(ctl, answers, silent)
+    for rank, why in silent.items():
+        ctl.events.emit("worker_replaced", rank=rank, reason=f"it answered no poll within {waited:g} s during the "
+                        f"recovery (its node's heartbeat: {beat_said(ctl, rank)}): {why}")
         group.kill(rank)
     # Only a member that holds state is a source: a replacement that never restored (its group
     # failed to form) reports step 0, and taking it would start the run over.
@@ -116,6 +120,37 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
                     pids={r: group.members[r].pid for r in missing},
                     **({"tp_split_groups": split} if tp > 1 else {}))
     return merge_overlapping(ctl)
+
+
+def poll_busy_again(ctl: Controller, answers: dict, silent: dict[int, str]
+                    ) -> tuple[dict, dict[int, str], float]:
+    """Survivors that answered no poll within ping_timeout_s while their node's heartbeat says
+    their process runs (a loaded machine, a survivor still tearing its group down) are polled
+    again, up to FORMATION_SILENCE x ping_timeout_s in all, before they are replaced: replacing a
+    healthy survivor costs a worker start, and below min_workers the shrink its state allowed.
+    One whose node is silent too, refuses the pings or says it is stopped is not waited for.
+    Returns the answers with the late ones, those still silent, and how long the polls waited."""
+    cfg = ctl.job.failure
+    waited = cfg.ping_timeout_s
+    while cfg.heartbeat and silent and waited < FORMATION_SILENCE * cfg.ping_timeout_s:
+        beats = ctl.group.beats()
+        busy = [r for r, why in silent.items() if cause_of(why) == LostCause.UNRESPONSIVE and r in beats
+                and not beats[r].refused and node_says_running(beats[r], cfg.ping_timeout_s)]
+        if not busy:
+            break
+        more, again = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
+        waited += cfg.ping_timeout_s
+        answers = {**answers, **more}
+        silent = {**{r: why for r, why in silent.items() if r not in more}, **again}
+    return answers, silent, waited
+
+
+def beat_said(ctl: Controller, rank: int) -> str:
+    """What a rank's node's heartbeat says of it now, for an event."""
+    beat = ctl.group.beats().get(rank) if ctl.job.failure.heartbeat else None
+    if beat is None:
+        return "none"
+    return f"age {beat.age_s:.2f} s, state {beat.state}" + (", refused" if beat.refused else "")
 
 
 def slow_returns(ctl: Controller, late: dict[int, str], unanswered: dict[int, str], grace_s: float

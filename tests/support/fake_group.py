@@ -104,6 +104,7 @@ class FakeGroup:
     heartbeats: bool = False  # each rank's node has a heartbeat sidecar (else the controller judges by polls alone)
     ranks_per_node: int = 1  # ranks started on one node (each node's agent takes one aggregated poll)
     late_returns: dict = field(default_factory=dict)  # rank -> waits its run() outlasts after an abort it answered
+    late_polls: dict = field(default_factory=dict)  # rank -> blocking polls it leaves unanswered (a loaded machine)
 
     def __post_init__(self):
         self._pending: list[float] = []  # fake times at which pending spares become ready
@@ -439,7 +440,11 @@ class FakeGroup:
 
     def poll(self, timeout_s: float):
         answers, silent = self.poll_nowait(0.0)
-        return answers, {r: w for r, w in silent.items()}
+        for r in [r for r in answers if self.late_polls.get(r)]:
+            self.late_polls[r] -= 1  # busy: its answer comes after this poll's timeout
+            del answers[r]
+            silent[r] = "unresponsive"
+        return answers, silent
 
     def drain_polls(self, timeout_s: float) -> dict:
         return {}
