@@ -565,6 +565,8 @@ def test_a_survivor_that_answers_the_recovery_s_polls_late_while_its_node_says_i
     g.late_polls = {1: 2}
     drive(c, lambda c: bool(kinds(c, "restore_plan")) or isinstance(c.state, Finished))
     assert not kinds(c, "worker_replaced") and ("kill", 1) not in g.calls
+    (slow,) = kinds(c, "slow_poll")
+    assert slow["ranks"] == [1] and slow["waited_s"] == 3 * c.job.failure.ping_timeout_s, slow
     (plan,) = kinds(c, "restore_plan")
     assert plan["source"] == "FromPeer", plan
     drive(c)

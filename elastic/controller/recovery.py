@@ -131,7 +131,7 @@ def poll_busy_again(ctl: Controller, answers: dict, silent: dict[int, str]
     One whose node is silent too, refuses the pings or says it is stopped is not waited for.
     Returns the answers with the late ones, those still silent, and how long the polls waited."""
     cfg = ctl.job.failure
-    waited = cfg.ping_timeout_s
+    waited, late = cfg.ping_timeout_s, []
     while cfg.heartbeat and silent and waited < FORMATION_SILENCE * cfg.ping_timeout_s:
         beats = ctl.group.beats()
         busy = [r for r, why in silent.items() if cause_of(why) == LostCause.UNRESPONSIVE and r in beats
@@ -140,8 +140,11 @@ def poll_busy_again(ctl: Controller, answers: dict, silent: dict[int, str]
             break
         more, again = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
         waited += cfg.ping_timeout_s
+        late += [r for r in silent if r in more]
         answers = {**answers, **more}
         silent = {**{r: why for r, why in silent.items() if r not in more}, **again}
+    if late:
+        ctl.events.emit("slow_poll", ranks=sorted(late), waited_s=waited, replaced=sorted(silent))
     return answers, silent, waited
 
 
