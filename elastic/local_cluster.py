@@ -32,6 +32,8 @@ import ray
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
+from elastic.group.room import free_cpus_by_node
+
 logger = logging.getLogger(__name__)
 if not logger.handlers:
     _handler = logging.StreamHandler(sys.stderr)
@@ -128,8 +130,8 @@ class LocalCluster:
         while True:
             running = {n.node_id for n in self.cluster.worker_nodes if _raylet_alive(n)}
             listed = {n["NodeID"] for n in self.alive_worker_nodes()}
-            free = ray._private.state.available_resources_per_node()
-            held = sorted(n[:8] for n in running if free.get(n, {}).get("CPU", 0.0) < self.cpus_per_node)
+            free = free_cpus_by_node()
+            held = sorted(n[:8] for n in running if free.get(n, 0.0) < self.cpus_per_node)
             stale = sorted(n[:8] for n in listed - running)
             waited = time.monotonic() - t0
             if not held and not stale and running <= listed:

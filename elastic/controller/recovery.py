@@ -88,9 +88,10 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
         group.kill(rank)
     answers, silent = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
     answers, silent, waited = poll_busy_again(ctl, answers, silent)
+    beats = group.beats() if silent and cfg.heartbeat else {}
     for rank, why in silent.items():
         ctl.events.emit("worker_replaced", rank=rank, reason=f"it answered no poll within {waited:g} s during the "
-                        f"recovery (its node's heartbeat: {beat_said(ctl, rank)}): {why}")
+                        f"recovery (its node's heartbeat: {beat_said(beats.get(rank))}): {why}")
         group.kill(rank)
     # Only a member that holds state is a source: a replacement that never restored (its group
     # failed to form) reports step 0, and taking it would start the run over.
@@ -148,9 +149,8 @@ def poll_busy_again(ctl: Controller, answers: dict, silent: dict[int, str]
     return answers, silent, waited
 
 
-def beat_said(ctl: Controller, rank: int) -> str:
-    """What a rank's node's heartbeat says of it now, for an event."""
-    beat = ctl.group.beats().get(rank) if ctl.job.failure.heartbeat else None
+def beat_said(beat) -> str:
+    """What a rank's node's heartbeat (`Beat`, None without one) says of it, for an event."""
     if beat is None:
         return "none"
     return f"age {beat.age_s:.2f} s, state {beat.state}" + (", refused" if beat.refused else "")
