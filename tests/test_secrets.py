@@ -262,3 +262,48 @@ def test_status_shows_no_credential_from_an_old_log(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no events in memory://***@nowhere/r" in err
     assert_clean(err)
+
+
+# ------------------------------------------------------------------ storage options by allow-list
+BEARER = "bearer-under-a-plain-name-7f3a"
+
+
+def test_a_secret_under_an_unforeseen_storage_option_is_masked_in_config_yaml_repr_and_errors(leaky):
+    """Storage options are shown by allow-list: `headers: {x-api-bearer: ...}` has no secret-looking
+    name, yet its value stays out of the run's config.yaml (written by the controller at its
+    start), the job's repr and any error or event that quotes it; the settings on the list
+    (endpoint_url, region_name, anon, client_kwargs.region_name, config_kwargs) are still shown."""
+    import yaml
+
+    from elastic.config.loading import dump_job
+    from elastic.config.secrets import job_secrets
+    from elastic.controller.controller import Controller
+    from elastic.storage import join
+    from tests.support.fake_group import FakeClock, FakeGroup
+
+    options = {"endpoint_url": "http://minio:9000", "region_name": "eu", "anon": False,
+               "headers": {"x-api-bearer": BEARER}, "client_kwargs": {"region_name": "eu"},
+               "config_kwargs": {"read_timeout": 10}}
+    raw = job_dict(f"memory://opts-{uuid.uuid4().hex[:8]}")
+    raw["checkpoint"]["storage_options"] = options
+    job = JobConfig.model_validate(raw)
+    clock = FakeClock()
+    c = Controller(job.model_dump_json(), group=FakeGroup(clock), clock=clock, wall=clock)
+    assert c.run()["status"] == "finished"
+    written = c.storage.read_bytes(join(c.run_dir, "config.yaml")).decode()
+    assert BEARER not in written
+    assert yaml.safe_load(written)["checkpoint"]["storage_options"] == {**options, "headers": {"x-api-bearer": "***"}}
+    for text in (dump_job(job), repr(job), str(job), repr(job.checkpoint), str(job.checkpoint)):
+        assert BEARER not in text and "x-api-bearer" in text and "http://minio:9000" in text
+    # The values masked are the values scrubbed from events and errors.
+    assert BEARER in job_secrets(job)
+    with pytest.raises(StorageError) as e:  # LeakyFS's error quotes its options, headers included
+        Storage(f"leaky://b-{uuid.uuid4().hex[:6]}", dict(options, fail_init=True, skip_instance_cache=True))
+    text = "".join(traceback.format_exception(e.value))
+    assert "x-api-bearer" in text and BEARER not in text
+    # ...and a command-line override that sets it, quoted in a validation error.
+    from elastic.config.loading import redact_override
+    assert redact_override(f"--set checkpoint.storage_options.headers.x-api-bearer={BEARER}") == \
+        "--set checkpoint.storage_options.headers.x-api-bearer=***"
+    assert redact_override("--set checkpoint.storage_options.endpoint_url=http://x") == \
+        "--set checkpoint.storage_options.endpoint_url=http://x"

@@ -5,7 +5,7 @@ import yaml
 from pydantic import ValidationError
 
 from elastic.config.job import JobConfig
-from elastic.config.secrets import is_secret_key, redact
+from elastic.config.secrets import OPTIONS_FIELD, is_secret_key, is_shown_option, redact
 
 
 def format_validation_error(e: ValidationError, overrides: dict[str, str] | None = None) -> str:
@@ -31,15 +31,22 @@ def _within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer + ".")
 
 
+_OPTION_MAPPINGS = ("client_kwargs", "config_kwargs", "retries", "s3")  # a whole mapping may hold anything
+
+
 def redact_override(text: str) -> str:
-    """An override that sets a credential (`...storage_options.secret=...`), or a whole mapping of
+    """An override that sets a credential (`...storage_options.secret=...`), any storage option
+    off the allow-list (`...storage_options.headers.x-api-bearer=...`), or a whole mapping of
     storage options, shown without its value."""
     flag, _, assignment = text.partition(" ")
     key = assignment.partition("=")[0]
     parts = key.split(".")
-    if any(is_secret_key(p) for p in parts) or parts[-1] in ("storage_options", "client_kwargs"):
+    below = parts[parts.index(OPTIONS_FIELD) + 1:] if OPTIONS_FIELD in parts else None
+    if any(is_secret_key(p) for p in parts) or (below is not None and (
+            not below or not all(is_shown_option(p) for p in below) or below[-1] in _OPTION_MAPPINGS)):
         return f"{flag} {key}=***"
     return text
+
 
 
 class ConfigError(ValueError):
