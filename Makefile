@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 PROM := .tools/prometheus/usr/bin/prometheus
 
-.PHONY: demo test test-fast bench clean tools
+.PHONY: demo test test-fast install-check bench clean tools
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,14 @@ $(PROM):
 	  || echo "make: could not unpack Debian's prometheus package (see .tools/dl/dl.log): the real-Prometheus test will be skipped"
 	rm -f .tools/dl/*.deb
 
-test: $(STAMP) $(PROM)
+test: install-check $(STAMP) $(PROM)
 	$(PY) -m pytest
+
+# The wheel installed with no extras into a new virtual environment, then the README's commands (a
+# short local run among them): an import the package does not declare fails here, as it would for
+# a user. About 2-3 minutes; it starts a local Ray (by hand beside other Ray work: under flock).
+install-check:
+	PYTHON=$(PYTHON) tests/install/check.sh
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not chaos and not s3"
