@@ -1,6 +1,7 @@
 """Checkpoint uploads in a child process (elastic/uploader.py): real child processes, local disk
 and SeaweedFS behind a slow link."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,10 +223,15 @@ def test_a_child_started_ahead_serves_the_first_upload(tmp_path):
 
 
 # ---------------------------------------------------------------- the fence, object by object
-def _fence_file(tmp_path, generation) -> tuple[str, int]:
-    """A fence on local disk showing `generation`; returns what an upload of generation 1 checks."""
-    (tmp_path / "GENERATION").write_bytes(str(generation).encode())
-    return f"file://{tmp_path}/GENERATION", 1
+def _fence_file(tmp_path, generation, *others: str) -> tuple[str, int]:
+    """A fence on local disk showing `generation` (and any `others` names in its folder);
+    returns what an upload of generation 1 checks."""
+    folder = tmp_path / "fence"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    for name in (f"{generation:012d}", *others):
+        (folder / name).write_bytes(b"")
+    return f"file://{folder}", 1
 
 
 @pytest.mark.timeout(60)
@@ -237,12 +243,11 @@ def test_the_child_uploads_only_while_the_fence_shows_its_generation(tmp_path):
     with pytest.raises(uploader.UploadFenced, match="moved on to generation 2"):
         uploader.put(src, f"file://{tmp_path}/moved", {}, fence=_fence_file(tmp_path, 2))
     assert not os.listdir(tmp_path / "moved")  # not one object
-    for shown in (b"", b"junk"):  # unreadable: fail closed too, as a storage error (retried)
-        (tmp_path / "GENERATION").write_bytes(shown)
+    for junk in ("junk", "12"):  # unreadable: fail closed too, as a storage error (retried)
         with pytest.raises(uploader.FenceNotConfirmed, match="not a generation"):
-            uploader.put(src, f"file://{tmp_path}/junk", {}, fence=(f"file://{tmp_path}/GENERATION", 1))
-    with pytest.raises(uploader.FenceNotConfirmed, match="cannot be read"):
-        uploader.put(src, f"file://{tmp_path}/gone", {}, fence=(f"file://{tmp_path}/nowhere/GENERATION", 1))
+            uploader.put(src, f"file://{tmp_path}/junk", {}, fence=_fence_file(tmp_path, 1, junk))
+    with pytest.raises(uploader.FenceNotConfirmed, match="shows no generation"):
+        uploader.put(src, f"file://{tmp_path}/gone", {}, fence=(f"file://{tmp_path}/nowhere/fence", 1))
     assert uploader._idle and uploader._idle[0].alive()  # a fenced upload leaves its child usable
     assert uploader.put(src, f"file://{tmp_path}/again", {}, fence=_fence_file(tmp_path, 1))
 
@@ -258,7 +263,7 @@ def test_an_upload_reads_the_fence_before_each_object(tmp_path, monkeypatch):
     def put_file(self, lpath, rpath, *args, **kwargs):
         real(self, lpath, rpath, *args, **kwargs)
         done.append(os.path.basename(rpath))
-        (tmp_path / "GENERATION").write_bytes(b"2")
+        (tmp_path / "fence" / f"{2:012d}").write_bytes(b"")
     monkeypatch.setattr(LocalFileSystem, "put_file", put_file)
     with pytest.raises(uploader.UploadFenced, match="stopped before"):
         uploader.put_tree(fsspec.filesystem("file"), src + "/", f"{tmp_path}/dst/", fence)
@@ -273,35 +278,35 @@ def test_a_multipart_upload_is_completed_only_after_the_fence_is_read_again(tmp_
     import s3fs
 
     fs = s3fs.S3FileSystem(anon=True, skip_instance_cache=True)
-    shown, calls = {"fence": b"1"}, []
+    shown, calls = {"fence": [f"bucket/run/checkpoints/fence/{1:012d}"]}, []
 
     async def call_s3(method, *args, **kwargs):
         calls.append(method)
         if method == "upload_part" and moves:
-            shown["fence"] = b"2"
+            shown["fence"] = [*shown["fence"], f"bucket/run/checkpoints/fence/{2:012d}"]
         return {"UploadId": "u"} if method == "create_multipart_upload" else {"ETag": "e"}
 
-    async def cat_file(path, **kwargs):
+    async def ls(path, **kwargs):
         calls.append(f"read {path}")
         return shown["fence"]
 
-    fs._call_s3, fs._cat_file = call_s3, cat_file
+    fs._call_s3, fs._ls = call_s3, ls
     uploader._guard_multipart(fs)
     uploader._guard_multipart(fs)  # once per filesystem, however often asked
     big = tmp_path / "shard"
     big.write_bytes(os.urandom(10 * 2 ** 20 + 1))  # three 5 MiB parts
 
     async def upload():
-        uploader._FENCE.set(("s3://bucket/run/checkpoints/GENERATION", 1))
+        uploader._FENCE.set(("s3://bucket/run/checkpoints/fence", 1))
         await fs._put_file(str(big), "bucket/run/checkpoints/step_1/shard", chunksize=5 * 2 ** 20)
 
     if moves:
         with pytest.raises(uploader.UploadFenced, match="completing the multipart upload"):
             fsspec.asyn.sync(fs.loop, upload)
-        assert calls[-2:] == ["read bucket/run/checkpoints/GENERATION", "abort_multipart_upload"]
+        assert calls[-2:] == ["read bucket/run/checkpoints/fence", "abort_multipart_upload"]
     else:
         fsspec.asyn.sync(fs.loop, upload)
-        assert calls[-2:] == ["read bucket/run/checkpoints/GENERATION", "complete_multipart_upload"]
+        assert calls[-2:] == ["read bucket/run/checkpoints/fence", "complete_multipart_upload"]
     assert calls.count("upload_part") == 3
     calls.clear()
     fsspec.asyn.sync(fs.loop, fs._put_file, str(big), "bucket/other", chunksize=5 * 2 ** 20)

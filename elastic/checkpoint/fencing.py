@@ -3,11 +3,22 @@
 A machine that stops and comes back (a thawed freeze, a healed partition)
 resumes exactly where it was: in the middle of a persist, say, about to write
 a commit marker for a group that no longer exists. The controller bumps the
-group generation at every formation and writes it beside the checkpoints
-(`<run>/checkpoints/GENERATION`) before the new group forms (a resubmitted run
-numbers on from the fence an earlier submission left); a worker checks
-it before it writes shards and again right before the commit marker, and
-gives up if the run has moved past its generation.
+group generation at every formation and announces it beside the checkpoints
+before the new group forms (a resubmitted run numbers on from the fence an
+earlier submission left); a worker checks the fence before it writes shards
+and again right before the commit marker, and gives up if the run has moved
+past its generation.
+
+The fence only rises. It is a folder, `<run>/checkpoints/fence/`, with one file
+per announced generation (`000001000001`), and the fence is the highest one
+there. A write adds a file; it never replaces one. So a late or lapsed writer (a
+driver whose lease another driver took over while it was frozen, thawed in the
+middle of a recovery; a background write of an outage landing late) adds a lower
+file that changes nothing: it can never push the fence back below the rightful
+holder's generation and let its own workers commit. Files below the newest are
+pruned by the writer once its own has landed (a missing lower file changes
+nothing either). On top of that, a controller writes the fence only while its
+lease is held and fresh (`FenceWriter(allowed=...)`, elastic/checkpoint/lease.py).
 
 Storage can be out when a group forms (an outage and a lost machine together).
 A recovery from the survivors' memory needs no storage, so it does not wait:
@@ -18,13 +29,13 @@ newer one did.
 
 The fence fails closed: only a fence that can be read and shows the writer's own
 generation lets it write. One that cannot be read (storage out, a throttled or
-failing GET, bytes that are not a generation) means "not now", as one that does
+failing LIST, names that are not generations) means "not now", as one that does
 not show this generation yet does: the writer asks again within its bound, and
 a persist that gives up on an unreadable fence fails as a storage failure does
 (its checkpoint stays owed, saved again later), having written nothing. Every write
 path asks: a persist before its shards and before its commit, the upload
 child before each object and before it completes a multipart upload
-(uploader.py), retention before it deletes, and the controller before it
+(uploader.py), retention before each delete, and the controller before it
 un-commits checkpoints (a rollback) or writes metrics.json and ledger.json
 (`FenceWriter.holds`).
 
@@ -35,37 +46,68 @@ the process being killed once its node answers again, cover the rest.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
+from elastic.checkpoint.uploader import FENCE_DIGITS, fence_highest
 from elastic.storage import Storage, StorageError, join
 
-FENCE = "GENERATION"
+log = logging.getLogger(__name__)
+
+FENCE = "fence"  # the folder of announced generations, beside the checkpoints
 UNREADABLE = "the fence cannot be read"  # how every "why" of an unreadable fence begins
 
 
 class FenceUnreadable(StorageError):
-    """The fence is there but cannot be read, or holds something other than a generation."""
+    """The fence cannot be listed, or holds a name that is not a generation."""
+
+
+def fence_uri(checkpoints_root: str) -> str:
+    return join(checkpoints_root, FENCE)
+
+
+def generation_name(generation: int) -> str:
+    return f"{generation:0{FENCE_DIGITS}d}"
+
+
+def highest(names: Iterable[str], where: str) -> int | None:
+    """The fence a listing of its folder shows: its highest generation, None for none. A name
+    that is not a generation (something else wrote into the folder) makes it unreadable: it
+    fails closed rather than guess."""
+    try:
+        return fence_highest(list(names))
+    except ValueError as e:
+        raise FenceUnreadable(f"{UNREADABLE}: {where} holds {e}") from e
 
 
 def write_fence(storage: Storage, checkpoints_root: str, generation: int) -> None:
-    storage.write_bytes(join(checkpoints_root, FENCE), str(generation).encode())
+    """Add `generation` to the fence. It never lowers it: a lower generation's file changes
+    nothing while a higher one is there."""
+    storage.write_bytes(join(fence_uri(checkpoints_root), generation_name(generation)),
+                        str(generation).encode())
 
 
 def read_fence(storage: Storage, checkpoints_root: str) -> int | None:
-    """The generation the fence shows; None when none was written yet. `FenceUnreadable` when
-    storage does not answer with one (an error, a throttled GET, bytes that are not a number)."""
-    uri = join(checkpoints_root, FENCE)
+    """The generation the fence shows (the highest announced); None when none was written yet.
+    `FenceUnreadable` when storage does not answer with one (an error, a throttled LIST, a name
+    that is not a generation)."""
+    uri = fence_uri(checkpoints_root)
     try:
-        data = storage.read_bytes(uri)
+        names = storage.list_dir(uri)
     except StorageError as e:
-        if isinstance(e.__cause__, FileNotFoundError):
-            return None
         raise FenceUnreadable(f"{UNREADABLE}: {e}") from e
-    try:
-        return int(data.decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FenceUnreadable(f"{UNREADABLE}: {uri} holds {data[:40]!r}, not a generation") from e
+    return highest(names, uri)
+
+
+def prune_below(storage: Storage, checkpoints_root: str, generation: int) -> None:
+    """Remove the fence's files below `generation` (best effort: a lower file changes nothing,
+    so one left behind is harmless). Never touches `generation` or anything above it."""
+    uri = fence_uri(checkpoints_root)
+    for name in storage.list_dir(uri):
+        if name.isdigit() and int(name) < generation:
+            storage.remove(join(uri, name))
 
 
 def current_generation(storage: Storage, checkpoints_root: str) -> int | None:
@@ -114,17 +156,28 @@ class Fence:
 
     @property
     def uri(self) -> str:
-        return join(self.checkpoints_root, FENCE)
+        """The fence's folder: list it, and `highest` of the names is the fence."""
+        return fence_uri(self.checkpoints_root)
+
+
+def always_allowed() -> tuple[bool, str]:
+    return True, ""
 
 
 class FenceWriter:
     """Writes the newest generation announced, in order, on one background thread, retrying a
     failed write until it lands or a newer generation replaces it. `announce` waits at most
-    `wait_s` for the write and says whether it landed; a storage that hangs holds up no more."""
+    `wait_s` for the write and says whether it landed; a storage that hangs holds up no more.
 
-    def __init__(self, storage: Storage, checkpoints_root: str, backoff_s: float = 1.0):
-        self.storage, self.root, self.backoff_s = storage, checkpoints_root, backoff_s
-        self.last_error: BaseException | None = None  # of the last failed write, if any
+    `allowed()` -> (ok, why not) is asked before every write and every `holds`: the controller
+    passes its lease's freshness, so a driver whose lease lapsed (frozen, or cut off from storage
+    for longer than run.lease_ttl_s) writes no fence until a renewal lands again, and one whose
+    lease was taken over never does."""
+
+    def __init__(self, storage: Storage, checkpoints_root: str, backoff_s: float = 1.0,
+                 allowed: Callable[[], tuple[bool, str]] = always_allowed):
+        self.storage, self.root, self.backoff_s, self.allowed = storage, checkpoints_root, backoff_s, allowed
+        self.last_error: BaseException | str | None = None  # of the last failed or refused write
         self._cv = threading.Condition()
         self._wanted = 0  # the newest generation announced
         self._written = 0  # the newest generation known to be in storage
@@ -144,11 +197,15 @@ class FenceWriter:
             return self._written
 
     def holds(self) -> tuple[bool, str]:
-        """(whether the controller still holds the run, why not), as the fence tells it: the fence
-        shows the newest generation this writer announced, or the newest it landed (a newer one's
-        write still pending). Asked before the controller's own writes into the run's folder.
-        Fails closed: a fence that cannot be read, is missing or shows another generation (a
-        newer controller's, or an older one that overwrote this one's) says no."""
+        """(whether the controller still holds the run, why not), as its lease and the fence tell
+        it: the lease is fresh and the fence shows the newest generation this writer announced,
+        or the newest it landed (a newer one's write still pending). Asked before the
+        controller's own writes into the run's folder. Fails closed: a stale lease, or a fence
+        that cannot be read, is missing or shows another generation, says no. A fence found
+        below this writer's generation (its file removed from storage) is written again."""
+        ok, why = self.allowed()
+        if not ok:
+            return False, why
         with self._cv:
             wanted, written = self._wanted, self._written
         if not wanted:
@@ -159,8 +216,18 @@ class FenceWriter:
             return False, str(e)
         if shown is not None and shown in (wanted, written):
             return True, ""
+        if shown is None or shown < written:
+            self._rewrite()
         return False, (f"the fence shows generation {shown}, not this controller's ({wanted})" if shown is not None
                        else f"the fence is not there (this controller's generation: {wanted})")
+
+    def _rewrite(self) -> None:
+        """The fence shows less than this writer landed: its file is gone (a lifecycle rule, a
+        clean-up). Write the newest announced again."""
+        with self._cv:
+            self._written = 0
+            self._cv.notify_all()
+        log.warning("the fence in %s shows less than generation %d: writing it again", self.root, self._wanted)
 
     def _loop(self) -> None:
         while True:
@@ -168,8 +235,11 @@ class FenceWriter:
                 self._cv.wait_for(lambda: self._wanted > self._written)
                 generation = self._wanted
             try:
+                ok, why = self.allowed()
+                if not ok:
+                    raise _Refused(why)
                 write_fence(self.storage, self.root, generation)
-            except Exception as e:  # noqa: BLE001 - storage may be out: retried until it lands
+            except Exception as e:  # noqa: BLE001 - storage may be out, the lease stale: retried
                 with self._cv:
                     self.last_error = e
                     self._cv.wait(self.backoff_s)  # a newer announcement wakes it sooner
@@ -177,3 +247,12 @@ class FenceWriter:
             with self._cv:
                 self._written, self.last_error = max(self._written, generation), None
                 self._cv.notify_all()
+            try:
+                prune_below(self.storage, self.root, generation)
+            except StorageError as e:  # harmless: a lower file changes nothing
+                log.info("fence files below generation %d not pruned: %s", generation, e)
+
+
+class _Refused(RuntimeError):
+    """The lease does not let this controller write the fence now (lapsed or lost)."""
+

@@ -10,7 +10,11 @@ Layout, beside the checkpoints, under `<run dir>/lease/`:
     000000003.renewed     the holder's last renewal, epoch seconds (rewritten every ttl/4)
 
 Taking: the newest lease is read; if its holder renewed it within `ttl_s`, the run is held and
-`take` raises `LeaseHeld` naming the holder and the lease's age. Otherwise (no lease, its holder
+`take` raises `LeaseHeld` naming the holder and the lease's age: at once when the holder renewed
+within two renewal intervals (ttl_s / 2: it is alive), and with `wait_s` set when it has missed
+more (its driver is likely gone: a whole cluster lost and KubeRay's retry started a new head), so
+the new driver waits for the lease to expire and takes over instead of failing and using up the
+retry; a renewal seen meanwhile refuses it. Otherwise (no lease, its holder
 released it at the end of its run, or the holder is gone: no renewal for `ttl_s`) the next number
 is created exclusively and read back. Ages compare the reader's clock with the holder's: ttl_s
 must exceed the clocks' skew (NTP keeps it to milliseconds; the default is 30 s).
@@ -21,6 +25,19 @@ exclusive on local disk, in memory and on S3 stores that honour `If-None-Match: 
 find the lease expired at the same moment may both write the same number; each reads it back
 after writing and the one whose write did not survive steps aside, so the window is the store's
 read-after-write lag, not the run. Renewals are plain overwrites by the holder alone.
+
+A lease is its holder's, compared by holder identity, not only by number: a renewal that finds
+its number's record naming another holder has lost the run. The newest lease is the highest
+number among both records and renewals, so a recent `.renewed` whose `.json` is gone (a storage
+lifecycle rule, a manual clean-up) still counts as held: no second driver takes the same number.
+Storage lifecycle rules must leave `lease/` alone all the same (docs/deploying.md).
+
+Fresh or not: the holder's own clock says how old its last landed renewal is (the wall time it
+wrote, not when the write came back). `fresh()` holds within 3/4 of ttl_s, the margin for a
+renewal in flight and clock skew; a driver that is not fresh (frozen, cut off from storage)
+writes nothing into the run folder (fence, events, metrics) until a renewal lands again, and one
+whose lease was taken over never does. `check_now()` renews at once, for a controller that finds
+itself stale (its own loop was stalled) before it judges anyone else.
 
 Generations come from the lease: a controller's groups are numbered from `generation_base()`
 ((lease number - 1) x GENERATION_STRIDE), so a newer lease's groups are above every group an older
@@ -46,10 +63,17 @@ log = logging.getLogger(__name__)
 LEASE_DIR = "lease"
 RELEASED = "released"  # a `.renewed` that says so: the holder ended, the lease is free at once
 GENERATION_STRIDE = 1_000_000  # group formations one lease may make before its generations reach the next's
+UNKNOWN_HOLDER = "unknown (its record is gone)"  # a `.renewed` whose `.json` storage lost
+FRESH_FRACTION = 0.75  # of ttl_s: how old the holder's own last renewal may be for it to write
 
 
 class LeaseHeld(RuntimeError):
-    """Another driver holds the run's lease."""
+    """Another driver holds the run's lease. `wait_s`: set when its holder has missed renewals
+    (it looks gone) but the lease has not expired yet: ask again after that long."""
+
+    def __init__(self, message: str, wait_s: float | None = None):
+        super().__init__(message)
+        self.wait_s = wait_s
 
 
 @dataclass(frozen=True)
@@ -79,15 +103,21 @@ class Lease:
         self.last_error: str | None = None  # why the last renewal did not land
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._body: dict = {}  # this holder's record, as taken (written again if storage loses it)
 
     # ---------------------------------------------------------------- reading
     def newest(self) -> LeaseInfo | None:
-        """The newest lease taken on this run, or None. Raises StorageError when it cannot be read."""
-        numbers = sorted(int(n.split(".")[0]) for n in self._names() if n.endswith(".json") and n[:9].isdigit())
+        """The newest lease taken on this run, or None. Raises StorageError when it cannot be read.
+        Counted from records and renewals alike: a renewal whose record is gone still holds."""
+        names = set(self._names())
+        numbers = sorted({int(n[:9]) for n in names if n[:9].isdigit() and n[9:] in (".json", ".renewed")})
         if not numbers:
             return None
         n = numbers[-1]
-        body = json.loads(self.storage.read_bytes(join(self.dir, _name(n, "json"))).decode())
+        if _name(n, "json") in names:
+            body = json.loads(self.storage.read_bytes(join(self.dir, _name(n, "json"))).decode())
+        else:
+            body = {"holder": UNKNOWN_HOLDER, "host": "?", "pid": -1, "taken_t": float("-inf")}
         renewed = body["taken_t"]
         try:
             text = self.storage.read_bytes(join(self.dir, _name(n, "renewed"))).decode()
@@ -113,13 +143,17 @@ class Lease:
             self.number, self.renewed_t = cur.number, now
             return cur
         if cur is not None and cur.age_s(now) < self.ttl_s:
+            age = cur.age_s(now)
+            # Alive within two renewal intervals: refused at once. Past that it looks gone: the
+            # caller may wait out the rest of ttl_s, watching for a renewal.
+            wait_s = None if age < self.ttl_s / 2 else self.ttl_s - age
             raise LeaseHeld(f"run folder {self.dir.rsplit('/', 2)[0]} is in use: lease {cur.number} is held by "
                             f"{cur.holder} (host {cur.host}, pid {cur.pid}), renewed {cur.age_s(now):.1f} s ago "
                             f"(run.lease_ttl_s={self.ttl_s:g}). Stop that run first, wait until its lease is "
-                            f"{self.ttl_s:g} s old (its driver is gone), or use another run.name")
+                            f"{self.ttl_s:g} s old (its driver is gone), or use another run.name", wait_s)
         number = (cur.number if cur else 0) + 1
-        body = {"holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(), "taken_t": now,
-                "after": cur.holder if cur else None}
+        body = self._body = {"holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
+                             "taken_t": now, "after": cur.holder if cur else None}
         created = self.storage.create(join(self.dir, _name(number, "json")), json.dumps(body).encode())
         back = json.loads(self.storage.read_bytes(join(self.dir, _name(number, "json"))).decode())
         if not created or back["holder"] != self.holder:
@@ -148,13 +182,52 @@ class Lease:
         self._thread.start()
 
     def renew_once(self) -> None:
-        """One renewal: lost when a newer lease exists; raises StorageError when storage fails."""
+        """One renewal: lost when a newer lease exists or this number's record names another
+        holder; raises StorageError when storage fails. A record of ours that storage lost is
+        written again (exclusively: a driver that took the number meanwhile keeps it)."""
         cur = self.newest()
-        if cur is not None and cur.number != self.number:
+        if cur is not None and cur.holder == UNKNOWN_HOLDER and cur.number == self.number:
+            self.storage.create(join(self.dir, _name(self.number, "json")), json.dumps(self._body).encode())
+            cur = self.newest()
+        if cur is not None and (cur.number != self.number or cur.holder != self.holder):
             self.lost = (f"lease {self.number} was taken over: lease {cur.number} is held by {cur.holder} "
                          f"(host {cur.host}, pid {cur.pid}), who owns the run now")
             return
-        self.storage.write_bytes(join(self.dir, _name(self.number, "renewed")), repr(self.wall()).encode())
+        t = self.wall()
+        self.storage.write_bytes(join(self.dir, _name(self.number, "renewed")), repr(t).encode())
+        self._landed(t)
+
+    def _landed(self, t: float) -> None:
+        """A renewal written at wall time `t` landed: the lease is fresh from `t`, not from when
+        the write came back (a takeover is judged by the time written)."""
+        if self.lost is None:
+            self.renewed_t, self.last_error = max(self.renewed_t or t, t), None
+
+    def fresh(self) -> tuple[bool, str]:
+        """(whether this holder may write into the run folder now, why not): it holds the lease,
+        never lost it, and its last renewal landed within FRESH_FRACTION x ttl_s by its own
+        clock (a driver that was frozen or cut off knows it is stale before anyone can have
+        taken over)."""
+        if self.number is None:
+            return False, "this driver holds no lease on the run"
+        if self.lost is not None:
+            return False, f"this driver no longer owns the run: {self.lost}"
+        age = self.wall() - (self.renewed_t if self.renewed_t is not None else float("-inf"))
+        if age >= FRESH_FRACTION * self.ttl_s:
+            return False, (f"lease {self.number} is stale: its last renewal landed {age:.1f} s ago "
+                           f"(run.lease_ttl_s={self.ttl_s:g}); nothing is written until one lands again")
+        return True, ""
+
+    def check_now(self, timeout_s: float) -> bool:
+        """Renew at once, within `timeout_s`: for a controller that finds itself stale (its own
+        loop stalled) before it judges anyone else. True when a renewal landed; `lost` says
+        when the lease was taken over meanwhile."""
+        answered, _, error = call_within(self.renew_once, timeout_s)
+        if not answered or error is not None:
+            self.last_error = (f"{type(error).__name__}: {error}"[:300] if error is not None
+                               else f"renewal not answered within {timeout_s:g} s")
+            return False
+        return self.lost is None
 
     def lapsed_s(self) -> float | None:
         """Seconds since the last renewal that landed, once that is ttl_s or more; else None."""
@@ -174,8 +247,6 @@ class Lease:
                                          f"{self.ttl_s / 4:g} s (run.lease_ttl_s / 4)")
                 if error is not None:
                     raise error
-                if self.lost is None:
-                    self.renewed_t, self.last_error = self.wall(), None
             except Exception as e:  # noqa: BLE001 - storage trouble: retried every ttl_s / 4
                 log.warning("lease renewal failed: %s", e)
                 self.last_error = f"{type(e).__name__}: {e}"[:300]
@@ -189,7 +260,8 @@ class Lease:
             return
 
         def mark_released() -> None:
-            if self.newest().number == self.number:
+            cur = self.newest()
+            if cur is not None and cur.number == self.number and cur.holder == self.holder:
                 self.storage.write_bytes(join(self.dir, _name(self.number, "renewed")), RELEASED.encode())
         # Within ttl_s / 4: the run is over, and its end must not wait on storage that hangs.
         answered, _, error = call_within(mark_released, self.ttl_s / 4)

@@ -245,40 +245,69 @@ def put(src: str, url: str, storage_options: dict, cancel: threading.Event | Non
 _FENCE: contextvars.ContextVar = contextvars.ContextVar("elastic_upload_fence", default=None)
 
 
-def _verdict(data: bytes | None, error: BaseException | None, fence: tuple[str, int], before: str) -> None:
-    """Raise unless the fence's bytes show the upload's own generation (fail closed)."""
+FENCE_DIGITS = 12  # a generation's file name in the fence folder: zero-padded, names sort as numbers
+
+
+def fence_highest(names: list[str]) -> int | None:
+    """The fence a listing of its folder shows (elastic/checkpoint/fencing.py): the highest
+    generation, None for none; ValueError naming a name that is not a generation. Here, not in
+    fencing.py, because the upload child imports nothing of elastic."""
+    numbers = []
+    for name in names:
+        if not (name.isdigit() and len(name) == FENCE_DIGITS):
+            raise ValueError(f"{name[:40]!r}, not a generation")
+        numbers.append(int(name))
+    return max(numbers, default=None)
+
+
+def _verdict(names: list[str] | None, error: BaseException | None, fence: tuple[str, int],
+             before: str) -> None:
+    """Raise unless the fence folder's listing shows the upload's own generation (fail closed)."""
     uri, generation = fence
     if error is not None:
         raise FenceNotConfirmed(f"the fence {uri} cannot be read ({type(error).__name__}: {error}); "
                                 f"stopped before {before}")
     try:
-        shown = int(data.decode())
-    except (UnicodeDecodeError, ValueError):
-        raise FenceNotConfirmed(f"the fence {uri} holds {data[:40]!r}, not a generation; "
-                                f"stopped before {before}") from None
-    if shown > generation:
+        shown = fence_highest(names or [])
+    except ValueError as e:
+        raise FenceNotConfirmed(f"the fence {uri} holds {e}; stopped before {before}") from None
+    if shown is not None and shown > generation:
         raise UploadFenced(f"the run has moved on to generation {shown} (this upload's: {generation}); "
                            f"stopped before {before}")
     if shown != generation:
-        raise FenceNotConfirmed(f"the fence shows generation {shown}, not this upload's ({generation}); "
+        shows = f"generation {shown}" if shown is not None else "no generation yet"
+        raise FenceNotConfirmed(f"the fence shows {shows}, not this upload's ({generation}); "
                                 f"stopped before {before}")
 
 
+def _names(paths: list) -> list[str]:
+    return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in paths]
+
+
 def check_fence(fs, fence: tuple[str, int], before: str) -> None:
-    """Read the fence (URI, generation) through `fs`; raise unless it shows that generation."""
+    """List the fence (its folder's URI, generation) through `fs`, bypassing any cached listing;
+    raise unless it shows that generation."""
+    path = fs._strip_protocol(fence[0])
     try:
-        data, error = fs.cat_file(fs._strip_protocol(fence[0])), None
+        fs.invalidate_cache(path)
+        names, error = _names(fs.ls(path, detail=False)), None
+    except FileNotFoundError:
+        names, error = [], None
     except Exception as e:  # noqa: BLE001 - any failure to read is a "no"
-        data, error = None, e
-    _verdict(data, error, fence, before)
+        names, error = None, e
+    _verdict(names, error, fence, before)
 
 
 async def _check_fence_async(fs, fence: tuple[str, int], before: str) -> None:
+    path = fs._strip_protocol(fence[0])
     try:
-        data, error = await fs._cat_file(fs._strip_protocol(fence[0])), None
+        fs.invalidate_cache(path)
+        names, error = _names(await fs._ls(path, detail=False)), None
+    except FileNotFoundError:
+        names, error = [], None
     except Exception as e:  # noqa: BLE001 - any failure to read is a "no"
-        data, error = None, e
-    _verdict(data, error, fence, before)
+        names, error = None, e
+    _verdict(names, error, fence, before)
 
 
 def _plan(fs, src: str, dst: str) -> tuple[list[str], list[tuple[str, str]]]:

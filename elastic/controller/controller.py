@@ -92,9 +92,12 @@ class Controller:
         # emitted, plus the progress of each poll and each straggler window, which are not events.
         self.metrics = run_metrics.for_run(self.job.run.name, clock=self.now)
         self.secrets = job_secrets(self.job)  # scrubbed from every event and from the run's error
-        self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event, secrets=self.secrets)
-        self.fence = FenceWriter(self.storage, self.root)
         self.lease = Lease(self.storage, self.run_dir, self.job.run.lease_ttl_s, wall=self.wall)
+        # Nothing lands in the run folder from a driver whose lease is not fresh (lease.py): not
+        # an event, not a fence, not metrics; once taken over, never again.
+        self.events = EventLog(self.storage, self.run_dir, echo=self.metrics.on_event, secrets=self.secrets,
+                               may_write=self.lease.fresh, writer_id=lambda: self.lease.number)
+        self.fence = FenceWriter(self.storage, self.root, allowed=self.lease.fresh)
         if group is None:
             from elastic.group.worker_group import WorkerGroup
             group = WorkerGroup(self.job, job_json, self.root, ray.get_runtime_context().current_actor, runtime_env)
@@ -177,10 +180,32 @@ class Controller:
         return self.lease.number is not None and self.lease.lost is None
 
     def step_once(self) -> tuple[str, str]:
-        """Exactly one iteration of the state machine; returns (previous state, new state) names."""
+        """Exactly one iteration of the state machine; returns (previous state, new state) names.
+        In every state once the lease is ours: a stale lease is renewed first, and a lost one ends
+        the run before the handler acts (forms, restores, judges anyone)."""
         prev = self.state
+        if self.lease.number is not None and not isinstance(prev, TERMINAL):
+            self.check_lease()
+            if self.lease.lost:
+                self.set_state(Errored(f"this driver no longer owns the run: {self.lease.lost}"))
+                return type(prev).__name__, type(self.state).__name__
         self.set_state(HANDLERS[type(prev)](self, prev))
         return type(prev).__name__, type(self.state).__name__
+
+    def check_lease(self, force: bool = False) -> None:
+        """A lease found stale by this driver's own clock (it was frozen, or cut off from storage)
+        is renewed at once, before anything is judged: a renewal that finds the lease taken over
+        marks it lost. `force`: fresh or not (the loop itself stalled). At most once per
+        run.lease_ttl_s / 4 unless forced, so an outage, where
+        the renewal cannot land, costs the loop one bounded call per interval, not one per
+        iteration."""
+        if self.lease.lost or (not force and self.lease.fresh()[0]):
+            return
+        now, every_s = self.now(), self.job.run.lease_ttl_s / 4
+        if not force and now - self.house.lease_checked_at < every_s:
+            return
+        self.house.lease_checked_at = now
+        self.lease.check_now(min(every_s, self.grace_s))
 
     def progress(self, since_event: int = 0, steps_after: int | None = None) -> dict:
         """Where the run stands, the events from `since_event` on and, with `steps_after`, each

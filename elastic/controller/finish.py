@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from elastic.checkpoint.fencing import current_generation
 from elastic.checkpoint.layout import latest_committed
 from elastic.controller import reports
 from elastic.controller.states import Errored, Finished
@@ -32,6 +33,20 @@ def finish(ctl: Controller, done: dict[int, RunResult]) -> Finished | Errored:
     return Errored(missing) if missing else Finished(digests)
 
 
+def fenced_out(ctl: Controller) -> str | None:
+    """Why this controller's checkpoints are refused by the fence, naming who holds the run and
+    its generation; None when they are not (the fence shows ours, or cannot be read)."""
+    answered, shown, _ = call_within(lambda: current_generation(ctl.storage, ctl.root), ctl.grace_s)
+    if not answered or shown is None or shown <= ctl.generation:
+        return None
+    answered, holder, _ = call_within(ctl.lease.newest, ctl.grace_s)
+    who = (f"lease {holder.number}, held by {holder.holder} (host {holder.host})" if answered and holder
+           else "another driver")
+    return (f"this run's checkpoints are refused by the fence: it shows generation {shown}, above this "
+            f"controller's {ctl.generation}; {who} owns the run folder now, and nothing of this driver's "
+            f"is committed from here on")
+
+
 def final_checkpoint(ctl: Controller) -> str | None:
     """The run's last checkpoint is what a user takes away: if it did not commit (storage out
     for longer than the persist's retries, or the new generation's fence not landed after a
@@ -55,8 +70,10 @@ def final_checkpoint(ctl: Controller) -> str | None:
             why = (f"trained all {ctl.step} steps, but the final checkpoint did not commit "
                    f"({attempts} more save(s) in {ctl.now() - t0:.0f} s, checkpoint.final_wait_s="
                    f"{cfg.final_wait_s:g}); the newest committed checkpoint is "
-                   f"{cks.last_committed or 'none'}: resume from it once storage answers, or raise "
-                   f"checkpoint.final_wait_s")
+                   f"{cks.last_committed or 'none'}: ")
+            fenced = fenced_out(ctl)
+            why += (f"fenced: {fenced}" if fenced else
+                    "resume from it once storage answers, or raise checkpoint.final_wait_s")
             ctl.events.emit("final_checkpoint_missing", step=ctl.step, attempts=attempts,
                             waited_s=round(ctl.now() - t0, 2), newest=cks.last_committed)
             return why

@@ -104,14 +104,23 @@ def on_forming(ctl: Controller, _: Forming) -> State:
 def take_lease(ctl: Controller) -> str | None:
     """One live run per run folder (elastic/checkpoint/lease.py): before anything starts or is
     written, the run's lease. Returns why not: another driver holds it, or storage did not answer
-    within checkpoint.restore_wait_s (without the lease nothing may write: it fails closed)."""
-    t0, delay = ctl.now(), 1.0
+    within checkpoint.restore_wait_s (without the lease nothing may write: it fails closed). A
+    holder that has missed its renewals (a driver that is likely gone: the whole cluster was lost
+    and KubeRay's retry started this one) is waited out, up to run.lease_ttl_s, and taken over;
+    a renewal seen meanwhile refuses this driver at once."""
+    t0, delay, waited_out = ctl.now(), 1.0, False
     while True:
         answered, _, error = call_within(ctl.lease.take, ctl.grace_s)
         if answered and error is None:
             return None
-        if isinstance(error, LeaseHeld):
+        if isinstance(error, LeaseHeld) and (error.wait_s is None or waited_out):
             return str(error)
+        if isinstance(error, LeaseHeld):
+            # Waited for once: the lease's age then says whether its holder came back.
+            ctl.events.emit("lease_wait", wait_s=round(error.wait_s, 1), reason=str(error))
+            ctl.sleep(error.wait_s + 0.5)
+            waited_out = True
+            continue
         waited = ctl.now() - t0
         if waited >= ctl.job.checkpoint.restore_wait_s:
             return (f"cannot take the run's lease in {ctl.lease.dir}: storage did not answer for {waited:.0f} s "

@@ -191,3 +191,4 @@ class Housekeeping:
     beats: dict = field(default_factory=dict)  # rank -> Beat at the run loop's last look (run_finished)
     stale: set = field(default_factory=set)  # (rank, generation) of stale answers already logged
     lease_lapsed: bool = False  # a lease_lapsed event is out, its lease_renewed not yet
+    lease_checked_at: float = float("-inf")  # the last renewal the loop asked for itself (stale lease)

@@ -30,6 +30,10 @@ SETTLE_POLL_S = 0.05
 # failed, for it to count as lost before ping_timeout_s: two rounds of pings unanswered, where a
 # live sidecar answers in milliseconds.
 PEERS_FAILED_GRACE_S = 2 * PING_INTERVAL_S
+# An iteration of the run loop takes POLL_INTERVAL_S and a few non-blocking calls. One that took
+# longer than this (a frozen controller, a host that did not schedule it) saw nothing of the run
+# meanwhile: every rank's silence and the idle time grew by the stall, not by the ranks.
+STALL_FLOOR_S = 3.0
 
 
 def on_running(ctl: Controller, st: Running) -> State:
@@ -63,8 +67,6 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
     """One iteration of the run loop: collect run() results and polls, then decide. None: go on."""
     cfg = ctl.job.failure
     tr = ctl.training
-    if ctl.lease.lost:  # another driver took the run over: stop, and write nothing more into its folder
-        return Errored(f"this driver no longer owns the run: {ctl.lease.lost}")
     note_lease(ctl)
     results, died = ctl.group.collect_runs(w.refs, POLL_INTERVAL_S if w.failing_since is None else SETTLE_POLL_S)
     for rank, (cause, detail) in died.items():
@@ -92,6 +94,8 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
     answers, silent = ctl.group.poll_nowait(cfg.ping_timeout_s)
     reports.absorb(ctl, answers)
     lifecycle.tend(ctl)
+    if stalled(ctl, w):
+        return None
     for r, why in silent.items():
         if why != LostCause.UNRESPONSIVE and r not in w.lost:  # Ray says it is dead: no need to wait
             w.lost[r] = LostRank(r, cause_of(why), why)
@@ -196,6 +200,27 @@ def tick(ctl: Controller, w: RunWatch) -> State | None:
                                    for r, b in sorted(beats.items()) if r in culprits})
         return Recovering(tuple(LostRank(r, LostCause.HANG, reason) for r in culprits), ctl.wall())
     return None
+
+
+def stalled(ctl: Controller, w: RunWatch) -> bool:
+    """Whether this iteration judges nobody because the controller itself stalled since the
+    last one: it asks for its lease at once (a driver frozen past its lease may have been
+    taken over, and must not form, restore or replace anything: the next iteration ends it)
+    and judges at the next iteration, from polls taken after the stall. Never two iterations in
+    a row, so a loop that is merely slow every time still judges every other iteration."""
+    now, last = ctl.now(), w.last_tick_t
+    w.last_tick_t = now
+    bound = max(STALL_FLOOR_S, 2 * ctl.job.failure.ping_timeout_s)
+    if last is None or now - last <= bound or w.stall_excused:
+        w.stall_excused = False
+        return False
+    w.stall_excused = True
+    ctl.check_lease(force=True)
+    ctl.events.emit("controller_stalled", stalled_s=round(now - last, 2), step=ctl.step,
+                    lease_lost=ctl.lease.lost is not None,
+                    reason=f"{now - last:.1f} s between two iterations of the run loop (bound {bound:g} s): "
+                           f"no rank is judged on silence or progress measured across the stall")
+    return True
 
 
 def storage_wait_verdict(ctl: Controller, waited_s: float, ranks: list[int]) -> Errored | None:

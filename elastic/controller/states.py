@@ -47,6 +47,8 @@ class RunWatch:
     storage_wait_logged: bool = False
     storage_wait_since: float | None = None  # every waiting rank has been in storage_wait since then
     rollback: dict[int, RunResult] = field(default_factory=dict)  # ranks asking for a rollback (bad steps)
+    last_tick_t: float | None = None  # when the previous iteration began (a stall of the loop itself shows)
+    stall_excused: bool = False  # the previous iteration judged nobody: the controller itself had stalled
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,12 @@ writes whatever is new, so a storage outage delays the log (and is retried) but
 never detection or recovery. Each write costs only the new events:
   * on local disk the log is `<run>/events.jsonl`, appended to in place;
   * object stores cannot append, so each write is a new numbered segment,
-    `<run>/events/000001.jsonl`, `000002.jsonl`, ...
+    `<run>/events/000000002-000001.jsonl`, `000000002-000002.jsonl`, ...: the
+    writer's lease number, then its own count, so two drivers (one that lost the
+    run while frozen, and the one that took it over) can never write the same
+    segment name, and a reader orders them by lease, then count.
 A resumed run (same name, same storage) goes on with the log it left: it
-appends to the file, or numbers its segments after the last one. `read_events`
+appends to the file, or numbers its segments after its lease's last one. `read_events`
 reads either layout (both, in order: a file first, then its segments).
 
 No event holds a credential: `emit` scrubs the job's secrets (its storage options'
@@ -24,8 +27,9 @@ record of what happened, including how a generation was fenced off, so a fence
 that cannot be read must not silence it; nothing restores from it or decides by
 it, and it only adds (a line appended on local disk, a new segment on an object
 store). Whether a driver writes it at all is the run's lease's to say
-(`Controller.holds_run`). Two writers at once, which the lease prevents, could
-number the same segment, the later replacing the other.
+(`may_write`: the lease is fresh, elastic/checkpoint/lease.py): a driver whose
+lease went stale keeps its events in memory and writes them once a renewal
+lands; one whose lease was taken over never writes them.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from elastic.config.secrets import scrub
 from elastic.storage import Storage, StorageError, call_within, join
@@ -52,8 +56,13 @@ def event_log_uri(run_dir: str) -> str:
 
 
 class EventLog:
-    def __init__(self, storage: Storage | None, run_dir: str | None, echo=None, secrets: Iterable[str] = ()):
+    def __init__(self, storage: Storage | None, run_dir: str | None, echo=None, secrets: Iterable[str] = (),
+                 may_write: Callable[[], tuple[bool, str]] | None = None,
+                 writer_id: Callable[[], int | None] | None = None):
+        """`may_write()` -> (ok, why not) is asked before every write (the controller: its lease
+        is fresh); `writer_id()` numbers this writer's segments on an object store (its lease)."""
         self.storage, self.run_dir = storage, run_dir
+        self._may_write, self._writer_id = may_write, writer_id
         self._secrets = frozenset(secrets)  # credential values never to write (config.secrets.job_secrets)
         self.uri = event_log_uri(run_dir) if storage is not None and run_dir else None
         self.events: list[dict[str, Any]] = []
@@ -112,6 +121,10 @@ class EventLog:
                 if self._flushed == len(self.events):
                     return
                 new = self.events[self._flushed:]
+            if self._may_write is not None and not self._may_write()[0]:
+                # Kept in memory: written once the lease is fresh again, never if it was lost.
+                self._dirty.set()
+                return
             body = "".join(json.dumps(e, default=str) + "\n" for e in new).encode()
             try:
                 if self.storage.can_append:
@@ -133,12 +146,13 @@ class EventLog:
 
     def _write_segment(self, body: bytes) -> None:
         folder = join(self.run_dir, SEGMENTS_DIR)
+        writer = (self._writer_id() if self._writer_id else None) or 0
         if self._next_segment is None:
-            numbers = [n for n in map(_segment_number, self.storage.list_dir(folder)) if n is not None]
-            self._next_segment = max(numbers, default=0) + 1
+            mine = [seq for w, seq in map(_segment_key, self.storage.list_dir(folder) or []) if w == writer]
+            self._next_segment = max(mine, default=0) + 1
         # A failed write is retried under the same number with everything pending since, so a
         # segment that did land after all is replaced by a superset, never duplicated.
-        self.storage.write_bytes(join(folder, f"{self._next_segment:06d}{_SEGMENT_SUFFIX}"), body)
+        self.storage.write_bytes(join(folder, _segment_name(writer, self._next_segment)), body)
         self._next_segment += 1
 
     def of_kind(self, kind: str) -> list[dict]:
@@ -146,9 +160,18 @@ class EventLog:
             return [e for e in self.events if e["kind"] == kind]
 
 
-def _segment_number(name: str) -> int | None:
+def _segment_name(writer: int, seq: int) -> str:
+    return f"{writer:09d}-{seq:06d}{_SEGMENT_SUFFIX}" if writer else f"{seq:06d}{_SEGMENT_SUFFIX}"
+
+
+def _segment_key(name: str) -> tuple[int, int] | tuple[None, None]:
+    """(writer's lease, its count) of a segment's name; (0, count) for a writer without one
+    (and for logs written before segments carried the lease); (None, None) for other names."""
     stem = name[:-len(_SEGMENT_SUFFIX)] if name.endswith(_SEGMENT_SUFFIX) else ""
-    return int(stem) if stem.isdigit() else None
+    writer, _, seq = stem.rpartition("-")
+    if seq.isdigit() and (writer.isdigit() or not writer):
+        return int(writer or 0), int(seq)
+    return None, None
 
 
 def parse_lines(data: str, where: str) -> list[dict]:
@@ -171,7 +194,7 @@ def read_events(storage: Storage, run_dir: str) -> list[dict]:
     if storage.exists(path):
         out += parse_lines(storage.read_bytes(path).decode(), path)
     folder = join(run_dir, SEGMENTS_DIR)
-    numbered = sorted((n, name) for name in storage.list_dir(folder) if (n := _segment_number(name)) is not None)
+    numbered = sorted((key, name) for name in storage.list_dir(folder) if (key := _segment_key(name))[0] is not None)
     for _, name in numbered:
         uri = join(folder, name)
         out += parse_lines(storage.read_bytes(uri).decode(), uri)

@@ -269,7 +269,7 @@ def run_status(run: str, as_json: bool = False, now: float | None = None, storag
         return 2
     if not events:
         print(f"elastic: no events in {redact_uri(run)}: give a run folder (a path, file://, s3://...) holding "
-              f"events.jsonl or events/000001.jsonl..., or an events.jsonl file", file=sys.stderr)
+              f"events.jsonl or events/*.jsonl segments, or an events.jsonl file", file=sys.stderr)
         return 2
     # A log written before events were scrubbed (or by another tool) may quote a credential by
     # key or in a URI: the summary shows neither (elastic/config/secrets.py).
