@@ -12,6 +12,7 @@ import pytest
 
 from elastic.runtime import priority
 from elastic.runtime.heartbeat import Heartbeats, Sidecar
+from elastic.runtime.ping_auth import PingAuth
 from elastic.runtime.pinger import PingerProcess
 from tests.support.fake_group import FakeClock
 
@@ -19,6 +20,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not sys.platform.start
 
 
 INTERVAL_S = 0.05
+AUTH = PingAuth.new("127.0.0.1")  # the controller's address and key: the pingers here send from it
 
 
 def rounds(hb: Heartbeats, clock: FakeClock, n: int) -> None:
@@ -55,7 +57,7 @@ def kernel_state(pid: int, states: str, limit_s: float = 10.0) -> None:
 
 def pinger(side: Sidecar, pid: int, rank: int = 1) -> tuple[Heartbeats, FakeClock]:
     clock = FakeClock()
-    hb = Heartbeats(interval_s=INTERVAL_S, clock=clock)
+    hb = Heartbeats(AUTH, interval_s=INTERVAL_S, clock=clock)
     hb.watch({rank: ("127.0.0.1", side.port, pid)})
     return hb, clock
 
@@ -64,7 +66,7 @@ def pinger(side: Sidecar, pid: int, rank: int = 1) -> tuple[Heartbeats, FakeCloc
 def worker():
     """A stand-in worker process and a sidecar watching it."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    side = Sidecar([proc.pid], "127.0.0.1")
+    side = Sidecar([proc.pid], "127.0.0.1", AUTH)
     # Asleep before any test looks: until its Python has started it runs (R), and on a loaded
     # machine that outlasted the sidecar's start (CI saw R where the test expected S).
     kernel_state(proc.pid, "S")
@@ -163,7 +165,7 @@ def test_renumbering_keeps_a_sidecar_and_an_unknown_one_gives_no_evidence(worker
     assert answered(hb, 1) is not None
     hb.watch({0: ("127.0.0.1", side.port, proc.pid)})  # rank 1 became rank 0
     assert set(hb.beats()) == {0}
-    dead_port = Sidecar([os.getpid()], "127.0.0.1")
+    dead_port = Sidecar([os.getpid()], "127.0.0.1", AUTH)
     dead_port.close()  # nothing listens on its port any more
     hb.watch({0: ("127.0.0.1", side.port, proc.pid), 2: ("127.0.0.1", dead_port.port, os.getpid())})
     rounds(hb, clock, 6)
@@ -173,8 +175,9 @@ def test_renumbering_keeps_a_sidecar_and_an_unknown_one_gives_no_evidence(worker
 
 def test_the_sidecar_exits_with_its_worker():
     # The worker starts the sidecar; when the worker is SIGKILLed, the pipe closes and the sidecar goes.
-    code = ("import sys, time; from elastic.runtime.heartbeat import Sidecar; s = Sidecar([__import__('os').getpid()], "
-            "'127.0.0.1'); print(s.proc.pid, flush=True); time.sleep(60)")
+    code = ("import sys, time; from elastic.runtime.heartbeat import Sidecar; "
+            "from elastic.runtime.ping_auth import PingAuth; s = Sidecar([__import__('os').getpid()], "
+            "'127.0.0.1', PingAuth.new('127.0.0.1')); print(s.proc.pid, flush=True); time.sleep(60)")
     w = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     side_pid = int(w.stdout.readline())
     w.kill()
@@ -197,7 +200,8 @@ def test_a_sidecar_started_by_a_spare_at_low_priority_runs_at_normal_priority():
     # A refill spare warms under SCHED_IDLE (elastic/priority.py); its heartbeat must not starve,
     # or a busy node would look stopped.
     code = ("import os; from elastic.runtime import priority; from elastic.runtime.heartbeat import Sidecar; "
-            "low = priority.lower(); s = Sidecar([os.getpid()], '127.0.0.1'); "
+            "from elastic.runtime.ping_auth import PingAuth; "
+            "low = priority.lower(); s = Sidecar([os.getpid()], '127.0.0.1', PingAuth.new('127.0.0.1')); "
             "print(low, os.sched_getscheduler(0) == os.SCHED_IDLE, os.sched_getscheduler(s.proc.pid) == os.SCHED_IDLE)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                          env={**os.environ, priority.BACKGROUND_ENV: "0"}).stdout.split()
@@ -221,16 +225,60 @@ def test_the_sidecar_listens_on_the_nodes_address_only(worker):
     address at the same port goes unanswered."""
     import socket
     proc, side = worker
+    token = AUTH.token("127.0.0.1", side.port)
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((AUTH.ip, 0))
     s.settimeout(1.0)
     try:
-        s.sendto(b"t:1", ("127.0.0.2", side.port))
+        s.sendto(token + b":1", ("127.0.0.2", side.port))
         with pytest.raises(OSError):  # a timeout or a refusal: no answer either way
             s.recvfrom(256)
-        s.sendto(b"t:2", ("127.0.0.1", side.port))
-        assert s.recvfrom(256)[0].startswith(b"t:2 ")  # its own address answers
+        s.sendto(token + b":2", ("127.0.0.1", side.port))
+        assert s.recvfrom(256)[0].startswith(token + b":2 ")  # its own address answers
     finally:
         s.close()
+
+
+def test_the_sidecar_answers_only_the_controllers_address_with_its_token(worker):
+    """Who asks learns the node's worker pids and their states: a ping from another address, or
+    with a wrong or missing token, gets nothing back (real UDP, two addresses of loopback)."""
+    import socket
+    proc, side = worker
+    token = AUTH.token("127.0.0.1", side.port)
+    controller, stranger = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    try:
+        controller.bind((AUTH.ip, 0))
+        stranger.bind(("127.0.0.2", 0))
+        other_key = PingAuth.new(AUTH.ip).token("127.0.0.1", side.port)  # another run's controller
+        refused = [(stranger, token + b":1"), (controller, other_key + b":2"), (controller, b":3"),
+                   (controller, b"4"), (controller, token[:-1] + b":5"), (stranger, b"6")]
+        for sock, ping in refused:
+            sock.sendto(ping, ("127.0.0.1", side.port))
+        controller.sendto(token + b":7", ("127.0.0.1", side.port))
+        # The sidecar reads its socket in order: once the last ping's answer is here, an answer to
+        # any ping before it would have been sent, and on loopback delivered, first.
+        controller.settimeout(10)
+        answer = controller.recv(256)
+        assert answer.split()[:3] == [token + b":7", str(proc.pid).encode(), b"S"]
+        for sock in (controller, stranger):
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(256)
+    finally:
+        controller.close()
+        stranger.close()
+    # The pinger sends from the controller's address, whichever interface the route would take.
+    elsewhere = PingAuth.new("127.0.0.2")
+    side2 = Sidecar([proc.pid], "127.0.0.1", elsewhere)
+    try:
+        clock = FakeClock()
+        hb = Heartbeats(elsewhere, interval_s=INTERVAL_S, clock=clock)
+        hb.watch({1: ("127.0.0.1", side2.port, proc.pid)})
+        rounds(hb, clock, 2)
+        assert answered(hb, 1).state == "S"
+        assert all(sock.getsockname()[0] == "127.0.0.2" for sock in hb._socks.values()) and hb._socks
+    finally:
+        side2.close()
 
 
 def test_a_forged_answer_from_another_address_keeps_no_rank_alive(worker):
@@ -265,7 +313,7 @@ def test_one_sidecar_answers_for_every_pid_its_agent_tells_it(worker):
     try:
         kernel_state(other.pid, "S")
         clock = FakeClock()
-        hb = Heartbeats(interval_s=INTERVAL_S, clock=clock)
+        hb = Heartbeats(AUTH, interval_s=INTERVAL_S, clock=clock)
         hb.watch({1: ("127.0.0.1", side.port, proc.pid), 2: ("127.0.0.1", side.port, other.pid)})
         rounds(hb, clock, 2)
         assert answered(hb, 1).state == "S"
@@ -297,7 +345,7 @@ def test_the_pinger_process_pings_and_reads_answers_while_the_caller_does_neithe
     returns its newest snapshot without waiting. A node's silence ages and its return shows; a
     pinger that dies leaves no evidence (the polls alone judge), and never blocks the caller."""
     proc, side = worker
-    hb = PingerProcess(interval_s=0.05)
+    hb = PingerProcess(AUTH, interval_s=0.05)
     hb.watch({1: ("127.0.0.1", side.port, proc.pid)})
     try:
         until(lambda: 1 in hb.beats() and hb.beats()[1].state == "S")
@@ -331,7 +379,7 @@ def test_the_pinger_works_from_a_process_with_more_than_1024_files_open(worker):
     proc, side = worker
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     try:
-        hb = PingerProcess(interval_s=0.05)
+        hb = PingerProcess(AUTH, interval_s=0.05)
         assert hb.proc.stdout.fileno() > 1024
         hb.watch({1: ("127.0.0.1", side.port, proc.pid)})
         until(lambda: 1 in hb.beats() and hb.beats()[1].state == "S")

@@ -5,7 +5,9 @@
     interval carries every local rank's report (`NodePoll`), with how long each unanswered
     rank has waited and which ranks' workers died;
   * runs the node's heartbeat sidecar (elastic/runtime/heartbeat.py), one process answering
-    for every local worker's pid, so the controller's UDP pings are one per node too.
+    for every local worker's pid, so the controller's UDP pings are one per node too. It answers
+    the controller's address only, with the token derived from the group's key
+    (`NodeAgents.auth`, elastic/runtime/ping_auth.py).
 Commands (join, run, restore, abort, kill) still go to each rank: they are not periodic.
 
 `NodeAgents` is the group's side: it starts an agent on each node that hosts a member, tells it
@@ -30,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.group.member import death_cause
 from elastic.protocol import AgentInfo, LostCause, NodePoll, PollReport
 from elastic.runtime import heartbeat
+from elastic.runtime.ping_auth import PingAuth
 
 AGENT_WAIT_S = 0.05  # how long an agent's poll waits for its ranks' answers before it replies
 
@@ -42,9 +45,10 @@ class NodeAgent:
     """Runs on one node (see the module's docstring). Single-threaded: the controller's calls run
     in the order sent, so a `watch` always precedes the polls sent after it."""
 
-    def __init__(self, heartbeat_on: bool):
+    def __init__(self, auth: PingAuth | None):
+        """`auth`: whose pings the node's sidecar answers; None: no sidecar (heartbeat off)."""
         self.ip = ray.util.get_node_ip_address()
-        self.sidecar = heartbeat.start_sidecar(self.ip) if heartbeat_on else None
+        self.sidecar = heartbeat.start_sidecar(self.ip, auth) if auth is not None else None
         self.epoch = -1
         self.watched: dict[int, tuple[str, object, int]] = {}  # rank -> (actor id, handle, pid)
         self._polls: dict[int, tuple[str, ray.ObjectRef, float]] = {}  # rank -> (actor id, poll, sent at)
@@ -109,6 +113,8 @@ class NodeAgents:
 
     def __init__(self, heartbeat_on: bool, runtime_env: dict | None = None):
         self.heartbeat_on = heartbeat_on
+        # Pings come from this process's node (the pinger is its child), with the key its agents get.
+        self.auth = PingAuth.new(ray.util.get_node_ip_address()) if heartbeat_on else None
         self._remote = ray.remote(NodeAgent)
         self._runtime_env = runtime_env or None
         self._agents: dict[str, object] = {}  # node -> agent handle
@@ -137,7 +143,7 @@ class NodeAgents:
             return
         h = self._remote.options(
             num_cpus=0, max_restarts=0, max_concurrency=1, runtime_env=self._runtime_env,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(self.heartbeat_on)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(self.auth)
         self._agents[node_id] = h
         self._infos[node_id] = h.info.remote()
         self._agents_changed += 1

@@ -337,8 +337,10 @@ class WorkerGroup(SparePool):
         node agents), pinged by a process of its own from the first call (elastic/runtime/pinger.py):
         its newest snapshot, at most one call old. A rank whose node's sidecar never answered for it
         is left out."""
+        if self.agents.auth is None:
+            return {}  # heartbeat off: no sidecar runs to ask
         if self.heartbeats is None:
-            self.heartbeats = PingerProcess()
+            self.heartbeats = PingerProcess(self.agents.auth)
         self.heartbeats.watch(self.agents.heartbeat_targets(self._routable()))
         return self.heartbeats.beats()
 

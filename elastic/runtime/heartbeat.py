@@ -27,6 +27,9 @@ is its node's loss, so a refused ping is that loss said at once, where silence m
 out (`elastic.policies.failure.decide_refused`). A stopped machine, a partition, or a pod whose
 address is gone refuses nothing: those are still found by silence.
 
+A sidecar answers only the controller's address, and only a ping with the token its agent gave
+it (elastic/runtime/ping_auth.py): no one else learns the node's pids and process states.
+
 The agent tells the sidecar which pids to watch (a line of pids on its stdin). The sidecar exits
 when the agent does (its stdin pipe closes, or it is re-parented). It leaves SCHED_IDLE if it was
 started from a process at low priority (elastic/priority.py): a heartbeat that starves would be
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import select
 import socket
 import struct
@@ -45,6 +47,8 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from elastic.runtime.ping_auth import PingAuth
 
 STOPPED_STATES = frozenset("TtZXx")  # stopped, traced, zombie, dead: the process runs no more code
 PING_INTERVAL_S = 0.2  # one ping per node this often
@@ -60,7 +64,7 @@ PORT_UNREACHABLE = frozenset({(2, 3, 3), (3, 1, 4)})
 # Run with `python -I -S -c`: stdlib built-ins only, so it starts in milliseconds and never
 # imports elastic (whose import would lower a background spare's priority again).
 _SIDECAR = r"""
-import os, select, socket, sys
+import hmac, os, select, socket, sys
 family, ip = socket.AF_INET6 if sys.argv[1] == "6" else socket.AF_INET, sys.argv[2]
 pids = [int(p) for p in sys.argv[3:]]
 if hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(0) == os.SCHED_IDLE:
@@ -83,6 +87,13 @@ def stat(pid):
     rest = data[data.rindex(b")") + 2:].split()
     return rest[0] + b" " + str(int(rest[11]) + int(rest[12])).encode()  # state, utime + stime
 
+def packed(host):
+    try:
+        return socket.inet_pton(family, host.split("%")[0])
+    except (OSError, ValueError):
+        return None
+
+allowed, token = None, None  # who may ping, and with what: nobody until the agent says
 pending = b""
 while True:
     ready, _, _ = select.select([s, 0], [], [], 2.0)
@@ -91,13 +102,19 @@ while True:
         if not chunk:
             break  # the agent closed our stdin: it exited
         pending += chunk
-        while b"\n" in pending:  # a line of pids: the set to watch from now on
+        while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            pids = [int(p) for p in line.split()]
+            if line.startswith(b"allow "):  # the controller's address and this sidecar's token
+                _, host, token = line.split()
+                allowed = packed(host.decode())
+            else:
+                pids = [int(p) for p in line.split()]  # the set to watch from now on
     if s in ready:
         try:
             data, addr = s.recvfrom(128)
-            s.sendto(b" ".join([data] + [str(p).encode() + b" " + stat(p) for p in pids]), addr)
+            if (allowed is not None and packed(addr[0]) == allowed
+                    and hmac.compare_digest(data.rpartition(b":")[0], token)):
+                s.sendto(b" ".join([data] + [str(p).encode() + b" " + stat(p) for p in pids]), addr)
         except OSError:
             pass
     if os.getppid() != parent:
@@ -110,9 +127,10 @@ def _family(ip: str) -> socket.AddressFamily:
 
 
 class Sidecar:
-    """The heartbeat process of one node (started by its agent), for the worker pids it is told."""
+    """The heartbeat process of one node (started by its agent), for the worker pids it is told,
+    answering the pings `auth` allows."""
 
-    def __init__(self, pids: list[int], ip: str, start_timeout_s: float = 10.0):
+    def __init__(self, pids: list[int], ip: str, auth: PingAuth, start_timeout_s: float = 10.0):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _SIDECAR, "6" if _family(ip) == socket.AF_INET6 else "4", ip,
@@ -125,14 +143,18 @@ class Sidecar:
             raise RuntimeError(f"heartbeat sidecar did not start within {start_timeout_s:.0f}s "
                                f"(exit code {self.proc.poll()})")
         self.port = int(line)
+        self._tell(b"allow " + auth.ip.encode() + b" " + auth.token(ip, self.port))
 
-    def watch(self, pids: list[int]) -> None:
-        """Answer for these pids from now on (the processes of the node's ranks)."""
+    def _tell(self, line: bytes) -> None:
         try:
-            self.proc.stdin.write(" ".join(map(str, pids)).encode() + b"\n")
+            self.proc.stdin.write(line + b"\n")
             self.proc.stdin.flush()
         except (OSError, ValueError):
             pass  # it exited: its silence says so
+
+    def watch(self, pids: list[int]) -> None:
+        """Answer for these pids from now on (the processes of the node's ranks)."""
+        self._tell(" ".join(map(str, pids)).encode())
 
     def close(self) -> None:
         stop_child(self.proc)
@@ -152,14 +174,14 @@ def stop_child(proc: subprocess.Popen) -> None:
         pass
 
 
-def start_sidecar(ip: str) -> Sidecar | None:
+def start_sidecar(ip: str, auth: PingAuth) -> Sidecar | None:
     """A node's sidecar (told its pids later), or None where none can run (not Linux, or it failed
     to start: the controller then has no heartbeat for the node's ranks and judges them by their
     polls alone)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return Sidecar([], ip)
+        return Sidecar([], ip, auth)
     except (OSError, RuntimeError):
         return None
 
@@ -238,14 +260,17 @@ class Heartbeats:
     """Controller side: pings each node's sidecar every `interval_s`, without blocking, from
     whatever loop calls `tick()` (in a run, the pinger's own process: elastic/runtime/pinger.py).
     Ages count only pings sent: a pinger busy elsewhere that sends none never makes its own pause
-    look like a node's silence."""
+    look like a node's silence. Pings go out from `auth.ip`, each with its sidecar's token."""
 
-    def __init__(self, interval_s: float = PING_INTERVAL_S, clock=time.monotonic):
-        self.interval_s, self.clock = interval_s, clock
+    def __init__(self, auth: PingAuth, interval_s: float = PING_INTERVAL_S, clock=time.monotonic):
+        self.auth, self.interval_s, self.clock = auth, interval_s, clock
         self._socks: dict[int, socket.socket] = {}
         self._targets: dict[int, tuple[str, int, int]] = {}  # rank -> (ip, port, pid)
         self._addrs: set[tuple[str, int]] = set()  # the sidecars pinged: one per node
-        self._token: dict[tuple[str, int], bytes] = {}  # sidecar address -> the random token it echoes
+        self._token: dict[tuple[str, int], bytes] = {}  # sidecar address -> the token it checks and echoes
+        # token -> the first ping its answers count from: a sidecar watched again (its address
+        # dropped and given back) has the same token, and an answer to a ping from before is stale
+        self._floor: dict[bytes, int] = {}
         self._seq = 0  # numbers the pings
         self._last_sent = float("-inf")
         self.pings_sent = 0  # datagrams sent, one per node per interval
@@ -264,7 +289,8 @@ class Heartbeats:
             if (ip, port) not in self._token:
                 # Unguessable, and only answers from the sidecar's own address count (`_drain`):
                 # nobody else on the network can keep a dead rank alive with a forged answer.
-                self._token[(ip, port)] = secrets.token_hex(8).encode()
+                self._token[(ip, port)] = token = self.auth.token(ip, port)
+                self._floor[token] = self._seq + 1
         self._targets = targets  # not copied: the caller gives a new dict when its ranks change
         addrs = self._addrs = {(ip, port) for ip, port, _ in targets.values()}
         self._token = {a: t for a, t in self._token.items() if a in addrs}
@@ -272,6 +298,7 @@ class Heartbeats:
         self._pending_since = {t: v for t, v in self._pending_since.items() if t in live}
         self._last = {t: v for t, v in self._last.items() if t in live}
         self._refused = {t: v for t, v in self._refused.items() if t in live}
+        self._floor = {t: v for t, v in self._floor.items() if t in live}
 
     def tick(self, between=None) -> None:
         """Read the answers that arrived, and send a round of pings if one is due; `between()`,
@@ -314,6 +341,11 @@ class Heartbeats:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
             except OSError:
                 pass  # the system's default; past net.core.rmem_max the kernel caps it silently
+            if family == _family(self.auth.ip):
+                try:  # the sidecars answer only the controller's address
+                    s.bind((self.auth.ip, 0))
+                except OSError:
+                    pass  # not this machine's: the sidecars stay silent, and the polls alone judge
             try:  # a refused ping is then read from the error queue (`_read_refusals`)
                 s.setsockopt(*RECVERR[family], 1)
             except (OSError, KeyError):
@@ -358,8 +390,8 @@ class Heartbeats:
                     self._refused[token] = max(int(seq), self._refused.get(token, 0))
 
     def _take(self, token: bytes, seq: int, procs: bytes, sender) -> None:
-        if token not in self._pending_since and token not in self._last:
-            return  # a stale answer for a sidecar no longer watched
+        if (token not in self._pending_since and token not in self._last) or seq < self._floor.get(token, 0):
+            return  # a stale answer: for a sidecar no longer watched, or from before it was again
         if self._token.get(tuple(sender[:2])) != token:
             return  # not from the sidecar this token was given to
         if seq >= self._pending_since.get(token, (0.0, seq))[1]:

@@ -12,7 +12,8 @@ The controller side (`PingerProcess`) never blocks on it: `beats()` asks for a s
 returns the newest one it has, taken by the pinger at most one call earlier (ages are counted to
 the moment the snapshot was taken). A pinger that dies or stops answering leaves the controller
 with no heartbeat evidence, as where sidecars cannot run: silence is then judged by the polls
-alone. Messages are length-prefixed pickles over the child's stdin and stdout.
+alone. Messages are length-prefixed pickles over the child's stdin and stdout; the first one the
+pinger reads is who it pings as (`PingAuth`: the key stays off its command line).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import sys
 import time
 
 from elastic.runtime.heartbeat import PING_INTERVAL_S, Beats, Heartbeats, stop_child
+from elastic.runtime.ping_auth import PingAuth
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<Q")
@@ -38,6 +40,23 @@ WRITE_TIMEOUT_S = 5.0  # a pinger that takes no message for this long is taken f
 def _frame(msg) -> bytes:
     body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_frame(fd: int):
+    """One message from `fd`, read to its last byte and no further; None at the end of input."""
+    head = _read_exactly(fd, _HEADER.size)
+    body = None if head is None else _read_exactly(fd, _HEADER.unpack(head)[0])
+    return None if body is None else pickle.loads(body)
 
 
 def _take_frames(buf: bytearray) -> list:
@@ -55,7 +74,7 @@ def _take_frames(buf: bytearray) -> list:
 class PingerProcess:
     """`Heartbeats` run by a child process: the same `watch`, `beats`, `pings_sent` and `close`."""
 
-    def __init__(self, interval_s: float = PING_INTERVAL_S):
+    def __init__(self, auth: PingAuth, interval_s: float = PING_INTERVAL_S):
         self.interval_s = interval_s
         self.pings_sent = 0
         self.rounds = 0  # rounds of pings sent (each one ping per node)
@@ -79,6 +98,7 @@ class PingerProcess:
                 fcntl.fcntl(f.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
             except (OSError, AttributeError):
                 pass
+        self._send(("auth", auth))
 
     def _gone(self, why: str) -> None:
         if self._dead is None:
@@ -145,7 +165,10 @@ def serve(interval_s: float) -> None:
     answers are written without blocking, also between a round's sends (a controller that reads
     late never holds the pings up). Exits when its stdin closes or its stdout breaks: the
     controller exited or closed it."""
-    hb, inbox, outbox, tokens_sent = Heartbeats(interval_s), bytearray(), bytearray(), False
+    first = _read_frame(0)
+    if not first or first[0] != "auth":
+        return
+    hb, inbox, outbox, tokens_sent = Heartbeats(first[1], interval_s), bytearray(), bytearray(), False
     os.set_blocking(1, False)
 
     def flush() -> None:
