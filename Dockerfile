@@ -1,6 +1,6 @@
-# The image k8s/overlays/cpu and k8s/overlays/gpu run: Ray's image with elastic installed, so a
-# new Ray pod runs a rank as soon as it starts (k8s/base pip-installs the package on every node
-# instead: nothing to build, minutes per node).
+# The image every kustomization of k8s/ runs but the development one: Ray's image with elastic
+# installed, so a new Ray pod runs a rank as soon as it starts and installs nothing (only
+# k8s/overlays/dev pip-installs the package on every node at start: minutes per node).
 #   docker build -t elastic-trainer:0.1.0-cpu .
 #   docker build -t elastic-trainer:0.1.0-gpu --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu \
 #                --build-arg TORCH_INDEX= .

@@ -1,5 +1,7 @@
 """k8s/ as a platform team applies it: a kustomize base and overlays (CPU image, GPU, in-cluster
-MinIO, the in-job drill), the Dockerfile the overlays' image comes from, and the Chaos Mesh drills.
+MinIO, the in-job drill, development), the Dockerfile their image comes from, what installs code
+at start (only the dev overlay, from one index), which pods mount a service-account token, and
+the Chaos Mesh drills.
 Every object of every file and of every rendered kustomization passes its schema, offline: the
 vendored CRD schemas (RayJob, PodMonitor, PrometheusRule, PodChaos, NetworkChaos) and, for core
 kinds, the Kubernetes API models of the `kubernetes` client package."""
@@ -99,9 +101,13 @@ def test_the_dockerfile_builds_on_the_ray_version_and_python_the_project_pins():
             assert (ROOT / src).exists() and src.rstrip("/") in admitted, src
 
 
-@pytest.mark.parametrize("overlay,head,workers", [("cpu", "cpu", "cpu"), ("gpu", "cpu", "gpu"), ("minio", "cpu", "cpu")])
-def test_the_image_overlays_run_the_image_the_dockerfile_builds(overlay, head, workers):
-    objects = k8s.render(k8s.K8S / "overlays" / overlay)
+BAKED = [("base", "cpu", "cpu"), ("overlays/cpu", "cpu", "cpu"), ("overlays/gpu", "cpu", "gpu"),
+         ("overlays/minio", "cpu", "cpu"), ("chaos/in-job", "cpu", "cpu")]
+
+
+@pytest.mark.parametrize("path,head,workers", BAKED)
+def test_every_kustomization_but_dev_runs_the_image_the_dockerfile_builds(path, head, workers):
+    objects = k8s.render(k8s.K8S / path)
     job = rayjob(objects)
     images = {group: c["image"] for group, c in ray_containers(job).items()}
     want = {"head": f"elastic-trainer:{elastic.__version__}-{head}",
@@ -109,8 +115,53 @@ def test_the_image_overlays_run_the_image_the_dockerfile_builds(overlay, head, w
     assert images == want
     for tag in set(want.values()):  # the Dockerfile says how to build each tag the overlays name
         assert f"docker build -t {tag}" in dockerfile(), tag
-    assert "runtimeEnvYAML" not in job["spec"]  # baked in: no per-node pip install
-    assert "runtimeEnvYAML" in rayjob()["spec"]  # ...which the base, with Ray's own image, needs
+    assert "runtimeEnvYAML" not in job["spec"]  # baked in: nothing installed when a pod starts
+
+
+def test_only_the_dev_overlay_installs_at_start_and_from_one_index():
+    """A pod that pip-installs at start runs whatever its indexes serve then; with a second index
+    (`--extra-index-url`) pip takes the highest version of a name from either, so a public package
+    named like a private one wins. Only the dev overlay installs at start, from one index, pinned
+    versions only (no git URL, no wheel URL)."""
+    assert {kustomization_id(p) for p in KUSTOMIZATIONS} == {path for path, _, _ in BAKED} | {"overlays/dev"}
+    dev = rayjob(k8s.render(k8s.K8S / "overlays" / "dev"))
+    pip = yaml.safe_load(dev["spec"]["runtimeEnvYAML"])["pip"]
+    options = [line.split() for line in pip if line.startswith("-")]
+    requirements = [line for line in pip if not line.startswith("-")]
+    assert [o[0] for o in options] == ["--index-url"] and options[0][1].startswith("https://")
+    assert f"elastic-trainer=={elastic.__version__}" in requirements
+    assert all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*==[A-Za-z0-9_.+\-]+", r) for r in requirements), requirements
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert {c["image"] for c in ray_containers(dev).values()} == {f"rayproject/ray:{ray.__version__}-{py}-cpu"}
+    for where, doc in objects_of_every_file_and_kustomization():
+        text = yaml.safe_dump(doc)
+        assert "--extra-index-url" not in text and "git+" not in text, where
+
+
+def pod_specs(doc: dict):
+    """(which pod, its spec, whether it calls the Kubernetes API) for each pod an object makes."""
+    if doc["kind"] == "RayJob":
+        rc = doc["spec"]["rayClusterSpec"]
+        # The head runs the autoscaler sidecar, which scales the worker group through the API.
+        yield "head", rc["headGroupSpec"]["template"]["spec"], rc.get("enableInTreeAutoscaling") is True
+        for group in rc["workerGroupSpecs"]:
+            yield f"workers {group['groupName']}", group["template"]["spec"], False
+    elif doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+        spec = doc["spec"]["template"]["spec"]
+        yield doc["kind"], spec, "serviceAccountName" in spec  # an account of its own: it uses it
+
+
+def test_no_pod_mounts_a_service_account_token_it_does_not_use():
+    """Training code runs on the worker pods (a job file is code) and calls no Kubernetes API:
+    a token mounted there would hand it the pod's service account for nothing."""
+    checked = []
+    for where, doc in objects_of_every_file_and_kustomization():
+        for pod, spec, calls_api in pod_specs(doc):
+            if not calls_api:
+                assert spec.get("automountServiceAccountToken") is False, (where, pod)
+                checked.append((where, pod))
+    workers = [c for c in checked if c[1].startswith("workers")]
+    assert len(workers) >= len(KUSTOMIZATIONS) and any(pod == "Deployment" for _, pod in checked)
 
 
 def test_every_image_is_pinned():
