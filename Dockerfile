@@ -19,7 +19,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 WORKDIR /home/ray/elastic-src
 # Only what the package needs (.dockerignore keeps the rest out of the build context).
-COPY --chown=1000:100 pyproject.toml constraints.txt README.md ./
+COPY --chown=1000:100 pyproject.toml constraints.txt README.md LICENSE ./
 COPY --chown=1000:100 elastic ./elastic
 # constraints.txt pins torch and ray to the versions the tests run against; the image's ray
 # already matches, so pip keeps it.

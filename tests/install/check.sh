@@ -30,6 +30,8 @@ wheel=$(ls "$work"/dist/elastic_trainer-*.whl)
 
 step "installing $(basename "$wheel") with no extras into a new virtual environment"
 quiet "$PYTHON" -m venv "$work/venv"
+# As the install steps say (docs/getting-started.md): a pip that prints the license (25.1 and on).
+quiet "$work/venv/bin/python" -m pip install -U pip
 quiet "$work/venv/bin/python" -m pip install -c constraints.txt "$wheel"
 
 # Nothing of the checkout or of the project's .venv: the user's folder has their job and code only.
@@ -41,6 +43,11 @@ unset PYTHONPATH RAY_ADDRESS VIRTUAL_ENV
 
 step "checking the package's imports against its declared dependencies"
 python "$root/tests/install/declared_imports.py"
+
+step "the license in the wheel and in pip show"
+python -m pip show elastic-trainer 2>/dev/null | tee "$work/show.txt"
+grep -q "^License-Expression: Apache-2.0" "$work/show.txt" || { step "FAILED: pip show names no license"; exit 1; }
+python -m zipfile -l "$wheel" | grep -q "dist-info/licenses/LICENSE" || { step "FAILED: no LICENSE in the wheel"; exit 1; }
 
 step "elastic --version"
 elastic --version
