@@ -10,7 +10,8 @@ PROM := .tools/prometheus/usr/bin/prometheus
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	# constraints.txt pins torch to the CPU build; without it pip pulls a multi-GB CUDA build.
+	# constraints.txt pins versions, not torch's build: torch comes from pip's indexes (PyPI: the CUDA
+	# build). For the CPU build, install it into .venv first (docs/getting-started.md#install).
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
