@@ -208,8 +208,11 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int, fingerprin
     (elastic/data/fingerprint.py). Refuse both here; a manifest from before a value was recorded
     is not checked on it."""
     root = checkpoints_root(storage.uri, job.run.name)
+
+    def skipped(uri: str, why: str) -> None:  # the restore skips it too, and loads an older one
+        log.warning("checkpoint %s is skipped: %s", uri, why)
     try:
-        latest = latest_committed(storage, root)
+        latest = latest_committed(storage, root, on_skip=skipped)
     except StorageError as e:
         raise ConfigError(f"checkpoint.storage_uri: cannot read the run's checkpoints: {e}") from None
     if latest is None:

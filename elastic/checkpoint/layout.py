@@ -10,7 +10,10 @@ Layout, under `<storage_uri>/<run name>/checkpoints/`:
         COMMITTED              written last, by rank 0, after all of the above are durable
 
 A folder without COMMITTED, or whose files do not match its manifest's sizes, does not
-exist as far as any reader is concerned (invariant 3). Sizes are checked on every listing;
+exist as far as any reader is concerned (invariant 3). Nor does one whose manifest does not parse
+strictly (a field missing or of another type) or whose step differs between its name, its
+manifest and COMMITTED: a listing skips it, says why (`on_skip`), and goes on to the next older
+folder, so one bad folder never hides the others. Sizes are checked on every listing;
 contents (the digests) by a restore before it loads (`dcp_io.verify_shards`), which skips a
 folder whose bytes changed after the commit (bit rot, a same-size overwrite) and falls back to
 the next. Retention keeps the newest folders whose contents verify and only removes folders
@@ -29,10 +32,11 @@ import json
 import logging
 import mmap
 import os
+import re
 import threading
 import zlib
-from dataclasses import asdict, dataclass, field, fields
-from typing import BinaryIO, Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, BinaryIO, Callable, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
 _PREFIX = "step_"
+NO_MARKER = "no commit marker (persist did not finish)"  # why a listing skips a folder in flight
 DIGEST = "crc32"  # zlib's: 3.7 GB/s on one core here, and it releases the GIL (see file_digest)
 _CHUNK = 16 << 20  # bytes read at a time while digesting a file
 
@@ -97,12 +102,55 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
-        raw = json.loads(data)
+        """Parsed strictly: ValueError naming the first field that is missing or of another type.
+        A manifest comes from storage (bit rot, a hand edit, another tool): a value of the wrong
+        type must fail here, where the caller skips the folder, not later in whoever uses it."""
+        try:
+            raw = json.loads(data)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+            raise ValueError(f"manifest is not JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError("manifest is not a JSON object")
+        for f in fields(cls):
+            if f.name not in raw:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise ValueError(f"manifest has no {f.name!r}")
+                continue
+            ok, what = _FIELDS[f.name]
+            if not ok(raw[f.name]):
+                shown = json.dumps(raw[f.name], default=str)
+                raise ValueError(f"manifest field {f.name!r} is {shown[:80]}: expected {what}")
         # Fields a newer version added are ignored rather than fatal: the checkpoint still loads.
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+
+
+def _count(minimum: int = 0) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and v >= minimum  # bool is an int, but not a count
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _map(value_ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and value_ok(x)
+                                                  for k, x in v.items())
+
+
+# Manifest's field: (check, what it must be)
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (_count(), "a step (an integer >= 0)"),
+    "cursor": (_count(), "a data cursor (an integer >= 0)"),
+    "world_size": (_count(1), "a number of ranks (an integer >= 1)"),
+    "strategy": (lambda v: isinstance(v, str) and v != "", "a strategy's name"),
+    "files": (_map(_count()), "a map of file name to size in bytes"),
+    "created_at": (_number, "a time in seconds"),
+    "metrics": (_map(lambda v: v is None or _number(v)), "a map of metric name to number"),
+    "data_order": (_map(lambda v: isinstance(v, str) or type(v) is int),
+                   "a map of name to integer or string"),
+    "digests": (_map(lambda v: isinstance(v, str)), "a map of file name to digest"),
+    "skip_steps": (lambda v: isinstance(v, list) and all(map(_count(), v)), "a list of steps"),
+}
 
 
 class CorruptCheckpoint(ValueError):
@@ -217,42 +265,71 @@ def commit(storage: Storage, folder: str, manifest: Manifest) -> None:
 
 
 def validate(storage: Storage, folder: str) -> Manifest:
-    """The folder's manifest if the folder is committed and intact; ValueError saying why not."""
-    names = storage.sizes(folder)
+    """The folder's manifest if the folder is committed and intact: its manifest parses, lists
+    files that are there at their sizes, and its step is the one in the folder's name and in
+    COMMITTED. ValueError saying why not; StorageError when storage does not answer (a file that
+    is not there is an answer: ValueError)."""
+    names = _answer(storage.sizes, folder, "the folder")
     if COMMIT_MARKER not in names:
-        raise ValueError("no commit marker (persist did not finish)")
-    try:
-        manifest = Manifest.from_json(storage.read_bytes(join(folder, MANIFEST)))
-    except (StorageError, ValueError, TypeError) as e:
-        raise ValueError(f"manifest unreadable: {e}") from e
+        raise ValueError(NO_MARKER)
+    manifest = Manifest.from_json(_answer(storage.read_bytes, join(folder, MANIFEST), MANIFEST))
+    named = step_of_uri(folder)
+    if named is not None and manifest.step != named:
+        raise ValueError(f"the manifest says step {manifest.step}, the folder's name step {named}")
     for name, size in manifest.files.items():
         if name not in names:
             raise ValueError(f"file {name} listed in the manifest is missing")
         if names[name] != size:
             raise ValueError(f"file {name} has {names[name]} bytes, manifest says {size}")
+    marker = _answer(storage.read_bytes, join(folder, COMMIT_MARKER), COMMIT_MARKER).strip()
+    if not re.fullmatch(rb"[0-9]+", marker):
+        raise ValueError(f"{COMMIT_MARKER} holds {marker[:40]!r}, not a step")
+    if int(marker) != manifest.step:
+        raise ValueError(f"{COMMIT_MARKER} says step {int(marker)}, the manifest step "
+                         f"{manifest.step}")
     return manifest
+
+
+def _answer(call: Callable[[str], Any], uri: str, what: str) -> Any:
+    """`call(uri)`; a file or folder that is not there raises ValueError (a verdict on the folder:
+    a listing skips it), any other storage error StorageError (no verdict: the caller waits)."""
+    try:
+        return call(uri)
+    except StorageError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            raise ValueError(f"{what} is not there (removed while listing?)") from e
+        raise
 
 
 def committed_checkpoints(
     storage: Storage, root: str, on_skip: Callable[[str, str], None] | None = None
 ) -> list[CommittedCheckpoint]:
-    """Committed, intact checkpoints, newest first. `on_skip(uri, reason)` hears about the rest."""
-    out = []
-    for name in sorted(storage.list_dir(root), reverse=True):
-        if _step_of(name) is None:
-            continue
+    """Committed, intact checkpoints, newest first. `on_skip(uri, reason)` hears about the rest
+    (without it, a folder that holds a commit marker and is skipped is logged). Whatever is wrong
+    with one folder (see `validate`; any exception) skips that folder alone; StorageError, storage
+    not answering, is raised: it says nothing about any folder."""
+    return list(_committed(storage, root, on_skip))
+
+
+def _committed(storage: Storage, root: str, on_skip) -> Iterator[CommittedCheckpoint]:
+    names = [(s, n) for n in storage.list_dir(root) if (s := _step_of(n)) is not None]
+    for _, name in sorted(names, reverse=True):  # by step: a name's digits may outgrow its padding
         folder = join(root, name)
         try:
-            out.append(CommittedCheckpoint(folder, validate(storage, folder)))
-        except ValueError as e:
+            yield CommittedCheckpoint(folder, validate(storage, folder))
+        except StorageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad folder must not hide the older ones
+            why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             if on_skip:
-                on_skip(folder, str(e))
-    return out
+                on_skip(folder, why)
+            elif why != NO_MARKER:
+                log.warning("checkpoint %s skipped: %s", folder, why)
 
 
 def latest_committed(storage: Storage, root: str, on_skip=None) -> CommittedCheckpoint | None:
-    found = committed_checkpoints(storage, root, on_skip)
-    return found[0] if found else None
+    """The newest of `committed_checkpoints` (the older folders are not read)."""
+    return next(_committed(storage, root, on_skip), None)
 
 
 def abandon_after(storage: Storage, root: str, step: int) -> list[str]:
