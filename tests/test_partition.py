@@ -208,5 +208,7 @@ def test_partition_that_heals_mid_run(pc, iso, baseline, tmp_path):
     (finished,) = result.events_of("run_finished")
     assert finished["t"] > t_heal  # the node came back while the run went on
     print(f"[partition] the run finished {finished['t'] - t_heal:.1f} s after the heal")
-    generation = (run.run_dir / "checkpoints" / "GENERATION").read_text()
-    assert generation == str(result.events_of("group_formed")[-1]["generation"])
+    from elastic.checkpoint.fencing import read_fence
+    from elastic.storage import Storage
+    ck = f"file://{run.run_dir / 'checkpoints'}"
+    assert read_fence(Storage(ck), ck) == result.events_of("group_formed")[-1]["generation"]
