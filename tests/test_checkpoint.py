@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from elastic.checkpoint.dcp_io import load_shards
 from elastic.checkpoint.layout import (
-    COMMIT_MARKER, MANIFEST, Manifest, apply_retention, commit, committed_checkpoints, latest_committed, step_dir)
+    COMMIT_MARKER, MANIFEST, Manifest, commit, committed_checkpoints, latest_committed, step_dir)
+from elastic.checkpoint.retention import apply_retention
 from elastic.checkpoint.persister import AsyncCheckpointer
 from tests.support.flaky_fs import flaky_memory_fs
 from tests.spawn_ranks import rendezvous_port

@@ -1,4 +1,5 @@
-"""Sharded checkpoints with a commit protocol, retention and background persist.
+"""Checkpoint folders: their layout, the commit protocol, what a listing accepts, and what this
+process knows of their contents (`Verdicts`). Retention is retention.py's.
 
 Layout, under `<storage_uri>/<run name>/checkpoints/`:
 
@@ -16,8 +17,7 @@ manifest and COMMITTED: a listing skips it, says why (`on_skip`), and goes on to
 folder, so one bad folder never hides the others. Sizes are checked on every listing;
 contents (the digests) by a restore before it loads (`dcp_io.verify_shards`), which skips a
 folder whose bytes changed after the commit (bit rot, a same-size overwrite) and falls back to
-the next. Retention keeps the newest folders whose contents verify and only removes folders
-older than the newest committed one.
+the next.
 
 A committed folder is never written again: a step redone after a recovery finds
 its folder committed and reports that commit instead of saving (the redone state
@@ -212,31 +212,46 @@ def check_files(folder: str, storage_options: dict, manifest: Manifest, names) -
 
 
 class Verdicts:
-    """What this process knows about committed checkpoints' contents: verified (their files match
-    their manifest's digests) or not, and why. Keyed by folder and manifest, so a folder
-    committed again under another manifest is judged afresh. A restore records what it verified
-    and what it skipped; a commit records its own checkpoint as verified (digested from the very
-    bytes it wrote); retention reads a folder only when nothing is known of it, once."""
+    """What this process knows about committed checkpoints' contents, keyed by folder and manifest
+    (a folder committed again under another manifest is judged afresh): whether they verify (their
+    files match their manifest's digests), why not, and whether that was *read back*: every file
+    read from storage (a restore's verification, across its group; retention's read). A commit
+    notes its own folder as verified but not read back: its digests come from the local copies it
+    uploaded, and what storage holds was never read. Retention reads a folder when nothing is known
+    of it, and reads one back before it removes the last one read back (elastic/checkpoint/
+    retention.py)."""
 
     def __init__(self) -> None:
-        self._known: dict[tuple[str, bytes], str | None] = {}
+        self._known: dict[tuple[str, bytes], tuple[str | None, bool]] = {}  # (problem, read back)
         self._lock = threading.Lock()
 
-    def note(self, folder: str, manifest: Manifest, problem: str | None) -> None:
-        """`problem`: None for verified, else why the folder does not load."""
+    def note(self, folder: str, manifest: Manifest, problem: str | None,
+             read_back: bool = True) -> None:
+        """`problem`: None for verified, else why the folder does not load. `read_back`: the
+        verdict comes from reading storage (a problem always counts as one)."""
         with self._lock:
-            self._known[(folder.rstrip("/"), manifest.to_json())] = problem
+            key = (folder.rstrip("/"), manifest.to_json())
+            if problem is None and not read_back and self._known.get(key) == (None, True):
+                return  # read back already: a commit's own word adds nothing
+            self._known[key] = (problem, read_back or problem is not None)
 
     def known(self, folder: str, manifest: Manifest) -> tuple[bool, str | None]:
         """(whether anything is known, the problem if it failed)."""
         with self._lock:
-            key = (folder.rstrip("/"), manifest.to_json())
-            return key in self._known, self._known.get(key)
+            found = self._known.get((folder.rstrip("/"), manifest.to_json()))
+            return found is not None, found[0] if found else None
 
-    def problem(self, storage: Storage, c: "CommittedCheckpoint") -> str | None:
-        """Why `c` does not verify, or None; read (every file, by this process) if not known."""
+    def read_back(self, folder: str, manifest: Manifest) -> bool:
+        """Whether every file of the folder was read from storage and matched its digest."""
+        with self._lock:
+            return self._known.get((folder.rstrip("/"), manifest.to_json())) == (None, True)
+
+    def problem(self, storage: Storage, c: "CommittedCheckpoint",
+                read_back: bool = False) -> str | None:
+        """Why `c` does not verify, or None: as known, else read (every file, by this process).
+        `read_back`: read unless it was read back already (a commit's own word is not enough)."""
         found, problem = self.known(c.uri, c.manifest)
-        if found:
+        if found and (problem is not None or not read_back or self.read_back(c.uri, c.manifest)):
             return problem
         problem = check_files(c.uri, storage.options, c.manifest, sorted(c.manifest.digests))
         self.note(c.uri, c.manifest, problem)
@@ -258,10 +273,11 @@ class CommittedCheckpoint:
 
 def commit(storage: Storage, folder: str, manifest: Manifest) -> None:
     """Manifest, then the marker: the marker's presence means everything else is durable. The
-    digests were taken from the bytes written, so this process counts the folder as verified."""
+    digests were taken from the bytes written: this process counts the folder as verified, not
+    as read back (what storage holds was never read)."""
     storage.write_bytes(join(folder, MANIFEST), manifest.to_json())
     storage.write_bytes(join(folder, COMMIT_MARKER), str(manifest.step).encode())
-    VERDICTS.note(folder, manifest, None)
+    VERDICTS.note(folder, manifest, None, read_back=False)
 
 
 def validate(storage: Storage, folder: str) -> Manifest:
@@ -341,56 +357,3 @@ def abandon_after(storage: Storage, root: str, step: int) -> list[str]:
             storage.remove(join(c.uri, COMMIT_MARKER))
             out.append(c.uri)
     return out
-
-
-def apply_retention(storage: Storage, root: str, num_to_keep: int, *, rollback_window: int = 0,
-                    verdicts: Verdicts | None = None) -> list[str]:
-    """Remove committed checkpoints beyond the newest `num_to_keep` whose contents verify, and
-    abandoned partial folders older than the newest committed one. Never removed: the newest
-    committed folder (it may be what a concurrent reader lists), the newest one that verifies, and
-    with `rollback_window` > 0 (train.bad_step=rollback: bad_step_limit - 1), the newest that
-    verifies at least that many steps before the newest that verifies: a rollback goes back to the
-    newest checkpoint before a run of bad steps, which may have begun up to that many steps ago.
-    A folder that fails verification does not count toward `num_to_keep`, so after a restore fell
-    back past an unloadable checkpoint, the next commit keeps the loadable ones.
-    What is known of each folder comes from `verdicts` (this process's: a commit and a restore note
-    theirs); a folder nothing is known of is read once, and only if it is among those that would
-    be kept (after a restore, at most `num_to_keep` - 1 of them, once per process). Newer partial
-    folders may be a persist in flight and are left alone. When nothing verifies, nothing is
-    removed. Returns what was removed; removal errors are logged, not raised; a storage error
-    while verifying raises (nothing is removed)."""
-    verdicts = verdicts or VERDICTS
-    committed = committed_checkpoints(storage, root)
-    if not committed:
-        return []
-    need = max(1, num_to_keep)
-    keep, good = set(), []  # good: kept because they verify, newest first
-    rollback_kept = rollback_window <= 0
-    for c in committed:
-        if len(good) >= need and rollback_kept:
-            break
-        if len(good) >= need and c.step > good[0].step - rollback_window:
-            continue  # beyond num_to_keep, and newer than any rollback goes back to
-        problem = verdicts.problem(storage, c)
-        if problem is not None:
-            log.warning("retention: %s does not verify (%s); not counted as kept", c.uri, problem)
-            continue
-        keep.add(c.uri)
-        good.append(c)
-        rollback_kept = rollback_kept or good[0].step - c.step >= rollback_window
-    if not good:
-        log.warning("retention: no committed checkpoint under %s verifies; nothing removed", root)
-        return []
-    newest_step = committed[0].step
-    removed = []
-    for name in storage.list_dir(root):
-        step = _step_of(name)
-        folder = join(root, name)
-        if step is None or folder in keep or step >= newest_step:
-            continue
-        try:
-            storage.remove_tree(folder)
-            removed.append(folder)
-        except StorageError as e:
-            log.warning("retention: %s", e)
-    return removed

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastic.checkpoint.agreement import (_BROKEN, _COMMITTED, _FENCED, _LATE, _UNREADABLE, Fenced,
                                           PersistAgreement)
 from elastic.checkpoint.dcp_io import UploadBound, _written_files, save_shards, snapshot, staging_for
-from elastic.checkpoint.layout import (COMMIT_MARKER, MANIFEST, Manifest, apply_retention, commit,
-                                       step_dir)
+from elastic.checkpoint.layout import COMMIT_MARKER, MANIFEST, Manifest, commit, step_dir
+from elastic.checkpoint.retention import apply_retention
 from elastic.checkpoint.retry import _is_peer_failure
 from elastic.checkpoint.uploader import UploadCut, UploadFenced
 from elastic.protocol import PersistResult
@@ -300,13 +300,15 @@ class AsyncCheckpointer(PersistAgreement):
             return report(attempts=attempt, error=self._timed_out(folder, str(e)) if self._gave_up else str(e))
         report(committed=True, attempts=attempt, metrics_=metrics)
         # Retention deletes only while this generation may write: a zombie's deletes could
-        # remove what the run that moved on still restores from.
+        # remove what the run that moved on still restores from. Asked again before each object
+        # it removes: a freeze between this check and a delete must not let the rest go.
         ok, why = self._allowed()
         if not ok:
             log.warning("retention after step %d skipped: %s", step, why)
             return
         try:
-            apply_retention(self.storage, self.root, self.num_to_keep, rollback_window=self.rollback_window)
+            apply_retention(self.storage, self.root, self.num_to_keep,
+                            rollback_window=self.rollback_window, may_delete=self._allowed)
         except Exception as e:  # noqa: BLE001 - old folders stay until the next pass; the commit stands
             log.warning("retention after step %d failed (next checkpoint retries): %s", step, e)
 
