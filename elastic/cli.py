@@ -6,27 +6,42 @@ and the event log readers. The benchmarks run from a checkout: `python -m benchm
     elastic status RUN [--json] [--storage-option KEY=VALUE ...]
     elastic timeline RUN [--out PNG] [--trace JSON] [--storage-option KEY=VALUE ...]
 
-Exit codes: 0 done, 1 training failed, 2 bad input (a bad setting, an unreadable log). Commands
-that read settings or logs import neither torch nor Ray."""
+Exit codes: 0 done, 1 training failed, 2 bad input (a bad setting or argument, storage that does not
+answer, a run folder with no readable log, a missing extra), as one line saying what to fix; `--debug`
+adds the traceback. Commands that read settings or logs import neither torch nor Ray."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+import traceback
 
 SET_HELP = ("override a setting of the job file, KEY a dotted path, VALUE read as YAML "
             "(--set train.precision=bf16 --set scaling.num_workers=8); repeatable, applied in order")
 STORAGE_OPTION_HELP = ("an fsspec storage option for reading the run's folder, VALUE read as YAML "
                        "(--storage-option endpoint_url=http://127.0.0.1:8333 --storage-option anon=true); "
                        "repeatable. Credentials are better left to the environment (AWS_ACCESS_KEY_ID, ...)")
+DEBUG_HELP = "on an error, print its traceback too (a user error is otherwise one line)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line that says what to fix: its usage block is one `--help` away."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def add_debug(self) -> None:
+        # SUPPRESS: a subcommand's own --debug must not reset one given before the subcommand
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
 
 
 def parser() -> argparse.ArgumentParser:
     from elastic import __version__
-    p = argparse.ArgumentParser(prog="elastic", description="Fault-tolerant PyTorch training on Ray.")
+    p = _Parser(prog="elastic", description="Fault-tolerant PyTorch training on Ray.")
     p.add_argument("--version", action="version", version=f"elastic {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     tr = sub.add_parser("train", help="run a job from a YAML file on the current Ray cluster (or a local one)")
     tr.add_argument("job", help="path to job.yaml")
     tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
@@ -35,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
                          "dataset functions, the dataset, storage), print the resolved job, start nothing")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     cf = sub.add_parser("config", help="the settings: a job resolved, every default, the JSON schema")
-    what = cf.add_subparsers(dest="what", required=True)
+    what = cf.add_subparsers(dest="what", required=True, metavar="WHAT")
     show = what.add_parser("show", help="the job as a run would take it: every default filled in, "
                                         "overrides applied, credentials redacted (YAML)")
     show.add_argument("job", help="path to job.yaml")
@@ -43,8 +58,11 @@ def parser() -> argparse.ArgumentParser:
     what.add_parser("defaults", help="every setting with its default (YAML); <required> where there is none")
     what.add_parser("schema", help="the job's JSON schema (for editors and CI checks of job files)")
     tl = sub.add_parser("timeline", help="a run's timeline from its event log: a PNG, or a trace for Perfetto")
-    tl.add_argument("events", help="path to a run's events.jsonl, or the run folder as a path or URI (s3://...)")
-    tl.add_argument("--out", default=None, help="PNG to write (default timeline.png, unless --trace is given alone)")
+    tl.add_argument("events", metavar="RUN",
+                    help="the run folder as a path or URI (s3://...), or its events.jsonl")
+    tl.add_argument("--out", default=None, metavar="PNG",
+                    help="PNG to write (default timeline.png, unless --trace is given alone); needs the plot extra, "
+                         "elastic-trainer[plot]")
     tl.add_argument("--trace", default=None, metavar="JSON",
                     help="write a Chrome trace (trace-event JSON) to open in Perfetto or chrome://tracing: "
                          "the controller's states, checkpoints and events, one track per rank")
@@ -57,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
     st.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
                     help=STORAGE_OPTION_HELP)
+    for _, sp in _subparsers(p):
+        sp.add_debug()
     return p
 
 
@@ -69,9 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.config.loading import ConfigError
     try:
         return {"train": _train, "config": _config, "timeline": _timeline, "status": _status}[args.cmd](args)
-    except ConfigError as e:
+    except ConfigError as e:  # every user error: settings, storage, a run's log, a missing extra
+        if getattr(args, "debug", False):
+            traceback.print_exc()
         print(f"elastic: {e}", file=sys.stderr)
         return 2
+
+
+def _subparsers(p: argparse.ArgumentParser, prefix: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every subcommand's parser, depth first: ("train", ...), ("config", ...), ("config show", ...)."""
+    out = []
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sp in action.choices.items():
+                out.append((prefix + name, sp))
+                out += _subparsers(sp, prefix + name + " ")
+    return out
 
 
 def _config(args) -> int:
@@ -95,11 +128,8 @@ def _storage_options(args) -> dict:
 
 def _timeline(args) -> int:
     from elastic.config.secrets import redact_uri
-    from elastic.observability.timeline import load, plot
-    events = load(args.events, _storage_options(args))
-    if not events:
-        print(f"elastic: no events in {redact_uri(args.events)}", file=sys.stderr)
-        return 2
+    from elastic.observability.timeline import load_log, plot
+    events = load_log(args.events, _storage_options(args))
     title = redact_uri(args.events)
     if args.trace:
         from elastic.observability.trace import load_steps, write_trace

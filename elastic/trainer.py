@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.checkpoint.layout import checkpoints_root, latest_committed
+from elastic.checkpoint.layout import checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.config.secrets import named_secrets
 from elastic.parallel.strategies import STRATEGIES
@@ -82,13 +82,13 @@ class Trainer:
         if fns["scheduler"] is not None:
             _check_scheduler(fns["scheduler"], job.train.scheduler)
         self._builders = (fns["model"], fns["optimizer"])  # the copies' memory estimate, once Ray is up
-        uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
-        self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
-        storage = Storage(uri, job.checkpoint.storage_options)
-        try:
+        try:  # a filesystem whose package is missing fails to open, an unreachable one to write
+            uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
+            storage = Storage(uri, job.checkpoint.storage_options)
             storage.check_writable(uri)
         except StorageError as e:
             raise ConfigError(f"checkpoint.storage_uri: {e}") from None
+        self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
         _check_resume(storage, self.job, num_samples, fingerprint)
 
     def fit(self, progress: bool = True, on_event: Callable[[dict], None] | None = None) -> Result:
@@ -200,7 +200,9 @@ def _measure_dataset(build, tr) -> tuple[int, str | None]:
 
 
 def _check_resume(storage: Storage, job: JobConfig, num_samples: int, fingerprint: str | None = None) -> None:
-    """A run resumes from its newest committed checkpoint (same run.name and storage). Its data
+    """A run resumes from its newest committed checkpoint that loads (same run.name and storage):
+    the newest, or an older one where a restore finds the newer ones' bytes changed (only a
+    restore reads them all), so every committed checkpoint is checked here. Its data
     cursor counts positions in the sample order, which is a function of the global batch size,
     the seed and the number of samples: with any of them changed the cursor points into another
     order, and samples would be skipped or repeated without a word. Another dataset of the same
@@ -212,13 +214,9 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int, fingerprin
     def skipped(uri: str, why: str) -> None:  # the restore skips it too, and loads an older one
         log.warning("checkpoint %s is skipped: %s", uri, why)
     try:
-        latest = latest_committed(storage, root, on_skip=skipped)
+        found = committed_checkpoints(storage, root, on_skip=skipped)
     except StorageError as e:
         raise ConfigError(f"checkpoint.storage_uri: cannot read the run's checkpoints: {e}") from None
-    if latest is None:
-        return
-    recorded = latest.manifest.data_order  # empty in manifests from before it was recorded
-    name = latest.uri.rsplit("/", 1)[1]
     tr = job.train
     data = 'train.dataset ' + tr.dataset if tr.dataset else tr.dataset_ref
     checks = {  # manifest key: (the job's value, how to name it, what to keep the same)
@@ -226,21 +224,30 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int, fingerprin
         "seed": (job.run.seed, f"run.seed={job.run.seed}", "value"),
         "num_samples": (num_samples, f"{data} has {num_samples} samples", "dataset"),
     }
-    for key, (value, what, same) in checks.items():
-        if key in recorded and recorded[key] != value:
-            raise ConfigError(f"{what} but the run's checkpoint {name} was written with {recorded[key]}: the "
-                              f"sample order would change; use a new run.name or the same {same}")
-    written = recorded.get(FINGERPRINT_KEY)
-    if written is None:
-        return
-    if fingerprint is None:
+    unchecked = None  # the newest checkpoint with a fingerprint, when this dataset's has none
+    for c in found:
+        recorded = c.manifest.data_order  # empty in manifests from before it was recorded
+        name = c.uri.rsplit("/", 1)[1]
+        if c is not found[0]:
+            name += " (which a restore loads if the newer ones do not)"
+        for key, (value, what, same) in checks.items():
+            if key in recorded and recorded[key] != value:
+                raise ConfigError(f"{what} but the run's checkpoint {name} was written with {recorded[key]}: the "
+                                  f"sample order would change; use a new run.name or the same {same}")
+        written = recorded.get(FINGERPRINT_KEY)
+        if written is None:
+            continue
+        if fingerprint is None:
+            unchecked = unchecked or (name, written)
+        elif fingerprint != written:
+            raise ConfigError(f"{data} has fingerprint {fingerprint} but the run's checkpoint {name} was written "
+                              f"with {written}: another dataset of the same length, or its items changed, and the "
+                              f"data cursor would resume into other samples; use a new run.name or the same dataset "
+                              f"(one whose items differ on purpose in each build can define fingerprint(); "
+                              f"docs/data.md)")
+    if unchecked is not None:
         log.warning("the run's checkpoint %s records dataset fingerprint %s, but this dataset's could not be "
-                    "taken: resuming on its length alone", name, written)
-    elif fingerprint != written:
-        raise ConfigError(f"{data} has fingerprint {fingerprint} but the run's checkpoint {name} was written with "
-                          f"{written}: another dataset of the same length, or its items changed, and the data "
-                          f"cursor would resume into other samples; use a new run.name or the same dataset (one "
-                          f"whose items differ on purpose in each build can define fingerprint(); docs/data.md)")
+                    "taken: resuming on its length alone", *unchecked)
 
 
 def _warn_inline_credentials(job: JobConfig) -> None:

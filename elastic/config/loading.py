@@ -9,9 +9,10 @@ from elastic.config.secrets import OPTIONS_FIELD, is_secret_key, is_shown_option
 
 
 def format_validation_error(e: ValidationError, overrides: dict[str, str] | None = None) -> str:
-    """One line per bad field: where, what is wrong, what was given. `overrides` ({dotted key: the
-    command-line override as given}): a line whose field one of them set (or lies under, or above)
-    names it, so a user sees which of the file and the command line to fix."""
+    """One line per bad field (below a header line when there are several): where, what is wrong,
+    what was given. `overrides` ({dotted key: the command-line override as given}): a line whose
+    field one of them set (or lies under, or above) names it, so a user sees which of the file and
+    the command line to fix."""
     lines = []
     for err in e.errors():
         path = ".".join(str(p) for p in err["loc"])
@@ -24,6 +25,8 @@ def format_validation_error(e: ValidationError, overrides: dict[str, str] | None
         sources = [redact_override(text) for key, text in (overrides or {}).items()
                    if not path or _within(key, path) or _within(path, key)]
         lines.append(line + (f" (from {', '.join(sources)})" if sources else ""))
+    if len(lines) == 1:  # one bad field: one line, as every other user error
+        return "invalid job config:" + lines[0][1:]
     return "invalid job config:\n" + "\n".join(lines)
 
 

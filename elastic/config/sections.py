@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from elastic.config.base import _Strict
+from elastic.config.uris import check_storage_uri
 
 
 class ScalingConfig(_Strict):
@@ -171,6 +172,11 @@ class CheckpointConfig(_Strict):
                     "storage failure. Training goes on. Where every rank waits for a persist (the last step, a "
                     "planned stop, a rollback) for longer than this plus 3 x failure.ping_timeout_s, the "
                     "controller fails the run (storage_timeout). Raise it for very large shards on slow storage.")
+
+    @field_validator("storage_uri")
+    @classmethod
+    def _known_scheme(cls, uri: str) -> str:
+        return check_storage_uri(uri)
 
     @model_validator(mode="after")
     def _check_storage_timeouts(self) -> "CheckpointConfig":

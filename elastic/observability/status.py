@@ -259,17 +259,12 @@ def incident_line(i: dict) -> str:
 def run_status(run: str, as_json: bool = False, now: float | None = None, storage_options: dict | None = None) -> int:
     """The `elastic status` command: print the summary (or its JSON); 2 when there is no log to read.
     `storage_options`: fsspec options for the run's folder (`--storage-option`)."""
-    from elastic.config.secrets import redact, redact_uri
-    from elastic.storage import StorageError
-    from elastic.observability.timeline import load
+    from elastic.config.secrets import redact
+    from elastic.observability.timeline import UnreadableLog, load_log
     try:
-        events = load(run, storage_options)
-    except (StorageError, OSError) as e:
-        print(f"elastic: cannot read the event log of {redact_uri(run)}: {redact_uri(str(e))}", file=sys.stderr)
-        return 2
-    if not events:
-        print(f"elastic: no events in {redact_uri(run)}: give a run folder (a path, file://, s3://...) holding "
-              f"events.jsonl or events/*.jsonl segments, or an events.jsonl file", file=sys.stderr)
+        events = load_log(run, storage_options)
+    except UnreadableLog as e:
+        print(f"elastic: {e}", file=sys.stderr)
         return 2
     # A log written before events were scrubbed (or by another tool) may quote a credential by
     # key or in a URI: the summary shows neither (elastic/config/secrets.py).

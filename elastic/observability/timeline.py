@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from elastic.config.loading import ConfigError
 from elastic.observability.events import EVENTS_FILE, parse_lines, read_events
 
 STATE_COLORS = {"Starting": "#cccccc", "Forming": "#9ecae1", "Restoring": "#6baed6", "Running": "#74c476",
@@ -38,6 +39,40 @@ class Mark(NamedTuple):
     rank: int
     kind: str  # a key of RANK_MARKERS
     label: str
+
+
+class UnreadableLog(ConfigError):
+    """No event log where the user pointed: a run folder that does not exist, one that cannot be
+    read, or a file that is not an event log. One line naming the place and what to give."""
+
+
+class MissingExtra(ConfigError, ImportError):
+    """A command needs an optional extra that is not installed; the message names the pip install."""
+
+
+GIVE = ("give a run folder (a path, file://, s3://...) holding events.jsonl or events/*.jsonl segments, "
+        "or an events.jsonl file")
+
+
+def load_log(path: str, storage_options: dict | None = None) -> list[dict]:
+    """`load` for the commands: the events, or UnreadableLog (credentials redacted) where there
+    are none to read, or where what is read is not elastic's events."""
+    from elastic.config.secrets import redact_uri
+    from elastic.storage import StorageError
+    where = redact_uri(path)
+    try:
+        events = load(path, storage_options)
+    except (StorageError, OSError, UnicodeDecodeError) as e:
+        cause = redact_uri(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise UnreadableLog(f"cannot read the event log of {where}: {cause}; check the path or URI, "
+                            f"--storage-option and credentials") from None
+    if not events:
+        raise UnreadableLog(f"no events in {where}: {GIVE}")
+    bad = next((i for i, e in enumerate(events) if not (isinstance(e, dict) and "t" in e and "kind" in e)), None)
+    if bad is not None:
+        raise UnreadableLog(f"{where} is not an elastic event log (its event {bad + 1} has no 't' or "
+                            f"'kind'): {GIVE}")
+    return events
 
 
 def load(path: str, storage_options: dict | None = None) -> list[dict]:
@@ -216,7 +251,8 @@ def plot(events: list[dict], out_png: str, title: str = "", per_rank: bool = Fal
     try:
         import matplotlib
     except ImportError as e:  # an optional extra: the core install trains without it
-        raise ImportError("drawing a timeline needs matplotlib: pip install 'elastic[plot]'") from e
+        raise MissingExtra("drawing a timeline as a PNG needs matplotlib: pip install 'elastic-trainer[plot]' "
+                           "(or write a trace alone, --trace JSON, which needs nothing more)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -69,4 +69,15 @@ step "elastic timeline --trace"
 elastic timeline "$work/runs/$run" --trace "$work/trace.json"
 python -c "import json, sys; d = json.load(open(sys.argv[1])); assert d['traceEvents'], 'empty trace'" "$work/trace.json"
 
+step "elastic timeline as a PNG needs the plot extra: refused, naming it"
+set +e
+elastic timeline "$work/runs/$run" --out "$work/timeline.png" 2>"$work/png.err"
+rc=$?
+set -e
+cat "$work/png.err"
+if [ "$rc" != 2 ] || ! grep -q "elastic-trainer\[plot\]" "$work/png.err" || grep -q Traceback "$work/png.err"; then
+  step "FAILED: expected exit 2 and one line naming elastic-trainer[plot], got exit $rc"
+  exit 1
+fi
+
 step "passed"
