@@ -19,8 +19,9 @@ import traceback
 
 SET_HELP = ("override a setting of the job file, KEY a dotted path, VALUE read as YAML "
             "(--set train.precision=bf16 --set scaling.num_workers=8); repeatable, applied in order")
+STORAGE_OPTION_EXAMPLE = "endpoint_url=http://127.0.0.1:8333"
 STORAGE_OPTION_HELP = ("an fsspec storage option for reading the run's folder, VALUE read as YAML "
-                       "(--storage-option endpoint_url=http://127.0.0.1:8333 --storage-option anon=true); "
+                       f"(--storage-option {STORAGE_OPTION_EXAMPLE} --storage-option anon=true); "
                        "repeatable. Credentials are better left to the environment (AWS_ACCESS_KEY_ID, ...)")
 DEBUG_HELP = "on an error, print its traceback too (a user error is otherwise one line)"
 
@@ -123,7 +124,7 @@ def _config(args) -> int:
 
 def _storage_options(args) -> dict:
     from elastic.config.overrides import parse_options
-    return parse_options(args.storage_options, "--storage-option")
+    return parse_options(args.storage_options, "--storage-option", STORAGE_OPTION_EXAMPLE)
 
 
 def _timeline(args) -> int:

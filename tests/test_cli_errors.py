@@ -81,6 +81,8 @@ CASES = [
      "TMP/not-a-log is not an elastic event log"),
     ("a log that is no event log, timeline", "", ["timeline", "TMP/not-a-log", "--out", "TMP/t.png"],
      "TMP/not-a-log is not an elastic event log"),
+    ("bad --storage-option, no value", "", ["status", "RUN", "--storage-option", "endpoint_url"],
+     "--storage-option 'endpoint_url': expected KEY=VALUE (e.g. --storage-option endpoint_url=http://127.0.0.1:8333)"),
     ("bad --set, no value", "", ["train", "JOB", "--set", "scaling.num_workers"],
      "--set 'scaling.num_workers': expected KEY=VALUE"),
     ("bad --set, a value of the wrong type", "", ["config", "show", "JOB", "--set", "scaling.num_workers=many"],

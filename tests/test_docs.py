@@ -1,5 +1,5 @@
 """The docs stay true to the code and to themselves: the configuration page is what the models
-generate, the README stays short, and every relative link lands on a file (and heading) that exists."""
+generate, the command's page what its parser generates, the README stays short, and every relative link lands on a file (and heading) that exists."""
 import difflib
 import pathlib
 import re
@@ -10,15 +10,33 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README_MAX_LINES = 300
 
 
-def test_configuration_page_is_generated_from_the_models():
-    page = ROOT / "docs" / "configuration.md"
-    want = reference.render()
+def _is_generated(name: str, want: str, command: str) -> None:
+    page = ROOT / "docs" / name
     have = page.read_text() if page.exists() else ""
     if have != want:
         diff = "".join(list(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                                 "docs/configuration.md", "generated"))[:40])
-        raise AssertionError(f"docs/configuration.md is stale; regenerate it with\n    {reference.COMMAND}\n"
+                                                 f"docs/{name}", "generated"))[:40])
+        raise AssertionError(f"docs/{name} is stale; regenerate it with\n    {command}\n"
                              f"from the repository root and commit it.\n{diff}")
+
+
+def test_configuration_page_is_generated_from_the_models():
+    _is_generated("configuration.md", reference.render(), reference.COMMAND)
+
+
+def test_cli_page_is_generated_from_the_parser_and_names_every_option():
+    from elastic import cli_reference
+    from elastic.cli import _subparsers, parser
+    page = cli_reference.render()
+    _is_generated("cli.md", page, cli_reference.COMMAND)
+    top = parser()
+    flags = [flag for _, p in [("", top), *_subparsers(top)] for a in p._actions for flag in a.option_strings]
+    assert len(flags) > 20 and "--no-per-rank" in flags and "--trace" in flags
+    assert all(flag in page for flag in flags), [flag for flag in flags if flag not in page]
+    # each command's own table has a row for each of its arguments, `--per-rank / --no-per-rank` included
+    rows = [f"| `{cli_reference._flags(a)}` | {cli_reference._cell(a.help)}"
+            for _, p, _ in cli_reference.commands() for a in cli_reference._arguments(p)]
+    assert len(rows) > 10 and all(row in page for row in rows), [row for row in rows if row not in page]
 
 
 def test_readme_is_short():

@@ -16,12 +16,12 @@ import yaml
 from elastic.config.loading import ConfigError
 
 
-def split_assignment(text: str, flag: str) -> tuple[str, Any]:
-    """`a.b=value` -> ("a.b", value read as YAML)."""
+def split_assignment(text: str, flag: str, example: str = "scaling.num_workers=8") -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value read as YAML); `example` is the flag's own, for the error."""
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"{flag} {text!r}: expected KEY=VALUE (e.g. {flag} scaling.num_workers=8)")
+        raise ConfigError(f"{flag} {text!r}: expected KEY=VALUE (e.g. {flag} {example})")
     try:
         return key, yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as e:
@@ -60,6 +60,7 @@ def apply_overrides(raw: dict, assignments: list[str], flag: str = "--set") -> t
     return out, given
 
 
-def parse_options(assignments: list[str], flag: str) -> dict[str, Any]:
-    """`KEY=VALUE` options (storage options): {KEY: value read as YAML}, in order, the last wins."""
-    return dict(split_assignment(text, flag) for text in assignments)
+def parse_options(assignments: list[str], flag: str, example: str) -> dict[str, Any]:
+    """`KEY=VALUE` options (storage options): {KEY: value read as YAML}, in order, the last wins.
+    `example`: a valid one, which an error shows."""
+    return dict(split_assignment(text, flag, example) for text in assignments)
