@@ -936,18 +936,21 @@ def _save_manifest_then_verify(rank, world, port, folder, out_dir):
 
 # ---------------------------------------------------------------- verified checkpoints through a worker's restore
 
-def _one_worker(tmp_path, num_to_keep):
+def _one_worker(tmp_path, num_to_keep, storage_uri=None):
+    """A worker outside Ray, in this process, checkpointing every 5 steps to `storage_uri` (by
+    default file:// in `tmp_path`; memory:// works too, the worker being this process)."""
     from elastic.checkpoint.layout import checkpoints_root
     from elastic.config import JobConfig
     from elastic.runtime.worker import Worker
+    storage_uri = storage_uri or f"file://{tmp_path}"
     job = JobConfig.model_validate({
         "run": {"name": "w", "num_steps": 20, "seed": 1},
         "scaling": {"num_workers": 1},
-        "checkpoint": {"storage_uri": f"file://{tmp_path}", "every_steps": 5, "num_to_keep": num_to_keep},
+        "checkpoint": {"storage_uri": storage_uri, "every_steps": 5, "num_to_keep": num_to_keep},
         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
                   "loss": "elastic.workload:loss_fn", "global_batch_size": 8},
     })
-    w = Worker(job.model_dump_json(), checkpoints_root(f"file://{tmp_path}", "w"))
+    w = Worker(job.model_dump_json(), checkpoints_root(storage_uri, "w"))
 
     def join(generation):
         from elastic.checkpoint.fencing import write_fence

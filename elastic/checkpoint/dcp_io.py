@@ -1,14 +1,18 @@
 """Checkpoint shards through torch.distributed.checkpoint: the collective save (staged on local
-disk and uploaded, for remote storage) with each file's digest, the verification of a committed
-checkpoint's files before a load, the load, and the in-memory snapshot a persist writes.
+disk and uploaded, for remote storage) with the digest of each file and of each item in it, the
+verification of a committed checkpoint's files before a load, the load (which checks every byte
+it hands DCP against those digests), and the in-memory snapshot a persist writes.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import io
 import os
 import threading
 import time
+import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 
 from elastic.checkpoint import uploader
-from elastic.checkpoint.layout import (MANIFEST, VERDICTS, CorruptCheckpoint, Manifest, check_files,
-                                     local_file_digest)
+from elastic.checkpoint.layout import (DIGEST, MANIFEST, VERDICTS, CorruptCheckpoint, Manifest,
+                                       check_files, item_key, local_file_digest, local_item_digests,
+                                       manifest_of)
 from elastic.checkpoint.staging import stage_folder
 from elastic.storage import StorageError, StorageTimeout
 from elastic.checkpoint.uploader import UploadCut
@@ -52,10 +57,12 @@ class UploadBound:
 
 @dataclass(frozen=True)
 class SavedShards:
-    """What a collective save wrote: DCP's index (`metadata`) and the digest of every file any
-    rank wrote (name -> "crc32:..."), the same on every rank."""
+    """What a collective save wrote: DCP's index (`metadata`), the digest of every file any rank
+    wrote (name -> "crc32:...") and of every item in it (name -> {item_key: "crc32:..."}), the
+    same on every rank."""
     metadata: Any
     digests: dict[str, str] = field(default_factory=dict)
+    item_digests: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def save_shards(state: dict, folder: str, storage_options: dict, process_group,
@@ -94,20 +101,21 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
         # the storage options.
         writer = _RecordingWriter(on_write, folder, sync_files=True, **storage_options)
         metadata = dcp.save(state, storage_writer=writer, process_group=process_group)
-        error, digests = None, {}
+        error, digests = None, ({}, {})
         try:
             local = fsspec.core.url_to_fs(folder, **storage_options)[1]
-            digests = _digest_local(local, writer.written)
+            digests = _digest_local(local, writer.written, metadata)
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
             error = e
-        return SavedShards(metadata, _agree_on_digests(error, digests, folder, process_group, "digest"))
+        return SavedShards(metadata, *_agree_on_digests(error, digests, folder, process_group,
+                                                         "digest"))
     with stage_folder() as stage, concurrent.futures.ThreadPoolExecutor(1, "digest") as pool:
         # No fsync: the staged copy is only read back by the upload and the digests, never after
         # a crash.
         metadata = dcp.save(state, storage_writer=FileSystemWriter(stage, sync_files=False),
                             process_group=process_group)
         # Every file in the stage is this rank's (and DCP's index, on its coordinator).
-        digesting = pool.submit(_digest_local, stage, sorted(os.listdir(stage)))
+        digesting = pool.submit(_digest_local, stage, sorted(os.listdir(stage)), metadata)
         error = None
         try:
             if on_write:
@@ -130,37 +138,49 @@ def save_shards(state: dict, folder: str, storage_options: dict, process_group,
             raise  # the group is gone: nothing collective follows (the pool waits for the digests)
         except Exception as e:  # noqa: BLE001 - made collective below, then raised on every rank
             error = e
-        digests = {}
+        digests = ({}, {})
         try:
             digests = digesting.result()
         except Exception as e:  # noqa: BLE001 - as an upload's error
             error = error or e
-        return SavedShards(metadata, _agree_on_digests(error, digests, folder, process_group, "upload"))
+        return SavedShards(metadata, *_agree_on_digests(error, digests, folder, process_group,
+                                                         "upload"))
 
 
-def _digest_local(path: str, names) -> dict[str, str]:
-    """name -> digest of each of `names` in the local folder `path`."""
-    return {name: local_file_digest(os.path.join(path, name)) for name in names}
+Digests = tuple[dict[str, str], dict[str, dict[str, str]]]  # of files, of the items in each
 
 
-def _agree_on_digests(error: BaseException | None, digests: dict[str, str], folder: str, process_group,
-                      what: str) -> dict[str, str]:
+def _digest_local(path: str, names, metadata) -> Digests:
+    """The digest of each of `names` in the local folder `path`, and of each item DCP's index
+    (`metadata`) places in it."""
+    items: dict[str, list[tuple[int, int]]] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        items.setdefault(info.relative_path, []).append((info.offset, info.length))
+    return ({name: local_file_digest(os.path.join(path, name)) for name in names},
+            {name: local_item_digests(os.path.join(path, name), items[name])
+             for name in names if name in items})
+
+
+def _agree_on_digests(error: BaseException | None, digests: Digests, folder: str, process_group,
+                      what: str) -> Digests:
     """Every rank's digests, on every rank; raises on every rank if any rank failed (its own
     error where it failed, a StorageError naming the step's folder on the others)."""
     if not (dist.is_available() and dist.is_initialized()):  # a single process, as DCP allows
         if error is not None:
             raise error
-        return dict(digests)
+        return dict(digests[0]), dict(digests[1])
     gathered: list = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(gathered, (error is not None, digests), group=process_group)
     if error is not None:
         raise error
     if any(failed for failed, _ in gathered):
         raise StorageError(f"another rank's {what} of its shards of {folder} failed; retrying together")
-    merged: dict[str, str] = {}
-    for _, part in gathered:
-        merged.update(part)
-    return merged
+    files: dict[str, str] = {}
+    items: dict[str, dict[str, str]] = {}
+    for _, (of_files, of_items) in gathered:
+        files.update(of_files)
+        items.update(of_items)
+    return files, items
 
 
 def verify_shards(folder: str, storage_options: dict, process_group) -> Manifest:
@@ -179,7 +199,7 @@ def verify_shards(folder: str, storage_options: dict, process_group) -> Manifest
     manifest, corrupt, unreadable = None, None, None
     try:
         fs, path = fsspec.core.url_to_fs(folder, **storage_options)
-        manifest = Manifest.from_json(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}"))
+        manifest = manifest_of(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}"), folder)
         corrupt = check_files(folder, storage_options, manifest, share_of(manifest, rank, world))
     except Exception as e:  # noqa: BLE001 - made collective below
         unreadable = f"cannot verify {folder}: {type(e).__name__}: {e}"
@@ -282,9 +302,85 @@ class _RecordingWriter(FsspecWriter):
         self.written.append(DCP_METADATA)
 
 
-def load_shards(state: dict, folder: str, storage_options: dict, process_group) -> None:
-    """Load in place into `state` (tensors are overwritten)."""
-    dcp.load(state, storage_reader=FsspecReader(folder, **storage_options), process_group=process_group)
+def load_shards(state: dict, folder: str, storage_options: dict, process_group,
+                manifest: Manifest | None = None) -> None:
+    """Load in place into `state` (tensors are overwritten). With the folder's `manifest`, every
+    byte DCP is handed is checked against its digests as it is read (`_VerifyingReader`): a file
+    that changed after `verify_shards` read it fails the load (CorruptCheckpoint, on every rank
+    through DCP) rather than load other bytes than were verified."""
+    reader = (FsspecReader(folder, **storage_options) if manifest is None
+              else _VerifyingReader(folder, manifest, **storage_options))
+    dcp.load(state, storage_reader=reader, process_group=process_group)
+
+
+class _VerifyingReader(FsspecReader):
+    """DCP's fsspec reader, checking what it reads against the manifest: each item (a tensor's
+    shard, a pickled object) against its own digest as it is read, and DCP's index against its
+    file's. A file whose items have no digests of their own (a manifest from before they were
+    recorded) is read whole, once, checked against its file's digest, and its items are served
+    from those bytes. Either way what was checked is what loads."""
+
+    def __init__(self, folder: str, manifest: Manifest, **storage_options):
+        super().__init__(folder, **storage_options)
+        self.folder, self.manifest = folder, manifest
+        self._whole: tuple[str, bytes] | None = None  # the legacy file last read whole
+        checked = _CheckedIndex(self)
+        checked.fs = self.fs.fs
+        self.fs = checked
+
+    def _slice_file(self, file, sinfo):
+        name = sinfo.relative_path
+        items = self.manifest.item_digests.get(name)
+        if items is not None:
+            key = item_key(sinfo.offset, sinfo.length)
+            if key not in items:  # DCP's index changed after the commit, or it is not the save's
+                self.fail(f"{name} holds no item {key} (offset+length) that its save wrote")
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            self.check(f"{name} (item {key})", data, items[key])
+            return io.BytesIO(data)
+        if not _checked_kind(self.manifest.digests.get(name)):
+            return super()._slice_file(file, sinfo)  # no digest (an old manifest): loaded unchecked
+        if self._whole is None or self._whole[0] != name:
+            file.seek(0)
+            self._whole = (name, self.check(name, file.read(), self.manifest.digests[name]))
+        return io.BytesIO(self._whole[1][sinfo.offset:sinfo.offset + sinfo.length])
+
+    def check(self, what: str, data: bytes, want: str | None) -> bytes:
+        """`data`, if it matches `want` (or `want` is no digest this version knows)."""
+        if _checked_kind(want):
+            got = f"{DIGEST}:{zlib.crc32(data):08x}"
+            if got != want:
+                step_folder = self.folder.rstrip("/").rsplit("/", 1)[-1]
+                self.fail(f"digest mismatch in {step_folder}/{what} as loaded: {got}, the manifest "
+                          f"says {want}")
+        return data
+
+    def fail(self, problem: str) -> None:
+        VERDICTS.note(self.folder, self.manifest, problem)
+        raise CorruptCheckpoint(problem)
+
+
+def _checked_kind(digest: str | None) -> bool:
+    return digest is not None and digest.startswith(DIGEST + ":")
+
+
+class _CheckedIndex(FileSystem):
+    """The reader's filesystem: DCP's index (its coordinator's `.metadata`, a pickle) is read
+    whole and checked against its file's digest before DCP unpickles it."""
+
+    def __init__(self, reader: _VerifyingReader):
+        super().__init__()
+        self.reader = reader
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "r" in mode and os.path.basename(os.fspath(path)) == DCP_METADATA:
+                want = self.reader.manifest.digests.get(DCP_METADATA)
+                yield io.BytesIO(self.reader.check(DCP_METADATA, stream.read(), want))
+            else:
+                yield stream
 
 
 def snapshot(state: Any, reuse: Any = None) -> Any:

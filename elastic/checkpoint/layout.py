@@ -96,6 +96,10 @@ class Manifest:
     # Steps up to this one whose batches a rollback skipped (train.bad_step=rollback): a run
     # resumed from this checkpoint skips them too, as the run that wrote it did.
     skip_steps: list[int] = field(default_factory=list)
+    # name -> {item_key(offset, length): digest} of every item DCP wrote into the file (a tensor's
+    # shard, a pickled object), from the same local copy as `digests`: a load checks each item it
+    # reads (dcp_io.load_shards). Empty in manifests written before they were recorded.
+    item_digests: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
@@ -150,6 +154,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
                    "a map of name to integer or string"),
     "digests": (_map(lambda v: isinstance(v, str)), "a map of file name to digest"),
     "skip_steps": (lambda v: isinstance(v, list) and all(map(_count(), v)), "a list of steps"),
+    "item_digests": (_map(_map(lambda v: isinstance(v, str))),
+                     "a map of file name to item digests"),
 }
 
 
@@ -184,6 +190,25 @@ def local_file_digest(path: str) -> str:
             return f"{DIGEST}:{0:08x}"
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return f"{DIGEST}:{zlib.crc32(m):08x}"
+
+
+def item_key(offset: int, length: int) -> str:
+    """How `Manifest.item_digests` names the item DCP wrote at `offset`, `length` bytes long."""
+    return f"{offset}+{length}"
+
+
+def local_item_digests(path: str, items) -> dict[str, str]:
+    """`item_key` -> digest of each (offset, length) of `items` in a file on local disk (mmap)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return {item_key(o, n): f"{DIGEST}:{0:08x}" for o, n in items}
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                return {item_key(o, n): f"{DIGEST}:{zlib.crc32(view[o:o + n]):08x}"
+                        for o, n in items}
+            finally:
+                view.release()  # the mmap cannot close while a view of it lives
 
 
 def check_files(folder: str, storage_options: dict, manifest: Manifest, names) -> str | None:
@@ -288,10 +313,7 @@ def validate(storage: Storage, folder: str) -> Manifest:
     names = _answer(storage.sizes, folder, "the folder")
     if COMMIT_MARKER not in names:
         raise ValueError(NO_MARKER)
-    manifest = Manifest.from_json(_answer(storage.read_bytes, join(folder, MANIFEST), MANIFEST))
-    named = step_of_uri(folder)
-    if named is not None and manifest.step != named:
-        raise ValueError(f"the manifest says step {manifest.step}, the folder's name step {named}")
+    manifest = manifest_of(_answer(storage.read_bytes, join(folder, MANIFEST), MANIFEST), folder)
     for name, size in manifest.files.items():
         if name not in names:
             raise ValueError(f"file {name} listed in the manifest is missing")
@@ -303,6 +325,16 @@ def validate(storage: Storage, folder: str) -> Manifest:
     if int(marker) != manifest.step:
         raise ValueError(f"{COMMIT_MARKER} says step {int(marker)}, the manifest step "
                          f"{manifest.step}")
+    return manifest
+
+
+def manifest_of(data: bytes, folder: str) -> Manifest:
+    """The manifest `data` read from `folder`: parsed strictly, its step the one in the folder's
+    name (ValueError saying why not)."""
+    manifest = Manifest.from_json(data)
+    named = step_of_uri(folder)
+    if named is not None and manifest.step != named:
+        raise ValueError(f"the manifest says step {manifest.step}, the folder's name step {named}")
     return manifest
 
 

@@ -342,7 +342,9 @@ class AsyncCheckpointer(PersistAgreement):
                         files = {n: names[n] for n in wrote}
                     manifest = Manifest(step, cursor, self.world_size, self.strategy, files, time.time(), metrics,
                                         self.data_order, {n: d for n, d in saved.digests.items() if n in files},
-                                        self._skip_steps)
+                                        self._skip_steps,
+                                        item_digests={n: d for n, d in saved.item_digests.items()
+                                                      if n in files})
                 commit(self.storage, folder, manifest)
                 return
             except StorageError as e:

@@ -37,7 +37,11 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
     checkpoint among `candidates` (committed folders, newest first). Each candidate's files
     are first checked against its manifest's digests (`verify_shards`: each file read once
     across the group): one whose bytes changed since its commit is skipped, its reason naming
-    the file. All ranks call this with the same list; the verification and DCP raise on every
+    the file. The load then checks every byte it reads against the same manifest, so bytes that
+    changed after the verification fail the load too, and are never loaded. The step restored is
+    the verified manifest's (checked against the folder's name there, and against COMMITTED by
+    the listing): no further read, whose storage blip would fail the rank outside any retry.
+    All ranks call this with the same list; the verification and DCP raise on every
     rank when any rank fails, so they move to the next candidate together. With no candidates,
     rank 0's fresh init is broadcast.
     When there are some but none loads (storage out, or every one unreadable), nothing is
@@ -51,7 +55,7 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
     loaded = None
     for uri in candidates:
         try:
-            verify_shards(uri, w.storage.options, w.ckpt_pg)
+            manifest = verify_shards(uri, w.storage.options, w.ckpt_pg)
         except Exception as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
             skipped.append((uri, describe_failure(e)))
             continue
@@ -60,12 +64,12 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
         try:
             # DCP reads each saved shard into the current layout: a checkpoint saved at any
             # world size loads at this one.
-            load_shards(st, uri, w.storage.options, w.ckpt_pg)
+            load_shards(st, uri, w.storage.options, w.ckpt_pg, manifest=manifest)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - corrupt or unreadable: try the previous one
             skipped.append((uri, describe_failure(e)))
             continue
         state.load_state(w, st)
-        w.step = int(w.storage.read_bytes(uri + "/COMMITTED").decode())
+        w.step = manifest.step
         loaded = uri
         break
     if loaded is None and candidates:
