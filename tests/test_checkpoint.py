@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint.dcp_io import load_shards
+from elastic.checkpoint.loading import load_shards
 from elastic.checkpoint.layout import (
     COMMIT_MARKER, MANIFEST, Manifest, commit, committed_checkpoints, latest_committed, step_dir)
 from elastic.checkpoint.retention import apply_retention
@@ -803,7 +803,7 @@ def test_a_remote_save_digests_its_staged_files(one_rank_group):
 
 
 def test_verification_names_the_file_whose_bytes_changed(tmp_path, one_rank_group):
-    from elastic.checkpoint.dcp_io import verify_shards
+    from elastic.checkpoint.loading import verify_shards
     from elastic.checkpoint.layout import CorruptCheckpoint
     root = f"file://{tmp_path}/run/checkpoints"
     ck = AsyncCheckpointer(Storage(root), root, 0, 1, "ddp", one_rank_group, retries=0, backoff_s=0.0, num_to_keep=2)
@@ -818,7 +818,7 @@ def test_verification_names_the_file_whose_bytes_changed(tmp_path, one_rank_grou
 
 
 def test_the_files_are_shared_out_by_size_each_to_one_rank():
-    from elastic.checkpoint.dcp_io import share_of
+    from elastic.checkpoint.loading import share_of
     files = {"a": 100, "b": 60, "c": 50, "d": 10, ".metadata": 5}
     m = Manifest(1, 8, 2, "ddp", files, 0.0, digests={n: "crc32:00000000" for n in files if n != "d"})
     shares = [share_of(m, r, 2) for r in range(2)]
@@ -858,7 +858,7 @@ def test_retention_keeps_what_a_rollback_goes_back_to(store):
 
 
 def test_a_redone_step_does_not_report_a_commit_its_restore_found_corrupt(tmp_path, one_rank_group):
-    from elastic.checkpoint.dcp_io import verify_shards
+    from elastic.checkpoint.loading import verify_shards
     from elastic.checkpoint.layout import CorruptCheckpoint
     root = f"file://{tmp_path}/run/checkpoints"
     storage = Storage(root)
@@ -877,18 +877,18 @@ def test_a_redone_step_does_not_report_a_commit_its_restore_found_corrupt(tmp_pa
 
 def _verify_on_two_ranks(rank, world, port, folder, out_dir):
     import elastic.checkpoint.dcp_io as dcp_io
-    from elastic.checkpoint import layout
+    from elastic.checkpoint import layout, loading
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
     dcp_io.save_shards(_rank_state(rank, 0), folder, {}, pg)
     read = []
     real = layout.check_files
-    dcp_io.check_files = lambda f, o, m, names: (read.extend(names), real(f, o, m, names))[1]
+    loading.check_files = lambda f, o, m, names: (read.extend(names), real(f, o, m, names))[1]
     results = []
     for _ in range(2):  # intact, then with a flipped shard
         try:
-            dcp_io.verify_shards(folder, {}, pg)
+            loading.verify_shards(folder, {}, pg)
             results.append(None)
         except Exception as e:  # noqa: BLE001
             results.append(f"{type(e).__name__}: {e}")

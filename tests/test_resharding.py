@@ -128,7 +128,7 @@ def _old_world(rank, world, port, out_dir, ckpt_uri, tp=1):
 
 
 def _new_world(rank, world, port, out_dir, old_world, ckpt_uri, drop, tp=1):
-    from elastic.checkpoint.dcp_io import load_shards
+    from elastic.checkpoint.loading import load_shards
 
     # 1. In memory, from every old part's offer.
     offers = {}
@@ -301,7 +301,8 @@ def _save_as(rank, world, port, out_dir, strategy, uri):
 
 
 def _load_as(rank, world, port, out_dir, strategy, uri, tag, save_uri):
-    from elastic.checkpoint.dcp_io import load_shards, save_shards
+    from elastic.checkpoint.dcp_io import save_shards
+    from elastic.checkpoint.loading import load_shards
     strat, model, opt = _setup(rank, world, port, "load", strategy)
     state = strat.state_dict(model, opt)
     load_shards(state, uri, {}, None)

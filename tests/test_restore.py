@@ -1,4 +1,4 @@
-"""A restore from storage loads the bytes it verified (elastic/checkpoint/dcp_io.py, load_shards
+"""A restore from storage loads the bytes it verified (elastic/checkpoint/loading.py, load_shards
 with the manifest), takes its step from the verified manifest, and the driver's resume check
 covers every checkpoint the restore may fall back to. On memory://, with a worker in this
 process (gloo, one rank, no Ray)."""
@@ -10,7 +10,7 @@ import uuid
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.checkpoint import dcp_io
+from elastic.checkpoint import loading
 from elastic.checkpoint.layout import (MANIFEST, VERDICTS, CorruptCheckpoint, committed_checkpoints,
                                        latest_committed, step_dir)
 from elastic.checkpoint.persister import AsyncCheckpointer
@@ -102,10 +102,10 @@ def test_every_item_of_a_save_has_its_digest_and_the_load_checks_it(one_rank_gro
     assert shards and set(manifest.item_digests) == set(shards)
     assert all(len(manifest.item_digests[n]) == 2 for n in shards)  # weight and bias
     folder = step_dir(root, 10)
-    dcp_io.load_shards(model_state(1), folder, {}, one_rank_group, manifest=manifest)
+    loading.load_shards(model_state(1), folder, {}, one_rank_group, manifest=manifest)
     corrupt_in_storage(folder)
     with pytest.raises(CheckpointException, match="digest mismatch in step_000000010/__0_0.distcp"):
-        dcp_io.load_shards(model_state(1), folder, {}, one_rank_group, manifest=manifest)
+        loading.load_shards(model_state(1), folder, {}, one_rank_group, manifest=manifest)
 
 
 def test_a_manifest_without_item_digests_is_checked_file_by_file_as_loaded(one_rank_group):
@@ -121,16 +121,16 @@ def test_a_manifest_without_item_digests_is_checked_file_by_file_as_loaded(one_r
     raw = json.loads(storage.read_bytes(join(folder, MANIFEST)))
     assert raw.pop("item_digests")
     storage.write_bytes(join(folder, MANIFEST), json.dumps(raw).encode())
-    manifest = dcp_io.verify_shards(folder, {}, one_rank_group)
+    manifest = loading.verify_shards(folder, {}, one_rank_group)
     loaded = model_state(1)
-    dcp_io.load_shards(loaded, folder, {}, one_rank_group, manifest=manifest)
+    loading.load_shards(loaded, folder, {}, one_rank_group, manifest=manifest)
     assert all((loaded["model"][k] == v).all() for k, v in model_state(0)["model"].items())
     name = corrupt_in_storage(folder)
     mismatch = f"digest mismatch in step_000000010/{name} as loaded"
     with pytest.raises(CheckpointException, match=mismatch):
-        dcp_io.load_shards(model_state(1), folder, {}, one_rank_group, manifest=manifest)
+        loading.load_shards(model_state(1), folder, {}, one_rank_group, manifest=manifest)
     with pytest.raises(CorruptCheckpoint):
-        dcp_io.verify_shards(folder, {}, one_rank_group)
+        loading.verify_shards(folder, {}, one_rank_group)
 
 
 def test_the_resume_check_covers_the_older_checkpoints_a_restore_falls_back_to():

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from elastic.checkpoint import dcp_io
+from elastic.checkpoint import dcp_io, loading
 from elastic.checkpoint import staging
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,5 +91,5 @@ def test_a_remote_save_stages_in_a_folder_it_removes(tmp_path, monkeypatch):
     assert seen == [[os.path.basename(left)]]
     assert stages(tmp_path) == []  # the left folder swept, this save's own removed
     out = {"w": torch.zeros(6)}
-    dcp_io.load_shards(out, "memory://staging-test/step_1", {}, None)
+    loading.load_shards(out, "memory://staging-test/step_1", {}, None)
     assert torch.equal(out["w"], state["w"])

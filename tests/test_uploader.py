@@ -95,7 +95,7 @@ def test_with_no_child_idle_an_upload_is_left_to_the_worker(tmp_path):
 def test_a_workers_first_upload_is_its_own_and_the_next_ones_are_the_childs(s3_server, monkeypatch):
     import torch
 
-    from elastic.checkpoint import dcp_io
+    from elastic.checkpoint import dcp_io, loading
     _no_children()
     in_worker = []
     real_upload = dcp_io.upload
@@ -110,7 +110,7 @@ def test_a_workers_first_upload_is_its_own_and_the_next_ones_are_the_childs(s3_s
     assert len(in_worker) == 1 and uploader._idle == [child]  # the second went through the child
     for name in ("a", "b"):
         back = {"w": torch.zeros(1000)}
-        dcp_io.load_shards(back, f"{root}/{name}", s3_server.storage_options, None)
+        loading.load_shards(back, f"{root}/{name}", s3_server.storage_options, None)
         assert torch.equal(back["w"], state["w"])
 
 

@@ -2,8 +2,8 @@
 the step's folder (elastic/checkpoint/agreement.py), the collective shard save and rank 0's commit
 in one background thread.
 
-The folder layout and the commit protocol are `elastic.checkpoint.layout`'s; the DCP save and
-load are `elastic.checkpoint.dcp_io`'s.
+The folder layout and the commit protocol are `elastic.checkpoint.layout`'s; the DCP save is
+`elastic.checkpoint.dcp_io`'s.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint import fencing
-from elastic.checkpoint.dcp_io import UploadBound, load_shards, verify_shards
+from elastic.checkpoint.dcp_io import UploadBound
+from elastic.checkpoint.loading import load_shards, verify_shards
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.checkpoint.retry import describe_failure
 from elastic.data.fingerprint import KEY as FINGERPRINT_KEY
