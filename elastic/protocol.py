@@ -11,7 +11,7 @@ written to JSON as those values, so events and messages carry the same words as 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -223,6 +223,11 @@ class NodePoll:
     actors: dict[int, str] = field(default_factory=dict)
 
 
+# During a call every member makes together (a restore), which ranks are lost: given the ranks
+# still waiting, {rank: why}, judged as in training (the controller's, elastic/controller/restoring.py).
+Watch = Callable[[set[int]], dict[int, str]]
+
+
 class WorkerGroupProtocol(Protocol):
     """What the controller asks of a worker group. Mechanics only: every decision is the
     controller's. `WorkerGroup` implements it on Ray; the controller tests' `FakeGroup` without."""
@@ -257,11 +262,14 @@ class WorkerGroupProtocol(Protocol):
     def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]: ...
     def form(self, generation: int, timeout_s: float, ping_timeout_s: float, pp: int = 1) -> float: ...
     def abort_all(self, generation: int, timeout_s: float, only: list[int] | None = None) -> dict[int, str]: ...
-    def restore(self, candidates: list[str], timeout_s: float) -> dict[int, RestoreResult]: ...
-    def restore_from_peer(self, src_rank: int, timeout_s: float,
-                          slot_sources: tuple[int, ...] = ()) -> dict[int, RestoreResult]: ...
-    def restore_from_shards(self, offers: dict, old_world: int, timeout_s: float,
-                            old_pp: int = 1, copies_step: int | None = None) -> dict[int, RestoreResult]: ...
+    def restore(self, candidates: list[str], timeout_s: float, watch: Watch | None = None
+                ) -> dict[int, RestoreResult]: ...
+    def restore_from_peer(self, src_rank: int, timeout_s: float, slot_sources: tuple[int, ...] = (),
+                          watch: Watch | None = None, faults: dict[int, dict] | None = None
+                          ) -> dict[int, RestoreResult]: ...
+    def restore_from_shards(self, offers: dict, old_world: int, timeout_s: float, old_pp: int = 1,
+                            copies_step: int | None = None, watch: Watch | None = None,
+                            faults: dict[int, dict] | None = None) -> dict[int, RestoreResult]: ...
     def offer_shards(self, timeout_s: float, keep: frozenset[int] = frozenset()) -> tuple[dict, list[int]]: ...
     def collect_runs(self, refs: dict, timeout_s: float) -> tuple[dict[int, RunResult], dict[int, tuple]]: ...
     def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = (),

@@ -289,6 +289,34 @@ def test_frozen_node_with_a_warm_spare(cluster, baseline, tmp_path):  # noqa: F8
     assert result.events_of("workers_replaced")[0]["how"] == {"1": "warm spare"}
 
 
+@pytest.mark.parametrize("action", ["freeze_node", "kill_process"])
+def test_a_replacement_lost_during_its_restore_is_found_as_in_training(cluster, baseline, tmp_path,  # noqa: F811
+                                                                        action):
+    """Rank 1's process is killed; its replacement is lost as it restores from a peer (its node
+    frozen, or its process killed). Before, the restore waited in one gather for its 120 s
+    deadline (a process death took 66 s to be found), then counted the healthy survivors lost
+    too. Now it is judged as in training: the freeze by the heartbeat and the polls
+    (`silence_detected` during the restore), the death by Ray at once; the survivors keep their
+    state and the run ends bit-identical."""
+    chaos = [{"action": "kill_process", "rank": 1, "at_step": FAULT_STEP},
+             {"action": action, "rank": 1, "at_step": FAULT_STEP, "during_restore": True}]
+    result = Trainer(job(tmp_path, chaos, failure={"max_failures": 3})).fit(progress=False)
+    assert len(result.digests) == 3 and set(result.digests.values()) == {baseline}, result.digests
+    first, second = result.events_of("fault_injected")
+    assert (first["action"], second["action"]) == ("kill_process", action)
+    detected = result.events_of("failure_detected")
+    assert [[x["rank"] for x in d["lost"]] for d in detected] == [[1], [1]]
+    if action == "freeze_node":
+        (silence,) = [e for e in result.events_of("silence_detected") if e.get("during") == "restore"]
+        assert silence["ranks"] == [1] and silence["reason"]
+    else:
+        (error,) = result.events_of("group_error")
+        assert error["lost"] == [1] and error["survivors"] == [0, 2], error
+    assert not result.events_of("worker_replaced")  # no healthy survivor was counted lost
+    assert all(e["source"].startswith("peer rank") for e in result.events_of("restored")[1:])
+    print(f"[restore fault] {action} during the restore found {detected[1]['detect_s']:.2f} s after it fired")
+
+
 def test_a_frozen_rank_0_that_thaws_is_fenced_off(cluster, baseline, tmp_path):  # noqa: F811
     """Rank 0 (rendezvous host, commit writer) freezes right after step 10's snapshot, with its
     persist in flight, and thaws 8 s later, after the group moved on. It must not commit

@@ -41,6 +41,12 @@ class ChaosFault(_Strict):
                            "fire: the drill for a machine lost mid-upload. Waits at most "
                            "failure.collective_timeout_s; fires at once if no persist is in flight (the "
                            "fault_injected event says whether an upload was under way)")
+    during_restore: bool = Field(
+        False, description="instead of training on at at_step: fire on the worker that takes `rank` as a group "
+                           "restores from memory (a replacement taking a peer's state, or re-sharded parts), "
+                           "before it joins the restore's collectives, in the first such restore once the run "
+                           "reached at_step: the drill for a machine lost mid-restore (kill_process, kill_node, "
+                           "freeze_node, freeze_process)")
     after_persist: bool = Field(
         False, description="at at_step, first wait until this rank's checkpoint persist in flight has ended, then "
                            "fire: the drill for a machine lost just after a checkpoint, whose restore from storage "
@@ -48,6 +54,12 @@ class ChaosFault(_Strict):
 
     @model_validator(mode="after")
     def _check_thaw(self) -> "ChaosFault":
+        if self.during_restore and (self.during_upload or self.after_persist):
+            raise ValueError("during_restore fires as a group restores, not at a step's checkpoint: leave out "
+                             "during_upload and after_persist")
+        if self.during_restore and self.action not in ("kill_process", "kill_node", "freeze_node", "freeze_process"):
+            raise ValueError(f"during_restore takes kill_process, kill_node, freeze_node or freeze_process, "
+                             f"not {self.action}")
         if self.during_upload and self.after_persist:
             raise ValueError("during_upload and after_persist exclude each other: fire during a checkpoint's "
                              "upload, or after its persist")

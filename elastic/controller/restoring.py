@@ -8,9 +8,10 @@ from elastic.checkpoint.layout import committed_checkpoints
 from elastic.controller.recovery import lost_from
 from elastic.controller.states import Errored, Forming, Recovering, Restoring, Running, State
 from elastic.group.worker_group import GroupError, cause_of
-from elastic.policies.failure import LostRank, decide_none_loaded
+from elastic.policies.failure import REFUSED_GRACE_S, LostRank, decide_none_loaded, decide_refused, decide_silence
 from elastic.policies.restore import FromPeer, FromShards, FromStorage
-from elastic.protocol import RestoreResult
+from elastic.protocol import LostCause, RestoreResult, Watch
+from elastic.runtime.heartbeat import refused_ranks
 from elastic.storage import call_within
 
 if TYPE_CHECKING:
@@ -20,19 +21,56 @@ if TYPE_CHECKING:
 def on_restoring(ctl: Controller, _: Restoring) -> State:
     plan, ctl.restore_plan = ctl.restore_plan, FromStorage()
     timeout_s = ctl.job.failure.collective_timeout_s
+    watch = restore_watch(ctl)
     if isinstance(plan, FromShards):
         try:
-            out = ctl.group.restore_from_shards(plan.offers, plan.old_world, timeout_s, plan.old_pp, plan.copies_step)
+            out = ctl.group.restore_from_shards(plan.offers, plan.old_world, timeout_s, plan.old_pp, plan.copies_step,
+                                                watch=watch, faults=restore_faults(ctl, set()))
         except GroupError as e:
             return reshard_failed(ctl, e)
         return restored(ctl, out)
     if isinstance(plan, FromPeer):
         try:
-            out = ctl.group.restore_from_peer(plan.src_rank, timeout_s, plan.slot_sources)
+            out = ctl.group.restore_from_peer(plan.src_rank, timeout_s, plan.slot_sources, watch=watch,
+                                              faults=restore_faults(ctl, {plan.src_rank, *plan.slot_sources}))
         except GroupError as e:
             return lost_from(ctl, e, "restore from peer")
         return restored(ctl, out)
     return restore_from_storage(ctl, plan)
+
+
+def restore_faults(ctl: Controller, sources: set[int]) -> dict[int, dict]:
+    """The chaos faults that fire as this restore starts (`during_restore`, once the run reached
+    their at_step), by rank, for ranks that receive state (not its sources). Handed out once."""
+    with ctl.fault_lock:
+        due = {f["rank"]: f for f in ctl.pending_faults if f.get("during_restore") and f["at_step"] <= ctl.step
+               and f["rank"] in ctl.group.members and f["rank"] not in sources}
+        ctl.pending_faults = [f for f in ctl.pending_faults if f not in due.values()]
+    return due
+
+
+def restore_watch(ctl: Controller) -> Watch:
+    """Who is lost while the group restores, judged as in training (running.py): a rank whose
+    node refuses the heartbeat, or that answers no poll while its node's heartbeat is silent or
+    says its process is stopped, for failure.ping_timeout_s; Ray's word on a dead one at once.
+    The restore's own deadline (failure.collective_timeout_s) is left as a backstop."""
+    cfg, t0 = ctl.job.failure, ctl.now()
+
+    def lost(pending: set[int]) -> dict[int, str]:
+        _, silent = ctl.group.poll_nowait(cfg.ping_timeout_s)
+        out = {r: why for r, why in silent.items() if r in pending and why != LostCause.UNRESPONSIVE}
+        beats = ctl.group.beats() if cfg.heartbeat else {}
+        unanswered = ctl.group.unanswered_s()
+        quiet = {r: why for r, why in silent.items() if r in pending and why == LostCause.UNRESPONSIVE}
+        decision = (decide_refused(pending, refused_ranks(beats), unanswered, REFUSED_GRACE_S)
+                    or decide_silence(quiet, unanswered, ctl.now() - t0, cfg, list(ctl.training.step_times), beats))
+        if decision is not None:
+            ranks, why = decision
+            ctl.events.emit("silence_detected", ranks=list(ranks), during="restore", reason=why,
+                            unanswered_s={r: round(unanswered.get(r, 0.0), 2) for r in ranks})
+            out.update({r: LostCause.UNRESPONSIVE.value for r in ranks})
+        return out
+    return lost
 
 
 def restore_from_storage(ctl: Controller, plan: FromStorage) -> State:
@@ -50,7 +88,8 @@ def restore_from_storage(ctl: Controller, plan: FromStorage) -> State:
         for uri, why in skipped:
             ctl.events.emit("checkpoint_skipped", uri=uri, reason=why)
         try:
-            out = ctl.group.restore([c.uri for c in candidates], ctl.job.failure.collective_timeout_s)
+            out = ctl.group.restore([c.uri for c in candidates], ctl.job.failure.collective_timeout_s,
+                                    watch=restore_watch(ctl))
         except GroupError as e:
             return lost_from(ctl, e, "restore")
         failed = out[0].skipped

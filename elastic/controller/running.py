@@ -39,8 +39,8 @@ STALL_FLOOR_S = 3.0
 def on_running(ctl: Controller, st: Running) -> State:
     """The state machine steps through a run one poll at a time (and tests can drive it that way)."""
     if st.watch is None:
-        with ctl.fault_lock:
-            faults = list(ctl.pending_faults)
+        with ctl.fault_lock:  # those that fire as a group restores are handed out by restoring.py
+            faults = [f for f in ctl.pending_faults if not f.get("during_restore")]
         ctl.run_refs = ctl.group.run(ctl.job.run.num_steps, faults, sorted(ctl.run_log.skip_steps), buddies(ctl))
         ctl.training.reports = {}
         ctl.training.last_progress_at = ctl.now()

@@ -134,6 +134,48 @@ def gather(refs: dict[int, "ray.ObjectRef"], timeout_s: float) -> tuple[dict[int
     return ok, bad
 
 
+WATCH_EVERY_S = 0.2  # how often a watched gather asks who is lost (the run loop's poll interval)
+
+
+def gather_watched(refs: dict[int, "ray.ObjectRef"], timeout_s: float, watch, method: str
+                   ) -> tuple[dict[int, object], dict[int, str]]:
+    """`gather`, for a call every member makes together (a restore: its collectives block each
+    rank on the others), judged as training is: every WATCH_EVERY_S, `watch(pending ranks)` says
+    which are lost ({rank: why}: the heartbeat and the polls, as in the run loop), and a call
+    that fails because its process died is seen at once. Once a rank is lost the others are
+    waited for no longer: they are blocked on it, and their why is an error, so the recovery
+    keeps them and their state (a healthy rank is never counted lost because a peer vanished).
+    At `timeout_s` (a backstop) the ranks still waiting are judged once more; if none of them is
+    lost they are all counted unresponsive, as `gather` does."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(refs)
+    ok: dict[int, object] = {}
+    bad: dict[int, str] = {}
+    while pending:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending),
+                            timeout=max(0.0, min(WATCH_EVERY_S, left)))
+        for r in [r for r, ref in pending.items() if ref in set(ready)]:
+            got, failed = gather({r: pending.pop(r)}, 0.0)
+            ok.update(got)
+            bad.update(failed)
+        lost = {r: why for r, why in bad.items() if cause_of(why) != LostCause.ERROR}
+        if pending and not lost:
+            lost = {r: why for r, why in watch(set(pending)).items() if r in pending}
+            bad.update(lost)
+            for r in lost:
+                pending.pop(r)
+        if pending and lost:
+            for r in pending:
+                bad[r] = f"error: {method} was blocked on lost rank(s) {sorted(lost)}; kept with its state"
+            break
+        if pending and left <= 0:
+            for r in pending:
+                bad[r] = LostCause.UNRESPONSIVE.value
+            break
+    return ok, bad
+
+
 @ray.remote(num_cpus=0)
 def _sigkill(pid: int) -> None:
     try:

@@ -17,12 +17,13 @@ import ray
 from ray.exceptions import RayActorError
 
 from elastic.group.rendezvous import Rendezvous
-from elastic.group.member import GroupError, Member, Members, cause_of, death_cause, gather, kill_member, short_reason
+from elastic.group.member import (GroupError, Member, Members, cause_of, death_cause, gather, gather_watched,
+                                  kill_member, short_reason)
 from elastic.group.room import free_cpus_by_node
 from elastic.group.spares import SparePool
 from elastic.policies.failure import formation_silent
 from elastic.policies.placement import Placement, place_tp_groups
-from elastic.protocol import AbortResult, LostCause, PollReport, RestoreResult, RunResult
+from elastic.protocol import AbortResult, LostCause, PollReport, RestoreResult, RunResult, Watch
 from elastic.runtime.pinger import PingerProcess
 
 AGENT_UP_S = 10.0  # the longest a start waits for its nodes' agents (else its ranks are polled directly)
@@ -187,15 +188,18 @@ class WorkerGroup(SparePool):
         return gather({r: self.members[r].handle.abort.remote(generation) for r in ranks if r in self.members},
                       timeout_s)
 
-    def restore(self, candidates: list[str], timeout_s: float) -> dict[int, RestoreResult]:
-        return self._all("restore", timeout_s, candidates)
+    def restore(self, candidates: list[str], timeout_s: float, watch: Watch | None = None
+                ) -> dict[int, RestoreResult]:
+        return self._all("restore", timeout_s, candidates, watch=watch)
 
-    def restore_from_peer(self, src_rank: int, timeout_s: float,
-                          slot_sources: tuple[int, ...] = ()) -> dict[int, RestoreResult]:
-        return self._all("restore_from_peer", timeout_s, src_rank, list(slot_sources))
+    def restore_from_peer(self, src_rank: int, timeout_s: float, slot_sources: tuple[int, ...] = (),
+                          watch: Watch | None = None, faults: dict[int, dict] | None = None
+                          ) -> dict[int, RestoreResult]:
+        return self._all("restore_from_peer", timeout_s, src_rank, list(slot_sources), watch=watch, faults=faults)
 
     def restore_from_shards(self, offers: dict[int, "ray.ObjectRef"], old_world: int,
-                            timeout_s: float, old_pp: int = 1, copies_step: int | None = None
+                            timeout_s: float, old_pp: int = 1, copies_step: int | None = None,
+                            watch: Watch | None = None, faults: dict[int, dict] | None = None
                             ) -> dict[int, RestoreResult]:
         # Parts kept by a process that is a member again move rank to rank: old part -> its new rank.
         where = {(m.node_id, m.pid): r for r, m in self.members.items()}
@@ -206,7 +210,7 @@ class WorkerGroup(SparePool):
             raise GroupError(f"old parts {gone} were kept by ranks that are not in the new group", {})
         # Refs nested in a list reach the workers as refs: each fetches only the parts it needs.
         return self._all("restore_from_shards", timeout_s, [offers.get(p) for p in range(old_world)], old_world,
-                         old_pp, holders, copies_step)
+                         old_pp, holders, copies_step, watch=watch, faults=faults)
 
     def offer_shards(self, timeout_s: float, keep: frozenset[int] = frozenset()
                      ) -> tuple[dict[int, "ray.ObjectRef"], list[int]]:
@@ -223,10 +227,15 @@ class WorkerGroup(SparePool):
         late = [r for r, ref in refs.items() if ref not in ready]
         return refs, late
 
-    def _all(self, method: str, timeout_s: float, *args) -> dict:
-        """`method` called on every member: its answers by rank (typed: RestoreResult, ...)."""
-        refs = {r: getattr(m.handle, method).remote(*args) for r, m in self.members.items()}
-        out, bad = gather(refs, timeout_s)
+    def _all(self, method: str, timeout_s: float, *args, watch: Watch | None = None,
+             faults: dict[int, dict] | None = None) -> dict:
+        """`method` called on every member: its answers by rank (typed: RestoreResult, ...).
+        With `watch`, the wait is judged as training is (`gather_watched`); `faults`: a chaos
+        fault a rank fires as its call starts."""
+        faults = faults or {}
+        refs = {r: getattr(m.handle, method).remote(*args, **({"fault": faults[r]} if r in faults else {}))
+                for r, m in self.members.items()}
+        out, bad = gather_watched(refs, timeout_s, watch, method) if watch else gather(refs, timeout_s)
         if bad:
             raise GroupError(f"{method} failed for ranks {sorted(bad)}: {bad}", bad)
         return out

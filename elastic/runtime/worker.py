@@ -171,8 +171,12 @@ class Worker(GroupMembership):
         self.set_progress(holds_state=False)  # until the whole state is loaded (start_checkpointer)
         return restore.from_storage(self, candidates)
 
-    def restore_from_peer(self, src_rank: int, slot_sources: list[int] | None = None) -> RestoreResult:
-        """From the memory of survivor `src_rank` (several slots: of `slot_sources[slot]`)."""
+    def restore_from_peer(self, src_rank: int, slot_sources: list[int] | None = None,
+                          fault: dict | None = None) -> RestoreResult:
+        """From the memory of survivor `src_rank` (several slots: of `slot_sources[slot]`).
+        `fault`: a chaos fault (`during_restore`) fired first."""
+        if fault is not None:
+            fire_fault(self, fault)
         held = bool(self._progress["holds_state"])  # a survivor: it may hold the source's state already
         if self.rank not in (slot_sources or [src_rank]):  # until the copy is done
             self.set_progress(holds_state=False)
@@ -183,9 +187,13 @@ class Worker(GroupMembership):
         return restore.offer(self, publish)
 
     def restore_from_shards(self, offers: list, old_world: int, old_pp: int = 1,
-                            holders: dict[int, int] | None = None, copies_step: int | None = None) -> RestoreResult:
+                            holders: dict[int, int] | None = None, copies_step: int | None = None,
+                            fault: dict | None = None) -> RestoreResult:
         """Re-sharded in memory from the old ranks' offers (`holders`: parts moved rank to rank;
-        `copies_step`: the in-memory copies of that step are those parts)."""
+        `copies_step`: the in-memory copies of that step are those parts). `fault`: a chaos
+        fault (`during_restore`) fired first."""
+        if fault is not None:
+            fire_fault(self, fault)
         self.set_progress(holds_state=False)  # the offers hold the state until this one is whole
         return restore.from_shards(self, offers, old_world, old_pp, holders, copies_step)
 

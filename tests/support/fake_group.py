@@ -105,6 +105,8 @@ class FakeGroup:
     ranks_per_node: int = 1  # ranks started on one node (each node's agent takes one aggregated poll)
     late_returns: dict = field(default_factory=dict)  # rank -> waits its run() outlasts after an abort it answered
     late_polls: dict = field(default_factory=dict)  # rank -> blocking polls it leaves unanswered (a loaded machine)
+    freeze_on_restore: dict = field(default_factory=dict)  # rank -> how it freezes as the next restore starts
+    die_on_restore: list = field(default_factory=list)  # ranks whose process dies as the next restore starts
 
     def __post_init__(self):
         self._pending: list[float] = []  # fake times at which pending spares become ready
@@ -294,14 +296,42 @@ class FakeGroup:
             m.generation = generation
         return 0.0  # the slowest ping answer
 
+    def _fire(self, faults: dict | None) -> None:
+        """Chaos faults handed out with a restore (`during_restore`): they fire as it starts."""
+        for r, f in (faults or {}).items():
+            self.calls.append(("restore_fault", r, f["action"]))
+            if f["action"] in ("kill_process", "kill_node"):
+                self.die_on_restore.append(r)
+            else:
+                self.freeze_on_restore[r] = "machine" if f["action"] == "freeze_node" else "process"
+
+    def _blocked(self, method: str, timeout_s: float, watch) -> None:
+        """A member frozen or dead as a restore starts blocks every rank's restore, as its
+        collectives do: waited for as `gather_watched` waits, on the fake clock."""
+        for r, how in list(self.freeze_on_restore.items()):
+            self.freeze(r, how)
+        for r in self.die_on_restore:
+            self.members[r].dead = True
+        self.freeze_on_restore, self.die_on_restore = {}, []
+        if not any(m.frozen_at is not None or m.dead for m in self.members.values()):
+            return
+        t0, lost = self.clock(), {}
+        while not lost and self.clock() - t0 < timeout_s:
+            self.clock.advance(0.2)
+            lost = watch(set(self.members)) if watch else {}
+        lost = lost or {r: "unresponsive" for r in self.members}
+        bad = {r: lost.get(r, f"error: {method} was blocked on lost rank(s) {sorted(lost)}") for r in self.members}
+        raise GroupError(f"{method} failed for ranks {sorted(bad)}: {bad}", bad)
+
     def _restored(self, step: int, source: str, uri: str | None = None) -> dict[int, RestoreResult]:
         for m in self.members.values():
             m.step = m.logged = step
             m.holds_state = True
         return {r: RestoreResult(step, source, 0.01, uri) for r in self.members}
 
-    def restore(self, candidates, timeout_s) -> dict[int, RestoreResult]:
+    def restore(self, candidates, timeout_s, watch=None) -> dict[int, RestoreResult]:
         self.calls.append(("restore", len(candidates)))
+        self._blocked("restore", timeout_s, watch)
         if not candidates:
             return self._restored(0, "init")
         if self.load_failures:
@@ -310,15 +340,20 @@ class FakeGroup:
                     for r in self.members}
         return self._restored(int(candidates[0].rsplit("_", 1)[1]), "storage", candidates[0])
 
-    def restore_from_peer(self, src_rank: int, timeout_s: float, slot_sources: tuple = ()) -> dict[int, RestoreResult]:
+    def restore_from_peer(self, src_rank: int, timeout_s: float, slot_sources: tuple = (),
+                          watch=None, faults=None) -> dict[int, RestoreResult]:
+        self._fire(faults)
         self.calls.append(("restore_from_peer", src_rank) if not slot_sources else
                           ("restore_from_peer", (src_rank, tuple(slot_sources))))
+        self._blocked("restore_from_peer", timeout_s, watch)
         return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
 
     def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1,
-                            copies_step: int | None = None) -> dict[int, RestoreResult]:
+                            copies_step: int | None = None, watch=None, faults=None) -> dict[int, RestoreResult]:
+        self._fire(faults)
         self.calls.append(("restore_from_shards", old_world) if old_pp == 1 else
                           ("restore_from_shards", (old_world, old_pp)))
+        self._blocked("restore_from_shards", timeout_s, watch)
         step = max(m.step for m in self.members.values())
         return self._restored(step, f"re-sharded in memory from {old_world} ranks")
 
