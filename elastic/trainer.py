@@ -27,6 +27,7 @@ from elastic.data.fingerprint import dataset_fingerprint, has_hook
 from elastic.data.prefetch import check_data_workers
 from elastic.group.room import check_copies_room
 from elastic.group.runtime_env import worker_runtime_env
+from elastic.ray_job import check_storage_location
 from elastic.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class Trainer:
         elif isinstance(job, dict):
             job = parse_job(job)
         _warn_inline_credentials(job)
+        check_storage_location(job.checkpoint.storage_uri)  # not in a submitted job's unpacked copy
         # Import the user's callables now: a bad 'module:function' fails here, before any worker starts.
         try:
             fns = job.train.resolve()

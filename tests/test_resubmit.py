@@ -57,7 +57,7 @@ class RayCluster:
     def __init__(self, log_dir: Path, label: str):
         self.log_dir, self.label = log_dir, label
         self.procs: list[subprocess.Popen] = []
-        # No token auth, as on a plain cluster (see tests/test_job_submit.py).
+        # Token auth off: this test is about the resume; tests/test_job_submit.py submits with it on.
         self.env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "RAY_AUTH_MODE": "disabled"}
         self.env.pop("RAY_ADDRESS", None)
         self.gcs_port, dash = free_port(), free_port()
