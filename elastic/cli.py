@@ -6,9 +6,9 @@ and the event log readers. The benchmarks run from a checkout: `python -m benchm
     elastic status RUN [--json] [--storage-option KEY=VALUE ...]
     elastic timeline RUN [--out PNG] [--trace JSON] [--storage-option KEY=VALUE ...]
 
-Exit codes: 0 done, 1 training failed, 2 bad input (a bad setting or argument, storage that does not
-answer, a run folder with no readable log, a missing extra), as one line saying what to fix; `--debug`
-adds the traceback. Commands that read settings or logs import neither torch nor Ray."""
+Exit codes: 0 done, 1 training failed, 2 bad input (a bad setting or argument, storage that does
+not answer, a run folder with no readable log, a missing extra), as one line saying what to fix;
+`--debug` adds the traceback. Commands that read settings or logs import neither torch nor Ray."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,8 @@ class _Parser(argparse.ArgumentParser):
 
     def add_debug(self) -> None:
         # SUPPRESS: a subcommand's own --debug must not reset one given before the subcommand
-        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=DEBUG_HELP)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,8 +63,8 @@ def parser() -> argparse.ArgumentParser:
     tl.add_argument("events", metavar="RUN",
                     help="the run folder as a path or URI (s3://...), or its events.jsonl")
     tl.add_argument("--out", default=None, metavar="PNG",
-                    help="PNG to write (default timeline.png, unless --trace is given alone); needs the plot extra, "
-                         "elastic-trainer[plot]")
+                    help="PNG to write (default timeline.png, unless --trace is given alone); "
+                         "needs the plot extra, elastic-trainer[plot]")
     tl.add_argument("--trace", default=None, metavar="JSON",
                     help="write a Chrome trace (trace-event JSON) to open in Perfetto or chrome://tracing: "
                          "the controller's states, checkpoints and events, one track per rank")
@@ -97,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _subparsers(p: argparse.ArgumentParser, prefix: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
-    """Every subcommand's parser, depth first: ("train", ...), ("config", ...), ("config show", ...)."""
+def _subparsers(p: argparse.ArgumentParser,
+                prefix: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every subcommand's parser, depth first, named: "train", "config", "config show", ..."""
     out = []
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -2,9 +2,10 @@
 
     python -m elastic.cli_reference > docs/cli.md
 
-Every command, argument, option, default and help text on the page comes from `elastic.cli.parser()`,
-so an option the page documents is one the command takes (and `elastic COMMAND --help` says the
-same). The sections after the reference (overrides, dry runs, errors, ...) are the prose below.
+Every command, argument, option, default and help text on the page comes from
+`elastic.cli.parser()`, so an option the page documents is one the command takes (and
+`elastic COMMAND --help` says the same). The sections after the reference (overrides, dry runs,
+errors, ...) are the prose below.
 tests/test_docs.py fails when the committed page differs from what this prints.
 """
 from __future__ import annotations
@@ -39,8 +40,8 @@ def _flags(action: argparse.Action) -> str:
 
 def _arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     """What a command takes, less -h and --debug (which every command takes: said once, above)."""
-    return [a for a in p._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
-            and a.dest != "debug"]
+    skip = (argparse._HelpAction, argparse._SubParsersAction)
+    return [a for a in p._actions if not isinstance(a, skip) and a.dest != "debug"]
 
 
 def synopsis(name: str, p: argparse.ArgumentParser) -> str:
@@ -69,7 +70,8 @@ def _options(p: argparse.ArgumentParser) -> list[str]:
         what = _cell(a.help or "")
         if isinstance(a, argparse._AppendAction):
             what += " (repeatable)" if "repeatable" not in what else ""
-        elif a.default not in (None, False, [], argparse.SUPPRESS) and not isinstance(a, argparse._VersionAction):
+        elif (a.default not in (None, False, [], argparse.SUPPRESS)
+              and not isinstance(a, argparse._VersionAction)):
             what += f" (default: `{a.default}`)" if "default" not in what else ""
         rows.append(f"| `{_flags(a)}` | {what} |")
     return ["| argument | what it does |", "|---|---|", *rows] if rows else []
@@ -96,14 +98,53 @@ def render() -> str:
     out += [f"| [`{synopsis(name, sp)}`](#elastic-{name.replace(' ', '-')}) | {_cell(what)} |"
             for name, sp, what in cmds]
     debug = next(a for a in top._actions if a.dest == "debug")
-    out += ["", f"Every command also takes `--debug` (before or after the command's name): {debug.help}. "
-                f"`-h` / `--help` prints a command's arguments.", ""]
+    out += ["", f"Every command also takes `--debug` (before or after the command's name): "
+                f"{debug.help}. `-h` / `--help` prints a command's arguments.", ""]
     out += ["## Commands", ""]
     for name, sp, what in cmds:
         out += [f"### `elastic {name}`", "", _cell(what[:1].upper() + what[1:]) + ".", "",
                 "```", synopsis(name, sp), "```", "", *_options(sp), ""]
-    return "\n".join(out) + "\n" + TOPICS
+    errors = ["| mistake | what `elastic` says |", "|---|---|",
+              *(f"| {mistake} | `{says}` |" for mistake, says in ERRORS)]
+    topics = TOPICS.replace("{example_error}", EXAMPLE_ERROR).replace("{errors}", "\n".join(errors))
+    return "\n".join(out) + "\n" + topics
 
+
+EXAMPLE_ERROR = ("elastic: invalid job config: scaling.num_wrkers: Extra inputs are not permitted "
+                 "(got 3) (from --set scaling.num_wrkers=3)")
+# (the mistake, the line `elastic` prints): the table of docs/cli.md#exit-codes-and-errors
+ERRORS = [
+    ("a setting that is wrong, or a key the job does not know",
+     "elastic: invalid job config: scaling.num_workers: Input should be a valid integer, ..."),
+    ("a storage scheme fsspec does not know (`storage_uri: foo://x`), in `train`, `--dry-run` and "
+     "`config show` alike",
+     "elastic: invalid job config: checkpoint.storage_uri: unknown storage scheme 'foo://': use "
+     "file:///an/absolute/path, s3://bucket/prefix (s3fs), or another fsspec protocol ..."),
+    ("a scheme whose package is not installed (`gcs://` without gcsfs)",
+     "... storage scheme 'gcs://' needs the gcsfs package, which is not installed: "
+     "pip install gcsfs"),
+    ("storage that does not answer or take a write (`train`, `--dry-run`)",
+     "elastic: checkpoint.storage_uri: storage s3://bucket/runs is not writable: write ... failed: "
+     "EndpointConnectionError: ..."),
+    ("a submitted Ray job whose storage lies in Ray's copy of its working directory "
+     "([deploying](deploying.md#on-an-existing-ray-cluster))",
+     "elastic: checkpoint.storage_uri: 'file://./runs' resolves to /tmp/ray/session_.../runs, "
+     "inside the copy of the working directory that Ray unpacked for this job ..."),
+    ("a run folder that does not exist, holds no log, or whose log cannot be read (`status`, "
+     "`timeline`)",
+     "elastic: no events in RUN: give a run folder ...`, `elastic: cannot read the event log of "
+     "RUN: ...; check the path or URI, --storage-option and credentials`, `elastic: RUN is not an "
+     "elastic event log ..."),
+    ("a missing extra (`timeline --out` without matplotlib)",
+     "elastic: drawing a timeline as a PNG needs matplotlib: pip install "
+     "'elastic-trainer[plot]' ..."),
+    ("a `--set` or `--storage-option` that is not `KEY=VALUE`",
+     "elastic: --storage-option 'endpoint_url': expected KEY=VALUE (e.g. --storage-option "
+     "endpoint_url=http://127.0.0.1:8333)"),
+    ("an unknown command, or one without its argument",
+     "elastic: argument COMMAND: invalid choice: 'trian' (choose from 'train', ...) (see elastic "
+     "--help)"),
+]
 
 TOPICS = """\
 ## Overrides: `--set`
@@ -113,15 +154,15 @@ elastic train examples/job.yaml --set train.precision=bf16 --set scaling.num_wor
 ```
 
 `KEY` is a dotted path into the job, `VALUE` is read as YAML, as it would be in the file: `8` a
-number, `bf16` a string, `true` a bool, `null` none, `[1, 2]` a list, `{endpoint_url: http://h:8333}`
-a mapping. A number indexes a list (`--set chaos.0.at_step=30`); a missing section is created
-(`--set train.fsdp.replicate=2`). Overrides apply in order, so the last one of a key wins; the
-file is not changed. The result is validated like the file, and an error names the field and the
-override it came from:
+number, `bf16` a string, `true` a bool, `null` none, `[1, 2]` a list,
+`{endpoint_url: http://h:8333}` a mapping. A number indexes a list (`--set chaos.0.at_step=30`);
+a missing section is created (`--set train.fsdp.replicate=2`). Overrides apply in order, so the
+last one of a key wins; the file is not changed. The result is validated like the file, and an
+error names the field and the override it came from:
 
 ```
 $ elastic train job.yaml --set scaling.num_wrkers=3
-elastic: invalid job config: scaling.num_wrkers: Extra inputs are not permitted (got 3) (from --set scaling.num_wrkers=3)
+{example_error}
 ```
 
 Several bad fields are listed one per line under `elastic: invalid job config:`. An override that
@@ -171,16 +212,7 @@ the platform's identity than typed on a command line.
 
 The user errors, each one line naming the field, file or command and what to give instead:
 
-| mistake | what `elastic` says |
-|---|---|
-| a setting that is wrong, or a key the job does not know | `elastic: invalid job config: scaling.num_workers: Input should be a valid integer, ...` |
-| a storage scheme fsspec does not know (`storage_uri: foo://x`), in `train`, `--dry-run` and `config show` alike | `elastic: invalid job config: checkpoint.storage_uri: unknown storage scheme 'foo://': use file:///an/absolute/path, s3://bucket/prefix (s3fs), or another fsspec protocol ...` |
-| a scheme whose package is not installed (`gcs://` without gcsfs) | `... storage scheme 'gcs://' needs the gcsfs package, which is not installed: pip install gcsfs` |
-| storage that does not answer or take a write (`train`, `--dry-run`) | `elastic: checkpoint.storage_uri: storage s3://bucket/runs is not writable: write ... failed: EndpointConnectionError: ...` |
-| a run folder that does not exist, holds no log, or whose log cannot be read (`status`, `timeline`) | `elastic: no events in RUN: give a run folder ...`, `elastic: cannot read the event log of RUN: ...; check the path or URI, --storage-option and credentials`, `elastic: RUN is not an elastic event log ...` |
-| a missing extra (`timeline --out` without matplotlib) | `elastic: drawing a timeline as a PNG needs matplotlib: pip install 'elastic-trainer[plot]' ...` |
-| a `--set` or `--storage-option` that is not `KEY=VALUE` | `elastic: --storage-option 'endpoint_url': expected KEY=VALUE (e.g. --storage-option endpoint_url=http://127.0.0.1:8333)` |
-| an unknown command, or one without its argument | `elastic: argument COMMAND: invalid choice: 'trian' (choose from 'train', ...) (see elastic --help)` |
+{errors}
 
 No traceback is printed for these; `--debug` (before or after the command) prints it above the
 line. `tests/test_cli_errors.py` runs each of them as a separate process and checks the exit

@@ -84,8 +84,10 @@ class Trainer:
         if fns["scheduler"] is not None:
             _check_scheduler(fns["scheduler"], job.train.scheduler)
         self._builders = (fns["model"], fns["optimizer"])  # the copies' memory estimate, once Ray is up
-        try:  # a filesystem whose package is missing fails to open, an unreachable one to write
-            uri = Storage(job.checkpoint.storage_uri).uri  # absolute, so every node agrees on file:// paths
+        # A filesystem whose package is missing fails to open, an unreachable one to write; the URI
+        # is made absolute, so every node agrees on file:// paths.
+        try:
+            uri = Storage(job.checkpoint.storage_uri).uri
             storage = Storage(uri, job.checkpoint.storage_options)
             storage.check_writable(uri)
         except StorageError as e:

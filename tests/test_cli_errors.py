@@ -35,7 +35,8 @@ def _setup(tmp: Path) -> dict[str, str]:
     job = {"run": {"name": "cli", "num_steps": 4},
            "scaling": {"num_workers": 2},
            "checkpoint": {"storage_uri": f"file://{tmp}/runs", "every_steps": 2},
-           "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+           "train": {"model": "elastic.workload:build_model",
+                     "dataset": "elastic.workload:build_dataset",
                      "loss": "elastic.workload:loss_fn", "global_batch_size": 12}}
     (tmp / "job.yaml").write_text(yaml.safe_dump(job))
     run = tmp / "run"
@@ -48,70 +49,81 @@ def _setup(tmp: Path) -> dict[str, str]:
     (tmp / "not-a-log" / "events.jsonl").write_text('{"loss": 1.5}\n[1, 2]\n')
     (tmp / "log-is-a-folder" / "events.jsonl").mkdir(parents=True)
     port = _closed_port()
-    unreachable = {"endpoint_url": f"http://127.0.0.1:{port}", "config_kwargs": {"retries": {"max_attempts": 1}}}
+    unreachable = {"endpoint_url": f"http://127.0.0.1:{port}",
+                   "config_kwargs": {"retries": {"max_attempts": 1}}}
     return {"JOB": str(tmp / "job.yaml"), "RUN": str(run), "TMP": str(tmp), "PORT": str(port),
             "UNREACHABLE": json.dumps(unreachable)}
 
 
-# (id, modules made unimportable, arguments, what the one line must say)
+FOO = "--set checkpoint.storage_uri=foo://x"
+# (id, modules made unimportable, the arguments, what the one line must say)
 CASES = [
-    ("unknown scheme, config show", "", ["config", "show", "JOB", "--set", "checkpoint.storage_uri=foo://x"],
+    ("unknown scheme, config show", "", f"config show JOB {FOO}",
      "checkpoint.storage_uri: unknown storage scheme 'foo://': use file:///"),
-    ("unknown scheme, train --dry-run", "", ["train", "JOB", "--dry-run", "--set", "checkpoint.storage_uri=foo://x"],
+    ("unknown scheme, train --dry-run", "", f"train JOB --dry-run {FOO}",
      "checkpoint.storage_uri: unknown storage scheme 'foo://'"),
-    ("unknown scheme, train", "", ["train", "JOB", "--set", "checkpoint.storage_uri=foo://x"],
+    ("unknown scheme, train", "", f"train JOB {FOO}",
      "checkpoint.storage_uri: unknown storage scheme 'foo://'"),
-    ("a scheme whose package is missing", "", ["config", "show", "JOB", "--set", "checkpoint.storage_uri=gcs://b/x"],
-     "checkpoint.storage_uri: storage scheme 'gcs://' needs the gcsfs package, which is not installed: pip install gcsfs"),
-    ("missing extra: plot", "matplotlib", ["timeline", "RUN", "--out", "TMP/t.png"],
+    ("a scheme whose package is missing", "",
+     "config show JOB --set checkpoint.storage_uri=gcs://b/x",
+     "checkpoint.storage_uri: storage scheme 'gcs://' needs the gcsfs package, which is not "
+     "installed: pip install gcsfs"),
+    ("missing extra: plot", "matplotlib", "timeline RUN --out TMP/t.png",
      "pip install 'elastic-trainer[plot]'"),
     ("unreachable storage, train --dry-run", "",
-     ["train", "JOB", "--dry-run", "--set", "checkpoint.storage_uri=s3://bucket/runs",
-      "--set", "checkpoint.storage_options=UNREACHABLE"],
+     "train JOB --dry-run --set checkpoint.storage_uri=s3://bucket/runs "
+     "--set checkpoint.storage_options=UNREACHABLE",
      "checkpoint.storage_uri: storage s3://bucket/runs is not writable"),
     ("unreachable storage, status", "",
-     ["status", "s3://bucket/runs/cli", "--storage-option", "endpoint_url=http://127.0.0.1:PORT"],
+     "status s3://bucket/runs/cli --storage-option endpoint_url=http://127.0.0.1:PORT",
      "cannot read the event log of s3://bucket/runs/cli"),
-    ("run folder that does not exist, status", "", ["status", "TMP/no-such-run"], "no events in TMP/no-such-run: give a run folder"),
-    ("run folder that does not exist, timeline", "", ["timeline", "TMP/no-such-run", "--trace", "TMP/t.json"],
+    ("run folder that does not exist, status", "", "status TMP/no-such-run",
      "no events in TMP/no-such-run: give a run folder"),
-    ("a log that cannot be read, status", "", ["status", "TMP/log-is-a-folder"],
+    ("run folder that does not exist, timeline", "", "timeline TMP/no-such-run --trace TMP/t.json",
+     "no events in TMP/no-such-run: give a run folder"),
+    ("a log that cannot be read, status", "", "status TMP/log-is-a-folder",
      "cannot read the event log of TMP/log-is-a-folder"),
-    ("a log that is no event log, status", "", ["status", "TMP/not-a-log"],
+    ("a log that is no event log, status", "", "status TMP/not-a-log",
      "TMP/not-a-log is not an elastic event log"),
-    ("a log that is no event log, timeline", "", ["timeline", "TMP/not-a-log", "--out", "TMP/t.png"],
+    ("a log that is no event log, timeline", "", "timeline TMP/not-a-log --out TMP/t.png",
      "TMP/not-a-log is not an elastic event log"),
-    ("bad --storage-option, no value", "", ["status", "RUN", "--storage-option", "endpoint_url"],
-     "--storage-option 'endpoint_url': expected KEY=VALUE (e.g. --storage-option endpoint_url=http://127.0.0.1:8333)"),
-    ("bad --set, no value", "", ["train", "JOB", "--set", "scaling.num_workers"],
+    ("bad --storage-option, no value", "", "status RUN --storage-option endpoint_url",
+     "--storage-option 'endpoint_url': expected KEY=VALUE (e.g. --storage-option "
+     "endpoint_url=http://127.0.0.1:8333)"),
+    ("bad --set, no value", "", "train JOB --set scaling.num_workers",
      "--set 'scaling.num_workers': expected KEY=VALUE"),
-    ("bad --set, a value of the wrong type", "", ["config", "show", "JOB", "--set", "scaling.num_workers=many"],
+    ("bad --set, a value of the wrong type", "", "config show JOB --set scaling.num_workers=many",
      "scaling.num_workers: Input should be a valid integer"),
-    ("bad --set, a key the job does not know", "", ["train", "JOB", "--dry-run", "--set", "scaling.gpus=1"],
+    ("bad --set, a key the job does not know", "", "train JOB --dry-run --set scaling.gpus=1",
      "scaling.gpus: Extra inputs are not permitted"),
-    ("unknown subcommand", "", ["trian", "JOB"], "invalid choice: 'trian' (choose from 'train', "),
-    ("unknown config subcommand", "", ["config", "shwo", "JOB"], "invalid choice: 'shwo'"),
-    ("a subcommand without its argument", "", ["status"], "the following arguments are required: run"),
+    ("unknown subcommand", "", "trian JOB", "invalid choice: 'trian' (choose from 'train', "),
+    ("unknown config subcommand", "", "config shwo JOB", "invalid choice: 'shwo'"),
+    ("a subcommand without its argument", "", "status",
+     "the following arguments are required: run"),
 ]
 
 
-def _run(blocked: str, args: list[str], env: dict, values: dict[str, str], cwd: Path):
-    argv = [a.replace("UNREACHABLE", values["UNREACHABLE"]) if "UNREACHABLE" in a else a for a in args]
-    argv = [a.replace("JOB", values["JOB"]).replace("RUN", values["RUN"]).replace("TMP", values["TMP"])
-            .replace("PORT", values["PORT"]) for a in argv]
-    return subprocess.run([sys.executable, "-c", RUN, blocked, *argv], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=150)
+def _run(blocked: str, args: str, env: dict, values: dict[str, str], cwd: Path):
+    argv = []
+    for arg in args.split():
+        for name in ("UNREACHABLE", "JOB", "RUN", "TMP", "PORT"):
+            arg = arg.replace(name, values[name])
+        argv.append(arg)
+    return subprocess.run([sys.executable, "-c", RUN, blocked, *argv], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=150)
 
 
 @pytest.fixture
 def user_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
-    env.update(AWS_ACCESS_KEY_ID="not-a-key", AWS_SECRET_ACCESS_KEY="not-a-secret", PYTHONPATH=str(ROOT))
+    env.update(AWS_ACCESS_KEY_ID="not-a-key", AWS_SECRET_ACCESS_KEY="not-a-secret",
+               PYTHONPATH=str(ROOT))
     return env
 
 
 @pytest.mark.parametrize("blocked, args, says", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_user_error_exits_2_with_one_line_that_says_what_to_fix(tmp_path, user_env, blocked, args, says):
+def test_a_user_error_exits_2_with_one_line_that_says_what_to_fix(tmp_path, user_env, blocked, args,
+                                                                  says):
     values = _setup(tmp_path)
     out = _run(blocked, args, user_env, values, tmp_path)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
@@ -125,8 +137,8 @@ def test_a_user_error_exits_2_with_one_line_that_says_what_to_fix(tmp_path, user
 
 def test_debug_adds_the_traceback_to_the_same_line(tmp_path, user_env):
     values = _setup(tmp_path)
-    for args in (["--debug", "config", "show", "JOB", "--set", "checkpoint.storage_uri=foo://x"],
-                 ["config", "show", "JOB", "--debug", "--set", "checkpoint.storage_uri=foo://x"]):
+    for args in (f"--debug config show JOB {FOO}", f"config show JOB --debug {FOO}"):
         out = _run("", args, user_env, values, tmp_path)
-        assert out.returncode == 2 and "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
-        assert out.stderr.strip().splitlines()[-1].startswith("elastic: invalid job config: checkpoint.storage_uri")
+        err = out.stderr
+        assert out.returncode == 2 and "Traceback (most recent call last)" in err, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith("elastic: invalid job config: checkpoint.")

@@ -1,5 +1,6 @@
 """The docs stay true to the code and to themselves: the configuration page is what the models
-generate, the command's page what its parser generates, the README stays short, and every relative link lands on a file (and heading) that exists."""
+generate, the command's page what its parser generates, the README stays short, and every
+relative link lands on a file (and heading) that exists."""
 import difflib
 import pathlib
 import re
@@ -30,13 +31,15 @@ def test_cli_page_is_generated_from_the_parser_and_names_every_option():
     page = cli_reference.render()
     _is_generated("cli.md", page, cli_reference.COMMAND)
     top = parser()
-    flags = [flag for _, p in [("", top), *_subparsers(top)] for a in p._actions for flag in a.option_strings]
+    flags = [flag for _, p in [("", top), *_subparsers(top)]
+             for a in p._actions for flag in a.option_strings]
     assert len(flags) > 20 and "--no-per-rank" in flags and "--trace" in flags
     assert all(flag in page for flag in flags), [flag for flag in flags if flag not in page]
-    # each command's own table has a row for each of its arguments, `--per-rank / --no-per-rank` included
+    # each command's table has a row for each of its arguments, `--per-rank / --no-per-rank` too
     rows = [f"| `{cli_reference._flags(a)}` | {cli_reference._cell(a.help)}"
             for _, p, _ in cli_reference.commands() for a in cli_reference._arguments(p)]
-    assert len(rows) > 10 and all(row in page for row in rows), [row for row in rows if row not in page]
+    missing = [row for row in rows if row not in page]
+    assert len(rows) > 10 and all(row in page for row in rows), missing
 
 
 def test_readme_is_short():

@@ -13,8 +13,8 @@ UNPACKED = f"{SESSION}/runtime_resources/working_dir_files/_ray_pkg_0123abcd"
 SUBMITTED = {SUBMITTED_JOB_ENV: '{"runtime_env": {"working_dir": "gcs://_ray_pkg_0123abcd.zip"}}'}
 
 
-@pytest.mark.parametrize("uri", ["file://./runs", "runs", "file://runs/deeper", f"file://{UNPACKED}/runs",
-                                 f"{SESSION}/runtime_resources/elsewhere"])
+@pytest.mark.parametrize("uri", ["file://./runs", "runs", "file://runs/deeper",
+                                 f"file://{UNPACKED}/runs", f"{SESSION}/runtime_resources/elsewhere"])
 def test_a_submitted_job_may_not_keep_its_run_in_the_unpacked_working_directory(uri):
     with pytest.raises(ConfigError) as e:
         check_storage_location(uri, environ=SUBMITTED, cwd=UNPACKED)

@@ -16,7 +16,8 @@ import yaml
 from elastic.config.loading import ConfigError
 
 
-def split_assignment(text: str, flag: str, example: str = "scaling.num_workers=8") -> tuple[str, Any]:
+def split_assignment(text: str, flag: str,
+                     example: str = "scaling.num_workers=8") -> tuple[str, Any]:
     """`a.b=value` -> ("a.b", value read as YAML); `example` is the flag's own, for the error."""
     key, sep, value = text.partition("=")
     key = key.strip()

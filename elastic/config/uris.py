@@ -14,14 +14,14 @@ SUGGESTION = "file:///an/absolute/path, s3://bucket/prefix (s3fs), or another fs
 
 
 def protocols(uri: str) -> list[str]:
-    """The protocols a URI names: `s3://b/k` -> ["s3"]; fsspec's chains `simplecache::s3://b/k` ->
-    ["simplecache", "s3"]; a bare path -> []."""
+    """The protocols a URI names: `s3://b/k` -> ["s3"]; fsspec's chains `simplecache::s3://b/k`
+    -> ["simplecache", "s3"]; a bare path -> []."""
     parts = uri.split("::")
     out = []
     for i, part in enumerate(parts):
         if "://" in part:
             out.append(part.split("://", 1)[0])
-        elif i < len(parts) - 1:  # a chain's link names a protocol only; its last part may be a path
+        elif i < len(parts) - 1:  # a chain's link names only a protocol; the last may be a path
             out.append(part)
     return out
 
@@ -34,10 +34,10 @@ def check_storage_uri(uri: str) -> str:
             continue
         known = known_implementations.get(proto)
         if known is None:
-            raise ValueError(f"unknown storage scheme '{proto}://': use {SUGGESTION} "
-                             f"(python -c 'import fsspec; print(fsspec.available_protocols())' lists them)")
+            raise ValueError(f"unknown storage scheme '{proto}://': use {SUGGESTION} (python -c "
+                             f"'import fsspec; print(fsspec.available_protocols())' lists them)")
         package = known["class"].split(".", 1)[0]
         if importlib.util.find_spec(package) is None:
-            raise ValueError(f"storage scheme '{proto}://' needs the {package} package, which is not "
-                             f"installed: pip install {package}")
+            raise ValueError(f"storage scheme '{proto}://' needs the {package} package, which is "
+                             f"not installed: pip install {package}")
     return uri

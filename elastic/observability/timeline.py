@@ -47,11 +47,12 @@ class UnreadableLog(ConfigError):
 
 
 class MissingExtra(ConfigError, ImportError):
-    """A command needs an optional extra that is not installed; the message names the pip install."""
+    """A command needs an optional extra that is not installed; the message names what to
+    install."""
 
 
-GIVE = ("give a run folder (a path, file://, s3://...) holding events.jsonl or events/*.jsonl segments, "
-        "or an events.jsonl file")
+GIVE = ("give a run folder (a path, file://, s3://...) holding events.jsonl or events/*.jsonl "
+        "segments, or an events.jsonl file")
 
 
 def load_log(path: str, storage_options: dict | None = None) -> list[dict]:
@@ -64,14 +65,15 @@ def load_log(path: str, storage_options: dict | None = None) -> list[dict]:
         events = load(path, storage_options)
     except (StorageError, OSError, UnicodeDecodeError) as e:
         cause = redact_uri(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        raise UnreadableLog(f"cannot read the event log of {where}: {cause}; check the path or URI, "
-                            f"--storage-option and credentials") from None
+        raise UnreadableLog(f"cannot read the event log of {where}: {cause}; check the path or "
+                            f"URI, --storage-option and credentials") from None
     if not events:
         raise UnreadableLog(f"no events in {where}: {GIVE}")
-    bad = next((i for i, e in enumerate(events) if not (isinstance(e, dict) and "t" in e and "kind" in e)), None)
+    bad = next((i for i, e in enumerate(events)
+                if not (isinstance(e, dict) and "t" in e and "kind" in e)), None)
     if bad is not None:
-        raise UnreadableLog(f"{where} is not an elastic event log (its event {bad + 1} has no 't' or "
-                            f"'kind'): {GIVE}")
+        raise UnreadableLog(f"{where} is not an elastic event log (its event {bad + 1} has no "
+                            f"'t' or 'kind'): {GIVE}")
     return events
 
 
@@ -251,8 +253,9 @@ def plot(events: list[dict], out_png: str, title: str = "", per_rank: bool = Fal
     try:
         import matplotlib
     except ImportError as e:  # an optional extra: the core install trains without it
-        raise MissingExtra("drawing a timeline as a PNG needs matplotlib: pip install 'elastic-trainer[plot]' "
-                           "(or write a trace alone, --trace JSON, which needs nothing more)") from e
+        raise MissingExtra("drawing a timeline as a PNG needs matplotlib: pip install "
+                           "'elastic-trainer[plot]' (or write a trace alone, --trace JSON, which "
+                           "needs nothing more)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -46,8 +46,10 @@ python "$root/tests/install/declared_imports.py"
 
 step "the license in the wheel and in pip show"
 python -m pip show elastic-trainer 2>/dev/null | tee "$work/show.txt"
-grep -q "^License-Expression: Apache-2.0" "$work/show.txt" || { step "FAILED: pip show names no license"; exit 1; }
-python -m zipfile -l "$wheel" | grep -q "dist-info/licenses/LICENSE" || { step "FAILED: no LICENSE in the wheel"; exit 1; }
+grep -q "^License-Expression: Apache-2.0" "$work/show.txt" \
+  || { step "FAILED: pip show names no license"; exit 1; }
+python -m zipfile -l "$wheel" | grep -q "dist-info/licenses/LICENSE" \
+  || { step "FAILED: no LICENSE in the wheel"; exit 1; }
 
 step "elastic --version"
 elastic --version
@@ -58,16 +60,20 @@ quiet elastic train examples/job.yaml --dry-run
 run=install-check
 step "a short local run (a local Ray, 2 workers, 4 steps)"
 quiet elastic train examples/job.yaml --no-progress --set run.name=$run --set run.num_steps=4 \
-  --set scaling.num_workers=2 --set checkpoint.every_steps=2 --set "checkpoint.storage_uri=file://$work/runs"
-test -e "$work/runs/$run/checkpoints/step_000000004/COMMITTED" || { step "FAILED: no committed step 4"; exit 1; }
+  --set scaling.num_workers=2 --set checkpoint.every_steps=2 \
+  --set "checkpoint.storage_uri=file://$work/runs"
+test -e "$work/runs/$run/checkpoints/step_000000004/COMMITTED" \
+  || { step "FAILED: no committed step 4"; exit 1; }
 
 step "elastic status"
 elastic status "$work/runs/$run" | tee "$work/status.txt"
-grep -q "step 4 of 4" "$work/status.txt" || { step "FAILED: the status does not show step 4 of 4"; exit 1; }
+grep -q "step 4 of 4" "$work/status.txt" \
+  || { step "FAILED: the status does not show step 4 of 4"; exit 1; }
 
 step "elastic timeline --trace"
 elastic timeline "$work/runs/$run" --trace "$work/trace.json"
-python -c "import json, sys; d = json.load(open(sys.argv[1])); assert d['traceEvents'], 'empty trace'" "$work/trace.json"
+python -c "import json, sys; assert json.load(open(sys.argv[1]))['traceEvents'], 'empty trace'" \
+  "$work/trace.json"
 
 step "elastic timeline as a PNG needs the plot extra: refused, naming it"
 set +e
@@ -75,7 +81,8 @@ elastic timeline "$work/runs/$run" --out "$work/timeline.png" 2>"$work/png.err"
 rc=$?
 set -e
 cat "$work/png.err"
-if [ "$rc" != 2 ] || ! grep -q "elastic-trainer\[plot\]" "$work/png.err" || grep -q Traceback "$work/png.err"; then
+if [ "$rc" != 2 ] || ! grep -q "elastic-trainer\[plot\]" "$work/png.err" \
+   || grep -q Traceback "$work/png.err"; then
   step "FAILED: expected exit 2 and one line naming elastic-trainer[plot], got exit $rc"
   exit 1
 fi

@@ -48,8 +48,11 @@ def _optional_lines(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Try):
             continue
-        caught = {n.id for h in node.handlers for n in ast.walk(h.type) if isinstance(n, ast.Name)} \
-            if all(h.type is not None for h in node.handlers) else {"ImportError"}
+        if any(h.type is None for h in node.handlers):  # a bare except catches ImportError too
+            caught = {"ImportError"}
+        else:
+            caught = {n.id for h in node.handlers for n in ast.walk(h.type)
+                      if isinstance(n, ast.Name)}
         if caught & {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}:
             lines |= {n.lineno for stmt in node.body for n in ast.walk(stmt)
                       if isinstance(n, (ast.Import, ast.ImportFrom))}
@@ -90,14 +93,15 @@ def main() -> int:
             continue
         if not dists and module in guarded:
             continue  # an extra's module, absent here, whose import is guarded
-        why = f"from {', '.join(sorted(dists))}, not declared" if dists else "installed by no declared dependency"
+        why = (f"from {', '.join(sorted(dists))}, not declared" if dists
+               else "installed by no declared dependency")
         bad.append(f"{where}: import {module} ({why})")
     if bad:
-        print(f"{DIST} imports what its dependencies do not declare (add it to [project] dependencies in "
-              f"pyproject.toml, or guard it as an extra's):\n  " + "\n  ".join(bad))
+        print(f"{DIST} imports what its dependencies do not declare (add it to [project] "
+              f"dependencies in pyproject.toml, or guard it as an extra's):\n  " + "\n  ".join(bad))
         return 1
-    print(f"{len(found)} imports in {package_dir}: each one's module is declared, the standard library, "
-          f"or an optional extra's ({', '.join(sorted(want))})")
+    print(f"{len(found)} imports in {package_dir}: each one's module is declared, the standard "
+          f"library, or an optional extra's ({', '.join(sorted(want))})")
     return 0
 
 
