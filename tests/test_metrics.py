@@ -123,6 +123,20 @@ def test_a_user_error_is_a_failure_by_its_own_cause():
     assert be.get("elastic_recoveries", cause="user_error") == 0
 
 
+@pytest.mark.parametrize("kind,outcome,other", [("run_finished", "finished", "failed"),
+                                                ("run_failed", "failed", "finished")])
+def test_a_runs_end_is_a_counter_by_its_outcome_at_0_from_the_start(kind, outcome, other):
+    # what the run-failed and run-lost alerts read (k8s/monitoring/alerts.yaml): a counter, which
+    # Ray's agent serves after the controller is gone, where a gauge lapses within ~20 s
+    rm, be = feed(started())
+    assert m.METRICS["elastic_runs_ended"].kind == "counter"
+    ended = lambda o: be.get("elastic_runs_ended", outcome=o)
+    assert ended(outcome) == 0 and ended(other) == 0
+    be.apply(rm.event({"kind": kind, "step": 7, "loss": None, "error": None, "checkpoint": None}))
+    assert ended(outcome) == 1 and ended(other) == 0
+    assert be.get("elastic_step") == 7
+
+
 def test_checkpoints_by_outcome_and_persist_times():
     _, be = feed(started() + [
         {"kind": "checkpoint_committed", "step": 10, "uri": "u", "persist_s": 0.3, "attempts": 1, "loss": 2.0},
@@ -319,6 +333,15 @@ def test_ray_backend_sets_again_the_gauges_that_have_not_moved():
     assert be.refresh() > 0 and ("elastic_num_steps", None) in dict(sets)  # refreshed at 6.0
 
 
+def test_gauges_are_set_again_at_half_the_export_interval_so_none_lapses_between_two_exports():
+    # Ray's agent drops a gauge two export intervals after it last got it: 2 s where
+    # RAY_metrics_report_interval_ms=1000 reaches every process; a 5 s refresh left 3 s gaps
+    assert ex.gauge_refresh_s(10_000) == ex.GAUGE_REFRESH_S == 5.0  # Ray's default interval
+    assert ex.gauge_refresh_s(60_000) == 5.0
+    assert ex.gauge_refresh_s(1000) == 0.5
+    assert ex.gauge_refresh_s(100) == 0.5  # Ray exports once a second at most
+
+
 def test_without_ray_there_is_no_backend_and_nothing_to_do(monkeypatch):
     monkeypatch.setattr("ray.is_initialized", lambda: False)
     hook = ex.for_run("r")
@@ -341,6 +364,9 @@ def test_the_controller_derives_metrics_from_its_events_and_polls(monkeypatch):
     assert backend.get("elastic_world_size") == 3
     assert backend.get("elastic_controller_state", state="Finished") == 1
     assert backend.get("elastic_controller_state", state="Running") == 0
+    # the run-lost alert's heartbeat: the run_started event's wall time
+    (started,) = [e for e in c.events.events if e["kind"] == "run_started"]
+    assert backend.get("elastic_start_time_seconds") == started["t"] > 0
     (fd,) = [e for e in c.events.events if e["kind"] == "failure_detected"]
     cause = fd["lost"][0]["cause"]
     assert backend.get("elastic_recoveries", cause=cause) == 1 and backend.get("elastic_failures", cause=cause) == 1
@@ -414,12 +440,26 @@ def _alert_rules() -> list[dict]:
     return [r for g in doc["spec"]["groups"] for r in g["rules"]]
 
 
+LOST_FOR = "3s"  # ElasticRunLost's `for:` here (5 m in the file: tests/test_alerts.py checks that)
+
+
+def _loaded_rule_groups() -> list[dict]:
+    """The PrometheusRule's groups as the real Prometheus below loads them: unchanged, but for
+    ElasticRunLost's `for:`, so that a drill sees it fire."""
+    import yaml
+    (doc,) = [d for d in yaml.safe_load_all(ALERTS.read_text()) if d]
+    groups = doc["spec"]["groups"]
+    (lost,) = [r for g in groups for r in g["rules"] if r["alert"] == "ElasticRunLost"]
+    lost["for"] = LOST_FOR
+    return groups
+
+
 @pytest.fixture(scope="module")
 def prometheus():
     from tests.support.prometheus import HOW, find_prometheus, prometheus_server
     if find_prometheus() is None:
         pytest.skip(f"no prometheus binary: {HOW}")
-    with prometheus_server() as server:
+    with prometheus_server(rule_groups=_loaded_rule_groups()) as server:
         yield server
 
 
@@ -615,12 +655,97 @@ def _read_back_from_prometheus(prom, run: str, result, t_start: float, t_end: fl
     # each rank's memory
     rss = prom.query(f'max by (run, rank) (ray_elastic_rank_rss_bytes{{run="{run}"}})')
     assert sorted(int(x["metric"]["rank"]) for x in rss) == list(range(NUM_WORKERS))
-    # every panel's query and every alert evaluates on the real data; the run finished well, so no
-    # alert on the run fires (the memory ones extrapolate a worker's start-up over hours: evaluated only)
+    # every panel's query evaluates on the real data; the run finished well, so no alert fires
     answered = [e for e in _panel_exprs(run) if prom.query(e)]
     assert len(answered) >= len(_panel_exprs(run)) // 2, "most panels show this run"
-    for rule in _alert_rules():
-        fired = prom.query(rule["expr"])
-        if "Memory" not in rule["alert"]:
-            assert fired == [], (rule["alert"], fired)
+    _fires_nothing(prom, run, t_start)
 
+
+def _fires_nothing(prom, run: str, t_start: float) -> None:
+    """The run finished well (a recovery on the way): once its gauges have left the scrape and
+    ElasticRunLost's `for:` is over, no alert of the loaded rules ever fired on it, and the
+    run-failed and run-lost ones were never even pending. Every rule evaluated without error."""
+    from tests.support.prometheus import wait_for
+    heartbeat = f'ray_elastic_start_time_seconds{{run="{run}"}}'
+    gone = wait_for(lambda: not prom.query(heartbeat), timeout_s=60)
+    assert gone, "the run's gauges should lapse once its controller is gone"
+    (ended,) = prom.query(f'sum by (outcome) (ray_elastic_runs_ended_total{{run="{run}"}}) > 0')
+    assert ended["metric"]["outcome"] == "finished"  # what tells the lost alert the run ended
+    time.sleep(float(LOST_FOR.rstrip("s")) + 3)  # past ElasticRunLost's `for:` (evaluated each 1 s)
+    rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+    assert {r["name"] for r in rules} == {r["alert"] for r in _alert_rules()}
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    fired = prom.query_range(f'ALERTS{{run="{run}", alertstate="firing"}}', t_start, time.time())
+    assert fired == [], fired
+    ours = "ElasticRunFailed|ElasticRunLost"
+    pending = prom.query_range(f'ALERTS{{run="{run}", alertname=~"{ours}"}}', t_start, time.time())
+    assert pending == [], pending
+
+
+def _fit_failing(job: dict):
+    from elastic import Trainer
+    from elastic.trainer import TrainingFailed
+    with pytest.raises(TrainingFailed) as failed:
+        Trainer(job).fit(progress=False)
+    return failed.value
+
+
+def _controller_pid() -> int:
+    """The pid of the one live controller actor of this cluster (the run in flight)."""
+    from ray._private.state import actors
+    alive = actors(actor_state_name="ALIVE").values()
+    (pid,) = [a["Pid"] for a in alive if a["ActorClassName"] == "Controller"]
+    return pid
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(300)
+def test_a_failed_run_and_a_lost_run_fire_their_alerts_in_a_real_prometheus(
+        metrics_cluster, prometheus, tmp_path):
+    """The alerts a platform team relies on, in a Prometheus loaded with k8s/'s rules, scraping
+    the cluster's agents: a run whose controller is killed mid-run (as the OOM killer or a lost
+    head would) fires ElasticRunLost; a run that fails fires ElasticRunFailed; neither fires the
+    other's alert. The failed run trains while the lost one's gauges lapse (~20 s)."""
+    import os
+    import signal
+    import threading
+
+    from tests.support.prometheus import alert_states, wait_for
+
+    prometheus.set_targets(_targets())
+    t_start = time.time()
+
+    def job(run: str, **over) -> dict:
+        return {"run": {"name": run, "num_steps": 400, "seed": 7},
+                "scaling": {"num_workers": NUM_WORKERS},
+                "checkpoint": {"storage_uri": str(tmp_path / "runs"), "every_steps": 50},
+                "train": {"model": "elastic.workload:build_model",
+                          "dataset": "elastic.workload:build_dataset",
+                          "loss": "elastic.workload:loss_fn", "global_batch_size": 48}, **over}
+
+    lost = f"lost-{uuid.uuid4().hex[:8]}"  # its controller killed once Prometheus has seen it train
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(error=_fit_failing(job(lost))),
+                              daemon=True)
+    runner.start()
+    training = f'ray_elastic_step{{run="{lost}"}} >= 2'
+    seen = wait_for(lambda: prometheus.query(training), timeout_s=120)
+    assert seen, "the run should train, and be scraped, before its controller is killed"
+    os.kill(_controller_pid(), signal.SIGKILL)
+    runner.join(timeout=60)
+    assert "the controller actor died" in str(outcome.get("error")), outcome
+
+    failed = f"failed-{uuid.uuid4().hex[:8]}"  # no failure allowed, a worker killed at step 3
+    error = _fit_failing(job(failed, failure={"max_failures": 0},
+                             chaos=[{"action": "kill_process", "rank": 1, "at_step": 3}]))
+    assert "max_failures=0" in str(error)
+    fires = lambda alert, run: alert_states(prometheus, alert, run) == {"firing"}
+    assert wait_for(lambda: fires("ElasticRunFailed", failed), timeout_s=60), \
+        alert_states(prometheus, "ElasticRunFailed", failed)
+    assert wait_for(lambda: fires("ElasticRunLost", lost), timeout_s=90), \
+        alert_states(prometheus, "ElasticRunLost", lost)
+    # each run fired its own alert only
+    other = prometheus.query_range(f'ALERTS{{alertname="ElasticRunLost", run="{failed}"}} or '
+                                   f'ALERTS{{alertname="ElasticRunFailed", run="{lost}"}}',
+                                   t_start, time.time())
+    assert other == [], other

@@ -60,12 +60,21 @@ def _ray_metrics() -> dict[str, Any]:
     return out
 
 
-# Ray's metrics agent stops serving a gauge series that has not been set for a while, whether or
-# not its process still lives: 20 s after its last set at a 1 s report interval, 20-30 s at the
-# default 10 s (measured with Ray 2.60; set again to the same value, a series stays). A run's
-# series that rarely move (num_steps, world_size, the controller's state, the checkpoint step)
-# would vanish mid-run; each is set again at this period.
+# Ray's metrics agent stops serving a gauge series it has not received for two export intervals,
+# whether or not its process still lives (set again to the same value, a series stays): 2 x
+# max(metrics_report_interval_ms, 1 s) as the agent's process sees the interval, so 20-30 s at
+# the default 10 s, and 2 s where RAY_metrics_report_interval_ms=1000 reaches every process
+# (measured with Ray 2.60; `_system_config` at ray.init does not reach the agent: 20 s there).
+# A run's series that rarely move (num_steps, world_size, the controller's state, the checkpoint
+# step) would vanish mid-run; each is set again at half the export interval, at most this period.
+# Counters are never dropped: the agent serves them for as long as it lives.
 GAUGE_REFRESH_S = 5.0
+
+
+def gauge_refresh_s(report_interval_ms: float) -> float:
+    """How often to set each gauge again for an export every `report_interval_ms`: half the
+    interval Ray exports at (never below 1 s), at most `GAUGE_REFRESH_S`."""
+    return min(GAUGE_REFRESH_S, max(report_interval_ms, 1000.0) / 1000.0 / 2)
 
 
 class RayBackend:
@@ -131,7 +140,9 @@ def _default_backend() -> Backend | None:
     """Ray's metrics inside a Ray process; nothing elsewhere (the controller driven by tests)."""
     import ray
 
-    return RayBackend().start() if ray.is_initialized() else None
+    if not ray.is_initialized():
+        return None
+    return RayBackend(refresh_s=gauge_refresh_s(ray._config.metrics_report_interval_ms())).start()
 
 
 class MetricsHook:

@@ -72,6 +72,15 @@ _CATALOGUE = (
     Metric("elastic_loss", "gauge", "Global mean loss of the last step."),
     Metric("elastic_world_size", "gauge", "Ranks in the training group."),
     Metric("elastic_spares_ready", "gauge", "Warm spare workers ready to take a rank's place."),
+    Metric("elastic_start_time_seconds", "gauge",
+           "Unix time this controller started the run (took its lease): one series per controller "
+           "process, for as long as it lives. The run-lost alert's heartbeat: a run's newest "
+           "controller by this value."),
+    Metric("elastic_runs_ended", "counter",
+           "1 on the series of the run's outcome (finished, failed) once its controller ends it. "
+           "Ray's metrics agent serves a counter for as long as its node lives, after the "
+           "controller is gone (a gauge lapses ~20 s after its last set): what the run-failed and "
+           "run-lost alerts read a run's end from.", ("run", "outcome")),
     Metric("elastic_controller_state", "gauge",
            "1 for the controller's current state (Starting, Forming, Restoring, Running, Recovering, "
            "Swapping, Growing, Dropping, Trading, Finished, Errored), 0 for the others.", ("run", "state")),
@@ -135,6 +144,7 @@ ZERO_BY_LABEL = {
     "elastic_recoveries": ("cause", _CAUSES),
     "elastic_decisions": ("decision", ("Restart", "Raise", "Swap", "Drop", "Report", "Grow", "Regroup", "Trade")),
     "elastic_checkpoints": ("outcome", ("committed", "failed", "deferred")),
+    "elastic_runs_ended": ("outcome", ("finished", "failed")),
 }
 # elastic.protocol.MemorySample's fields, each the metric elastic_rank_<field>
 MEMORY_FIELDS = tuple(f.name for f in fields(MemorySample))
@@ -186,6 +196,8 @@ class RunMetrics:
     def _on_run_started(self, ev: dict) -> list[Update]:
         self._counted_step = None
         out = [self._u("elastic_num_steps", ev["num_steps"])]
+        if ev.get("t") is not None:  # the event's wall time (EventLog.emit)
+            out.append(self._u("elastic_start_time_seconds", ev["t"]))
         out += [self._u("elastic_controller_state", 1 if s == "Starting" else 0, state=s) for s in _state_names()]
         # Series that have not moved yet exist with 0 from the start: rate(), increase() and an
         # alert see a 0, not nothing (a counter first seen at 1 has no increase to show).
@@ -283,13 +295,14 @@ class RunMetrics:
     def _on_slow_window(self, ev: dict) -> list[Update]:
         return self.window(ev["ratios"])
 
-    def _on_run_finished(self, ev: dict) -> list[Update]:
+    def _on_run_finished(self, ev: dict, outcome: str = "finished") -> list[Update]:
         out = [self._u("elastic_step", ev["step"])] + self.steps(ev["step"])
         if ev.get("loss") is not None:
             out.append(self._u("elastic_loss", ev["loss"]))
-        return out
+        return out + [self._u("elastic_runs_ended", 1, outcome=outcome)]
 
-    _on_run_failed = _on_run_finished
+    def _on_run_failed(self, ev: dict) -> list[Update]:
+        return self._on_run_finished(ev, outcome="failed")
 
     def _on_final_state(self, ev: dict) -> list[Update]:
         return [self._u("elastic_step", ev["step"])] + self.steps(ev["step"])

@@ -2,8 +2,9 @@
 
 The binaries come from Debian's `prometheus` package, unpacked (not installed: no service, no
 user) into `.tools/prometheus` by `make test` (the Makefile's `tools` target); `find_prometheus`
-also takes them from PATH. The server scrapes the targets it is given every second, keeps its data
-in a temporary folder, and is stopped with its process group."""
+also takes them from PATH. The server scrapes the targets it is given every second, evaluates the
+rules it is given as often, keeps its data in a temporary folder, and is stopped with its process
+group."""
 from __future__ import annotations
 
 import contextlib
@@ -12,11 +13,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from tests.ray_fixtures import free_port
 from tests.support.processes import answers, stop_group
@@ -65,9 +67,16 @@ class Prometheus:
     def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> list[dict]:
         return self.api("query_range", query=expr, start=start, end=end, step=step_s)["result"]
 
+    def alerts(self) -> list[dict]:
+        """The alerts of the loaded rules, pending or firing, each with its labels and state."""
+        return self.api("alerts")["alerts"]
+
 
 @contextlib.contextmanager
-def prometheus_server(scrape_interval_s: float = 1.0) -> Iterator[Prometheus]:
+def prometheus_server(scrape_interval_s: float = 1.0,
+                      rule_groups: list[dict] | None = None) -> Iterator[Prometheus]:
+    """`rule_groups`: alerting and recording rule groups (a rules file's `groups`) to load,
+    evaluated at the scrape interval."""
     found = find_prometheus()
     if found is None:
         raise FileNotFoundError(f"no prometheus binary: {HOW}")
@@ -75,8 +84,11 @@ def prometheus_server(scrape_interval_s: float = 1.0) -> Iterator[Prometheus]:
     folder = Path(tempfile.mkdtemp(prefix="elastic-prom-"))
     targets = folder / "targets.json"
     targets.write_text("[]")
+    rules = folder / "rules.yml"
+    rules.write_text(json.dumps({"groups": rule_groups or []}))  # JSON is YAML
     (folder / "prometheus.yml").write_text(json.dumps({
         "global": {"scrape_interval": f"{scrape_interval_s:g}s", "evaluation_interval": f"{scrape_interval_s:g}s"},
+        "rule_files": [str(rules)],
         "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]}],
     }))
     port = free_port()
@@ -94,3 +106,19 @@ def prometheus_server(scrape_interval_s: float = 1.0) -> Iterator[Prometheus]:
         stop_group(proc, term_wait_s=20)
         log.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:
+    """`check()`'s first truthy answer, polled until `timeout_s` has passed (then its last)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(every_s)
+
+
+def alert_states(prom: Prometheus, alert: str, run: str) -> set[str]:
+    """The states (pending, firing) in which `alert` is active for `run` now."""
+    return {a["state"] for a in prom.alerts() if a["labels"].get("alertname") == alert
+            and a["labels"].get("run") == run}
