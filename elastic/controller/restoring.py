@@ -43,7 +43,8 @@ def restore_faults(ctl: Controller, sources: set[int]) -> dict[int, dict]:
     """The chaos faults that fire as this restore starts (`during_restore`, once the run reached
     their at_step), by rank, for ranks that receive state (not its sources). Handed out once."""
     with ctl.fault_lock:
-        due = {f["rank"]: f for f in ctl.pending_faults if f.get("during_restore") and f["at_step"] <= ctl.step
+        reached = max(ctl.step, ctl.training.max_step_seen)  # the polls may lag the ranks' own word
+        due = {f["rank"]: f for f in ctl.pending_faults if f.get("during_restore") and f["at_step"] <= reached
                and f["rank"] in ctl.group.members and f["rank"] not in sources}
         ctl.pending_faults = [f for f in ctl.pending_faults if f not in due.values()]
     return due
