@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Hashable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -48,25 +48,68 @@ def scrubbed_error(message: str, cause: BaseException | None, secrets: frozenset
 
 T = TypeVar("T")
 
+# Calls of one purpose that may still hang after their callers stopped waiting. One more call
+# into a mount that hangs only adds a thread that hangs too (the lease renewal asked one every
+# ttl_s / 4, each left behind for good); two leave room for one stuck connection beside a
+# store that answers again.
+HUNG_PER_PURPOSE = 2
+_hung: dict[Hashable, int] = {}
+_hung_lock = threading.Lock()
 
-def call_within(fn: Callable[[], T], timeout_s: float) -> tuple[bool, T | None, BaseException | None]:
+
+def call_within(fn: Callable[[], T], timeout_s: float, purpose: Hashable | None = None
+                ) -> tuple[bool, T | None, BaseException | None]:
     """(answered, result, error) of `fn()`, waiting at most `timeout_s`: for a storage call that
     must not hold up a decision while storage hangs (an outage). An unanswered call goes on in a
-    daemon thread and its result is dropped."""
+    daemon thread and its result is dropped. While HUNG_PER_PURPOSE calls of the same `purpose`
+    still hang, the next is not answered at once, with no thread started. `purpose` defaults
+    to the call site: `fn`'s code, and for a bound method its instance."""
+    key = purpose if purpose is not None else _purpose_of(fn)
+    with _hung_lock:
+        if _hung.get(key, 0) >= HUNG_PER_PURPOSE:
+            return False, None, None
     out: dict[str, Any] = {}
     done = threading.Event()
+    given_up = [False]
 
     def call() -> None:
         try:
             out["result"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             out["error"] = e
-        done.set()
+        with _hung_lock:
+            done.set()
+            if given_up[0]:
+                _release_hung(key)
 
     threading.Thread(target=call, name="storage-call", daemon=True).start()
     if not done.wait(timeout_s):
-        return False, None, None
+        with _hung_lock:
+            if not done.is_set():  # (it may have ended since)
+                given_up[0] = True
+                _hung[key] = _hung.get(key, 0) + 1
+                return False, None, None
     return True, out.get("result"), out.get("error")
+
+
+def hung_calls(purpose: Hashable) -> int:
+    """How many calls of `purpose` (as call_within keys it) still hang after their callers gave up."""
+    with _hung_lock:
+        return _hung.get(purpose, 0)
+
+
+def _release_hung(key: Hashable) -> None:
+    left = _hung.get(key, 0) - 1
+    if left > 0:
+        _hung[key] = left
+    else:
+        _hung.pop(key, None)
+
+
+def _purpose_of(fn: Callable) -> Hashable:
+    owner = getattr(fn, "__self__", None)
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return (code if code is not None else type(fn), id(owner) if owner is not None else None)
 
 
 def normalize_uri(uri: str) -> str:
