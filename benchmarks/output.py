@@ -50,7 +50,7 @@ def emit(record: dict) -> None:
 
 
 def append_results(out_dir: str, records) -> None:
-    """Append records to out_dir/results.jsonl, one JSON object a line (a run cut short keeps
+    """Append records to results.jsonl in out_dir, one JSON object a line (a run cut short keeps
     what it measured)."""
     with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
         for r in records:

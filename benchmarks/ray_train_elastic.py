@@ -1,6 +1,6 @@
 """The Ray Train peer of `python -m benchmarks resize`: Ray Train's own elastic scaling.
 
-Runs the common workload (shared/BENCHMARKS.md) the way Ray Train's "Elastic
+Runs the common workload (elastic/workload.py) the way Ray Train's "Elastic
 training" guide says to: `TorchTrainer`, DDP through `prepare_model`, a
 checkpoint every `ckpt_every` steps written by rank 0 and reported with
 `ray.train.report`, `ray.train.get_checkpoint()` to resume, and
@@ -260,7 +260,7 @@ def run_ray_train_resize(
     `tests.support.seaweedfs.S3Server`): checkpoints go to that S3 endpoint (see
     `benchmarks.ray_train_peer._storage`), else to `storage_dir`.
 
-    Returns one benchmark record (see shared/BENCHMARKS.md): `resize_s`
+    Returns one benchmark record (see docs/benchmarks/resize.md): `resize_s`
     (decision -> first step at the new size), `resize_from_node_s` (node
     registered -> same), `lost_steps`, `world_sizes_seen`, and the parts in
     between.

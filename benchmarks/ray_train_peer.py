@@ -1,6 +1,6 @@
 """The Ray Train peer of `python -m benchmarks recovery`.
 
-Runs the common workload (shared/BENCHMARKS.md) under Ray Train's own
+Runs the common workload (elastic/workload.py) under Ray Train's own
 fault tolerance, the way its documentation says to use it: `TorchTrainer`,
 DDP through `prepare_model`, a checkpoint every `ckpt_every` steps written by
 rank 0 and reported with `ray.train.report`, `FailureConfig(max_failures)`
@@ -329,7 +329,7 @@ def run_ray_train_recovery(
     `cpus_per_worker` CPUs each.
 
     Needs `ray.init` done (on a cluster with a spare node). Returns one
-    benchmark record (see shared/BENCHMARKS.md), plus `restart_s` and the
+    benchmark record (see docs/benchmarks/recovery.md), plus `restart_s` and the
     checkpoint steps reported vs registered by Ray Train before the fault.
 
     `s3` (an `tests.support.seaweedfs.S3Server`): Ray Train's checkpoints go to that S3

@@ -3,7 +3,7 @@ or frozen (`--fault freeze_node`: SIGSTOP, no socket closes, as a machine that l
 fixed step, elastic and Ray Train side by side on the same local cluster, interleaved per
 repetition.
 
-Figures (shared/BENCHMARKS.md): recover_s (fault -> first step completed by the recovered
+Figures (docs/benchmarks/recovery.md): recover_s (fault -> first step completed by the recovered
 group), lost_steps (steps done before the fault that were done again), detect_s (fault ->
 the framework decided/noticed). On a user's own cluster the same code runs with --address.
 
@@ -101,7 +101,8 @@ ELASTIC_SYSTEMS = {
     "elastic-spare": ({"num_workers": NUM_WORKERS, "num_spares": 1, "wait_for_spares": True}, {}),  # warm spare
     # A pre-started worker on every node (elastic/group/prestart.py), up before training starts
     "elastic-prestart": ({"num_workers": NUM_WORKERS, "prestarted_per_node": 1, "wait_for_spares": True}, {}),
-    # Opt-in: `elastic` judged by its polls alone (no heartbeat sidecar, elastic/heartbeat.py)
+    # Opt-in: `elastic` judged by its polls alone (no heartbeat sidecar,
+    # elastic/runtime/heartbeat.py)
     "elastic-no-heartbeat": ({"num_workers": NUM_WORKERS}, {"heartbeat": False}),
 }
 SYSTEMS = ["elastic-storage", "elastic", "elastic-spare", "ray-train"]  # the default run

@@ -1,6 +1,6 @@
 """`python -m benchmarks resize`: a node joins a running job, the group grows from 2 to 3 ranks.
 
-Figure (shared/BENCHMARKS.md): resize_s, from the resize decision to the first
+Figure (docs/benchmarks/resize.md): resize_s, from the resize decision to the first
 step completed at the new world size. Systems, interleaved per repetition, each
 on a fresh local cluster that starts with exactly 2 one-CPU worker nodes (a
 third is added once the run has committed a checkpoint):

@@ -1,6 +1,6 @@
 """The "Ray Train with torchft" peer of `python -m benchmarks recovery`.
 
-Runs the common workload (shared/BENCHMARKS.md: the MLP, data set, loss and
+Runs the common workload (docs/benchmarks/recovery.md: the MLP, data set, loss and
 AdamW of `elastic.workload`, the sample order of `elastic.data.order.GlobalOrder`,
 the same global batch) under Ray Train's replica-group recovery through torchft,
 set up the way Ray's `torchft_linear_example.py` and torchft's own docs do it:

@@ -10,7 +10,7 @@ trains).
 from elastic.runtime import priority as _priority
 
 # A spare started beside training drops to the lowest CPU priority before anything heavy is imported
-# (see elastic/priority.py); a no-op everywhere else.
+# (see elastic/runtime/priority.py); a no-op everywhere else.
 _priority.lower_if_asked()
 
 __version__ = "0.1.0"

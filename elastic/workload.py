@@ -1,4 +1,4 @@
-"""The common benchmark workload (shared/BENCHMARKS.md): an MLP of about 1.3 M
+"""The common benchmark workload (docs/benchmarks/recovery.md): an MLP of about 1.3 M
 parameters on a fixed synthetic classification task. Same for every system
 compared, so only the framework differs.
 

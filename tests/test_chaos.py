@@ -237,8 +237,9 @@ def _assert_silence_recovery(result, baseline, action, rank=1):
     (aborted,) = result.events_of("collectives_aborted")
     assert sorted(aborted["ranks"]) == sorted({0, 1, 2} - {rank}) and not aborted["unanswered"]
     assert list(result.events_of("workers_replaced")[0]["how"]) == [str(rank)]
-    # Found through the node's heartbeat (elastic/heartbeat.py), which runs outside the rank's Python:
-    # a stopped process is reported stopped by it; a stopped node's heartbeat is silent too.
+    # Found through the node's heartbeat (elastic/runtime/heartbeat.py), which runs outside the
+    # rank's Python: a stopped process is reported stopped by it; a stopped node's heartbeat is
+    # silent too.
     (silence,) = result.events_of("silence_detected")
     beat = silence["heartbeat"][str(rank)]
     assert beat is not None, silence

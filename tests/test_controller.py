@@ -257,8 +257,8 @@ def test_a_pipeline_without_capacity_drops_a_replica_then_stages_and_grows_back(
 
 def test_spares_that_refill_the_pool_beside_training_start_at_low_priority():
     """The first spares start with the group, at full priority; the one that replaces a spare used
-    by a recovery starts while the group trains, so it asks for low priority (elastic/priority.py).
-    A worker a recovery waits for never does."""
+    by a recovery starts while the group trains, so it asks for low priority
+    (elastic/runtime/priority.py). A worker a recovery waits for never does."""
     c, g, clock = make(scaling={"num_spares": 1})
     drive(c, lambda c: c.step >= 10)
     assert g.spare_starts == [(1, False, False)]

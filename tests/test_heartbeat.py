@@ -197,8 +197,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_sidecar_started_by_a_spare_at_low_priority_runs_at_normal_priority():
-    # A refill spare warms under SCHED_IDLE (elastic/priority.py); its heartbeat must not starve,
-    # or a busy node would look stopped.
+    # A refill spare warms under SCHED_IDLE (elastic/runtime/priority.py); its heartbeat must not
+    # starve, or a busy node would look stopped.
     code = ("import os; from elastic.runtime import priority; from elastic.runtime.heartbeat import Sidecar; "
             "from elastic.runtime.ping_auth import PingAuth; "
             "low = priority.lower(); s = Sidecar([os.getpid()], '127.0.0.1', PingAuth.new('127.0.0.1')); "

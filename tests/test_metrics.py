@@ -1,6 +1,6 @@
-"""Prometheus metrics (elastic/metrics.py): the event -> metric mapping, the controller feeding
-it, the Grafana dashboard's expressions, and a real run on a local multi-node Ray cluster whose
-values are read back from the Ray metrics agents' Prometheus endpoints."""
+"""Prometheus metrics (elastic/observability/metrics.py): the event -> metric mapping, the
+controller feeding it, the Grafana dashboard's expressions, and a real run on a local multi-node
+Ray cluster whose values are read back from the Ray metrics agents' Prometheus endpoints."""
 from __future__ import annotations
 
 import contextlib

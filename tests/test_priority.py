@@ -1,5 +1,5 @@
 """A spare started beside training runs at the lowest CPU priority until it is built, and only
-where it can return to its priority afterwards (elastic/priority.py). Real processes: the
+where it can return to its priority afterwards (elastic/runtime/priority.py). Real processes: the
 scheduling policy of every thread, read back from the kernel."""
 from __future__ import annotations
 

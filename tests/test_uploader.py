@@ -1,5 +1,5 @@
-"""Checkpoint uploads in a child process (elastic/uploader.py): real child processes, local disk
-and SeaweedFS behind a slow link."""
+"""Checkpoint uploads in a child process (elastic/checkpoint/uploader.py): real child processes,
+local disk and SeaweedFS behind a slow link."""
 import os
 import shutil
 import signal

@@ -4,9 +4,10 @@ elastic DDP, 2 ranks on the 2 one-CPU worker nodes of a local cluster, the overh
 1.3 M MLP, global batch 96, a checkpoint every 50 steps to local disk. Each worker logs every full
 (generation 2) collection and every collection of any generation that took over 5 ms, from
 `gc.callbacks`, registered by the model factory below. Both settings run on one cluster,
-alternated: as shipped (the worker freezes what its set-up left alive, elastic/worker.py), and
-unfrozen, where the factory calls `gc.unfreeze()` first (every object back in the collector's
-generations, as before the freeze). Pairs alternate which setting runs first.
+alternated: as shipped (the worker freezes what its set-up left alive,
+elastic/runtime/worker.py), and unfrozen, where the factory calls `gc.unfreeze()` first (every
+object back in the collector's generations, as before the freeze). Pairs alternate which setting
+runs first.
 Usage: python benchmarks/probes/gc_probe.py [STEPS] [PAIRS]   (default 600 steps, 2 pairs)"""
 import gc
 import json

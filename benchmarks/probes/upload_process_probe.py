@@ -1,6 +1,6 @@
-"""A checkpoint's upload in the worker's process or in a child process (elastic/uploader.py),
-with the benchmark's MLP training on one thread of the same process, as a rank's persist runs
-beside its training.
+"""A checkpoint's upload in the worker's process or in a child process
+(elastic/checkpoint/uploader.py), with the benchmark's MLP training on one thread of the same
+process, as a rank's persist runs beside its training.
 
 One process, world size 1 on gloo, a SeaweedFS S3 endpoint on loopback, the same 120 MB as
 `python -m benchmarks checkpoint` at 10.3 M parameters (2 model and 4 Adam tensors of 5 M floats).

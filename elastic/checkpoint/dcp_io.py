@@ -28,8 +28,8 @@ from elastic.checkpoint.uploader import UploadCut
 
 DCP_METADATA = ".metadata"  # DCP's index of a save, written last by its coordinator
 
-# Remote uploads run in a child process (elastic/uploader.py), not beside training's thread in the
-# worker's: False uploads in the worker (for an A/B of the two). Process-private filesystems
+# Remote uploads run in a child process (checkpoint/uploader.py), not beside training's thread in
+# the worker's: False uploads in the worker (for an A/B of the two). Process-private filesystems
 # (`_process_private`: memory://) always upload in the worker, the only process that sees them.
 UPLOAD_IN_CHILD = True
 

@@ -3,7 +3,7 @@ its dataset loaded, that hold no CPU until they take a rank. A rank lost on a no
 crashed process frees its slot there) or a free slot anywhere is then filled without a process
 start: what is left is building the model, a state transfer and a group formation.
 
-What a start costs that this saves (`benchmarks/probes/prestart.py`): a Ray actor's scheduling and
+What a start costs that this saves: a Ray actor's scheduling and
 Python start, then importing torch, DTensor and DCP, about 2.4 s of CPU on this project's machine,
 4-6 s when three start at once on its 2 cores.
 

@@ -73,7 +73,7 @@ class SparePool(Replacing):
 
     def _new_actor(self, background: bool = False, node: str | None = None, prestarted: bool = False):
         """A new worker actor, never on a suspect node. `background`: it starts beside a training
-        group, at the lowest CPU priority until it is built (see elastic/priority.py). `node`:
+        group, at the lowest CPU priority until it is built (see runtime/priority.py). `node`:
         there if it has room (a soft affinity), else where Ray's SPREAD puts it. `prestarted`: a
         pre-started worker (elastic/group/prestart.py), pinned to `node` and holding no CPU."""
         opts = dict(self._actor_opts)

@@ -4,7 +4,7 @@ each all-reduced as soon as backward has produced it.
 Why not torch's DistributedDataParallel: its reducer rebuilds gradient buckets
 after the first iteration, so the first step after a restore sums gradients in
 a different order than an uninterrupted run, and resumed runs are not
-bit-identical (measured, see shared/DESIGN.md). Here the buckets are fixed:
+bit-identical (measured, see docs/architecture.md). Here the buckets are fixed:
 parameters in reverse `parameters()` order (roughly the order backward
 produces their gradients), cut every BUCKET_BYTES, one dtype per bucket, every
 step, every run. A hook on each parameter counts its bucket down; when a

@@ -32,7 +32,7 @@ it (elastic/runtime/ping_auth.py): no one else learns the node's pids and proces
 
 The agent tells the sidecar which pids to watch (a line of pids on its stdin). The sidecar exits
 when the agent does (its stdin pipe closes, or it is re-parented). It leaves SCHED_IDLE if it was
-started from a process at low priority (elastic/priority.py): a heartbeat that starves would be
+started from a process at low priority (runtime/priority.py): a heartbeat that starves would be
 taken for a stopped machine.
 """
 from __future__ import annotations

@@ -139,7 +139,7 @@ class Worker(GroupMembership):
         same compute on those values."""
         if self.model is None:
             state.build(self, fill=calibrate)
-        # Started beside training at the lowest priority (elastic/priority.py): built now, it
+        # Started beside training at the lowest priority (runtime/priority.py): built now, it
         # calibrates and later trains at the priority it had.
         low = priority.restore()
         info = self.info()
