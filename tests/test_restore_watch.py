@@ -60,3 +60,19 @@ def test_a_chaos_fault_during_restore_is_handed_to_the_receiving_rank_once():
     assert [args for args in g.calls if args[0] == "restore_fault"] == [("restore_fault", 1, "freeze_node")]
     assert [e["ranks"] for e in kinds(c, "silence_detected") if e.get("during") == "restore"] == [[1]]
     assert fault not in c.pending_faults
+
+
+@pytest.mark.parametrize("how", ["machine", "process", "refused"])
+def test_a_survivor_lost_while_the_replacements_start_is_merged_before_the_group_forms(how):
+    """A second node lost seconds after the first, while the replacements start (4-10 s here): the
+    churn benchmark found it only 6-11 s later, in a formation that could not complete. Now the
+    heartbeat's word on a survivor that answers no poll merges it into this recovery."""
+    c, g, clock = make(heartbeats=True)
+    drive(c, lambda c: c.step >= 10)
+    g.kill_process(1)
+    g.freeze_on_promote = {2: how}
+    drive(c)
+    assert isinstance(c.state, Finished)
+    (merged,) = kinds(c, "faults_merged")
+    assert merged["lost"] == [2] and merged["causes"]["2"].startswith("unresponsive")
+    assert not kinds(c, "group_error")  # no formation was tried with the lost survivor

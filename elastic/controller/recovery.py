@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elastic.checkpoint.layout import latest_committed, step_of_uri
-from elastic.controller import reports
+from elastic.controller import regroup, reports
 from elastic.controller.records import RecoveryRecord
 from elastic.controller.states import Errored, Forming, Recovering, State
 from elastic.group.worker_group import GroupError, cause_of
 from elastic.policies.failure import (FORMATION_SILENCE, FailureObservation, LostRank, Raise, decide_failure,
-                                     node_says_running)
+                                     formation_silent, node_says_running)
 from elastic.policies.buddies import choose_copies, has_copies
 from elastic.policies.placement import split_groups
 from elastic.policies.restore import FromShards, FromStorage, choose_restore
@@ -120,6 +120,7 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
                     nodes={r: group.members[r].node_id[:12] for r in missing},
                     pids={r: group.members[r].pid for r in missing},
                     **({"tp_split_groups": split} if tp > 1 else {}))
+    regroup.name_splits(ctl, missing)  # a split is a last resort: each one named, with why
     return merge_overlapping(ctl)
 
 
@@ -196,18 +197,30 @@ def from_copies(ctl: Controller, answers: dict, storage_why: str):
 
 
 def merge_overlapping(ctl: Controller) -> State:
-    """Faults that overlap: a member that died while the replacements started (a second node lost
+    """Faults that overlap: a member lost while the replacements started (a second node lost
     seconds after the first) is taken into this recovery now, not found by a formation that cannot
-    complete. Only deaths Ray reports count here; silence is the formation's to judge, with the
-    heartbeat (`formation_silent`), so a busy survivor is never taken for a lost one."""
-    answers, silent = reports.collect(ctl, ctl.job.failure.ping_timeout_s, progress=False)
-    gone = {r: w for r, w in silent.items() if cause_of(w) in (LostCause.PROCESS_DIED, LostCause.NODE_DIED,
-                                                                 LostCause.UNREACHABLE)}
+    complete. Deaths Ray reports count, and so does what the heartbeat says of a member that
+    answered no poll, by the formation's own rule (`formation_silent`: its node refuses the
+    pings, says its process is stopped, or is silent too): a busy survivor, whose node says it
+    runs, is never taken for a lost one."""
+    cfg = ctl.job.failure
+    answers, silent = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
+    gone = {r: (cause_of(w), w) for r, w in silent.items()
+            if cause_of(w) in (LostCause.PROCESS_DIED, LostCause.NODE_DIED, LostCause.UNREACHABLE)}
+    quiet = [r for r, w in silent.items() if r not in gone and cause_of(w) == LostCause.UNRESPONSIVE]
+    if quiet and cfg.heartbeat:
+        beats, waits = ctl.group.beats(), ctl.group.unanswered_s()
+        for r in quiet:
+            beat = beats.get(r)
+            if formation_silent(waits.get(r, cfg.ping_timeout_s), beat, cfg.ping_timeout_s):
+                gone[r] = (LostCause.UNRESPONSIVE, f"it answered no poll while the replacements started, and "
+                                                   f"its node's heartbeat says {beat_said(beat)}")
     if not gone:
         return Forming()
-    ctl.events.emit("faults_merged", lost=sorted(gone), reason="died while the replacements started: "
-                    "replaced in this recovery, before the group forms")
-    return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in gone.items()), ctl.wall())
+    ctl.events.emit("faults_merged", lost=sorted(gone), reason="lost while the replacements started: "
+                    "replaced in this recovery, before the group forms",
+                    causes={r: f"{c.value}: {w}"[:200] for r, (c, w) in sorted(gone.items())})
+    return Recovering(tuple(LostRank(r, c, w) for r, (c, w) in gone.items()), ctl.wall())
 
 
 def lost_from(ctl: Controller, e: GroupError, during: str) -> State:

@@ -85,6 +85,7 @@ class FakeGroup:
     fail_promote: int = 0  # the next N promote() calls raise (replacements that never come)
     die_on_form: list = field(default_factory=list)  # ranks that die during the next form()
     die_on_promote: list = field(default_factory=list)  # ranks that die while the next promote() starts workers
+    freeze_on_promote: dict = field(default_factory=dict)  # rank -> how it freezes while the next promote() runs
     stop_undelivered: set = field(default_factory=set)  # ranks a request_stop does not reach
     self_s: float = 0.0  # real seconds spent inside this fake (to subtract from controller timings)
     persisting: bool = False  # every rank reports a checkpoint persist in flight
@@ -261,6 +262,11 @@ class FakeGroup:
         dying, self.die_on_promote = self.die_on_promote, []
         for r in dying:
             self.members[r].dead = True
+        freezing, self.freeze_on_promote = self.freeze_on_promote, {}
+        for r, freeze_how in freezing.items():
+            self.freeze(r, freeze_how)
+        if freezing:
+            self.clock.advance(2.0)  # the replacements' start outlasts the silence bound
         self.refresh_spares()
         for r in ranks:
             if self.ready_spares:
