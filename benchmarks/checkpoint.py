@@ -42,7 +42,7 @@ import time
 import uuid
 
 from benchmarks.output import append_markdown, append_results, emit
-from benchmarks.overhead import (HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, num_params, parse_hidden,
+from benchmarks.overhead import (HIDDEN_ENV, STEP_LOG_ENV, connect_with_env, num_params, parse_hidden,
                                     read_step_log)
 
 NUM_WORKERS, GLOBAL_BATCH, SEED = 2, 96, 0
@@ -292,7 +292,7 @@ def main(args) -> int:
         cluster = stack.enter_context(local_cluster(num_worker_nodes=layout["num_workers"],
                                                     cpus_per_node=layout["cpus_per_node"]))
         for hidden in widths:
-            _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
+            connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
             cluster.ensure_worker_nodes(layout["num_workers"])
             recs, raw = run_size(hidden, s3, cluster, work, step_log, rep=0, layout=layout)
             for r in (*recs, raw):

@@ -27,13 +27,13 @@ def torchft_churn_loop(config: dict) -> None:
     """Per-worker training function: one replica group of one worker, until the driver's stop step."""
     import ray.train
 
-    from benchmarks.torchft_peer import _build_replica, _report, torchft_step
+    from benchmarks.torchft_peer import build_replica, report_step, torchft_step
     from elastic import workload
     from elastic.data.order import GlobalOrder
 
     ctx = ray.train.get_context()
     rank, num_groups = ctx.get_world_rank(), ctx.get_world_size()
-    manager, module, model, optimizer = _build_replica(config, rank)
+    manager, module, model, optimizer = build_replica(config, rank)
     dataset = workload.build_dataset()
     order = GlobalOrder(len(dataset), config["seed"])
     global_batch, stop_file = config["global_batch_size"], config["stop_file"]
@@ -60,7 +60,8 @@ def torchft_churn_loop(config: dict) -> None:
                     started = True
                 log(step=after, participants=manager.num_participants())
                 if after % config["ckpt_every"] == 0:
-                    _report(config, rank, after, float(loss.detach()), module, optimizer, manager)
+                    report_step(config, rank, after, float(loss.detach()), module, optimizer,
+                                manager)
     finally:
         os.close(fd)
     manager.shutdown()  # as the example: a finished group must not leave the others waiting on its quorum

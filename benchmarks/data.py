@@ -39,7 +39,7 @@ import uuid
 import torch
 
 from benchmarks.output import append_markdown, append_results, emit, parse_systems
-from benchmarks.overhead import (HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, num_params, parse_hidden,
+from benchmarks.overhead import (HIDDEN_ENV, STEP_LOG_ENV, connect_with_env, num_params, parse_hidden,
                                     read_step_log, rotated)
 
 NUM_WORKERS, GLOBAL_BATCH, SEED = 2, 96, 0
@@ -268,7 +268,7 @@ def main(args) -> int:
             options = {**s3.storage_options, **({"endpoint_url": link.url} if link else {})}
             where = {URI_ENV: f"{s3.uri}/bench-data", OPTIONS_ENV: json.dumps(options)}
             os.environ.update(where)  # the driver builds the dataset too (its length)
-            _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log, **where})
+            connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log, **where})
             for rep in range(args.reps):
                 group = []
                 digests = None

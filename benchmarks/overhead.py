@@ -49,7 +49,7 @@ import time
 import uuid
 
 from benchmarks.output import append_markdown, append_results, emit, int_list, medians, parse_systems
-from benchmarks.plain_pipeline import _StepClock  # the same step clock in every benchmark
+from benchmarks.plain_pipeline import StepClock  # the same step clock in every benchmark
 from elastic.workload import HIDDEN_ENV, build_mlp, build_model  # noqa: F401 - one MLP for every system
 
 NUM_WORKERS, GLOBAL_BATCH, SEED, CKPT_EVERY = 2, 96, 0, 50
@@ -77,7 +77,7 @@ def timed_optimizer(params):
     optimizer = workload.build_optimizer(params)
     path = os.environ.get(STEP_LOG_ENV)
     if path:
-        optimizer.register_step_post_hook(_StepClock(path))
+        optimizer.register_step_post_hook(StepClock(path))
     return optimizer
 
 
@@ -254,7 +254,7 @@ def _ray_train_loop(config: dict) -> None:
     from torch.utils.data import default_collate
 
     from elastic import workload
-    from benchmarks.ray_train_peer import _unwrapped
+    from benchmarks.ray_train_peer import unwrapped
     from elastic.data.order import GlobalOrder
 
     os.environ[STEP_LOG_ENV] = config["step_log"]
@@ -282,7 +282,7 @@ def _ray_train_loop(config: dict) -> None:
             metrics["loss"] = float(loss.detach())
             if rank == 0:
                 with tempfile.TemporaryDirectory() as tmp:
-                    torch.save({"model": _unwrapped(model).state_dict(), "optimizer": optimizer.state_dict(),
+                    torch.save({"model": unwrapped(model).state_dict(), "optimizer": optimizer.state_dict(),
                                 "step": done}, os.path.join(tmp, CHECKPOINT_FILE))
                     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
             else:
@@ -312,7 +312,7 @@ def run_ray_train(hidden: int, num_steps: int, work: str, step_log: str, num_wor
 
 
 # ---------------------------------------------------------------- the run
-def _connect_with_env(cluster, env: dict[str, str]) -> None:
+def connect_with_env(cluster, env: dict[str, str]) -> None:
     """Reconnect the driver with a job-level runtime env: every actor of the job (elastic's
     workers, Ray Train's controller and workers) starts with these variables."""
     import logging
@@ -451,7 +451,7 @@ def main(args) -> int:
         for hidden in widths:
             p = plan(hidden, args.reps, gpu, getattr(args, "reps_large", 1))
             params = num_params(hidden)
-            _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
+            connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
             if niceness is None:
                 niceness = ray_worker_niceness()
             for rep in range(p["reps"]):

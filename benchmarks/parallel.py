@@ -35,7 +35,7 @@ import uuid
 
 from benchmarks.output import emit, medians, parse_systems, scratch_dir, write_report
 from benchmarks.overhead import ray_worker_niceness
-from benchmarks.pipeline import _connect_with_env, gpt_env, gpt_setup, read_step_log
+from benchmarks.pipeline import connect_with_env, gpt_env, gpt_setup, read_step_log
 from benchmarks.plain_pipeline import STEP_LOG_ENV, step_rate
 
 SEED, BATCH, STEPS, WARMUP_STEPS = 0, 16, 60, 10
@@ -188,7 +188,7 @@ def main(args) -> int:
     records: list[dict] = []
     storage_uri = "file://" + os.path.join(work, "runs")
     with local_cluster(num_worker_nodes=NODES, cpus_per_node=2) as cluster:
-        _connect_with_env(cluster, env)
+        connect_with_env(cluster, env)
         niceness = ray_worker_niceness()
         common["niceness"] = niceness
         for rep in range(args.reps):

@@ -210,7 +210,7 @@ def run_elastic_recovery(stages: int, replicas: int, fault: str, at_step: int, s
 
 
 # ---------------------------------------------------------------- the run
-def _connect_with_env(cluster, env: dict[str, str]) -> None:
+def connect_with_env(cluster, env: dict[str, str]) -> None:
     """Reconnect the driver with a job-level runtime env: every actor of the job (elastic's
     workers, Ray Train's controller and workers) starts with these variables."""
     import logging
@@ -331,7 +331,7 @@ def main(args) -> int:
             s3 = stack.enter_context(seaweedfs_server())
             storage_uri, storage_options = f"{s3.uri}/bench", s3.storage_options
         cluster = stack.enter_context(local_cluster(num_worker_nodes=NUM_NODES, cpus_per_node=1))
-        _connect_with_env(cluster, env)
+        connect_with_env(cluster, env)
         for rep in range(args.reps):
             # Throughput: the two systems back to back per layout, their order alternating by repetition.
             order = [s for s in ("elastic", "torch-pipelining") if s in systems]

@@ -38,7 +38,7 @@ STEP_LOG_ENV = "ELASTIC_BENCH_STEP_LOG"  # file that global rank 0 appends one l
 
 
 # ---------------------------------------------------------------- the step clock (both systems)
-class _StepClock:
+class StepClock:
     """An optimizer post-step hook: global rank 0 appends the wall-clock time of every optimizer
     step to a file. The same hook in every system, so steps/s is measured the same way for all:
     from inside the training process, one line per step (one O_APPEND write, a few microseconds)."""
@@ -68,7 +68,7 @@ def timed_optimizer(params):
     optimizer = build_optimizer(params)
     path = os.environ.get(STEP_LOG_ENV)
     if path:
-        optimizer.register_step_post_hook(_StepClock(path))
+        optimizer.register_step_post_hook(StepClock(path))
     return optimizer
 
 

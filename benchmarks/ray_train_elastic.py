@@ -68,9 +68,9 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from elastic import workload
-from elastic.local_cluster import LocalCluster, _raylet_alive
+from elastic.local_cluster import LocalCluster, raylet_alive
 from benchmarks.ray_train_peer import (
-    EVENTS_FILE, _log_event, _read_events, _storage, report_step, resume_workload, train_step)
+    EVENTS_FILE, log_event, read_events, run_storage, report_step, resume_workload, train_step)
 
 GROW_MARKER = "grow.marker"
 
@@ -87,11 +87,11 @@ class _ReportTimeline(ray.train.UserCallback):
         self.timeline_dir = timeline_dir
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        _log_event(self.timeline_dir, "controller_registered_report",
+        log_event(self.timeline_dir, "controller_registered_report",
                    step=metrics[0].get("step"), checkpoint=checkpoint is not None)
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        _log_event(self.timeline_dir, "controller_saw_failure",
+        log_event(self.timeline_dir, "controller_saw_failure",
                    errors={rank: f"{type(e).__name__}: {str(e)[:200]}" for rank, e in worker_exceptions.items()})
 
 
@@ -106,12 +106,12 @@ if _ControllerCallbackBase is not None:
             if type(previous_state) is type(current_state):
                 return  # RUNNING -> RUNNING on every 2 s poll
             decision = getattr(current_state, "scaling_decision", None)
-            _log_event(self.timeline_dir, "controller_state",
+            log_event(self.timeline_dir, "controller_state",
                        previous=type(previous_state).__name__, current=type(current_state).__name__,
                        num_workers=getattr(decision, "num_workers", None))
 
         def before_controller_execute_resize_decision(self, resize_decision) -> None:
-            _log_event(self.timeline_dir, "controller_execute_resize", num_workers=resize_decision.num_workers)
+            log_event(self.timeline_dir, "controller_execute_resize", num_workers=resize_decision.num_workers)
 
 
 def _train_loop(config: dict) -> None:
@@ -124,7 +124,7 @@ def _train_loop(config: dict) -> None:
     per_rank_batch = global_batch // world_size
 
     model, optimizer, step, checkpoint, _ = resume_workload(config["seed"])
-    _log_event(timeline_dir, "train_fn_start", rank=rank, world_size=world_size, resume_step=step,
+    log_event(timeline_dir, "train_fn_start", rank=rank, world_size=world_size, resume_step=step,
                checkpoint=checkpoint.path if checkpoint is not None else None)
 
     dataset = workload.build_dataset()
@@ -133,7 +133,7 @@ def _train_loop(config: dict) -> None:
         loss = train_step(model, optimizer, dataset, step, global_batch, rank, per_rank_batch)
         step += 1
         if rank == 0:
-            _log_event(timeline_dir, "step", step=step, world_size=world_size)
+            log_event(timeline_dir, "step", step=step, world_size=world_size)
             if step >= grow_at_step:
                 # Tells the driver to add the node; O_EXCL: once per run, whatever restarts follow.
                 try:
@@ -144,7 +144,7 @@ def _train_loop(config: dict) -> None:
         metrics = {"step": step, "loss": float(loss.detach()), "world_size": world_size}
         report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir, world_size=world_size)
     if rank == 0:
-        _log_event(timeline_dir, "train_fn_done", rank=rank, step=step, world_size=world_size)
+        log_event(timeline_dir, "train_fn_done", rank=rank, step=step, world_size=world_size)
 
 
 def _steps_per_s(steps: list[dict]) -> float | None:
@@ -216,7 +216,7 @@ def _node_adder(cluster: Union[LocalCluster, Callable[[], Any]]) -> Callable[[],
     """A callable that adds one worker node and returns once the GCS lists it with its CPUs."""
     if isinstance(cluster, LocalCluster):
         def add() -> None:
-            running = sum(1 for n in cluster.cluster.worker_nodes if _raylet_alive(n))
+            running = sum(1 for n in cluster.cluster.worker_nodes if raylet_alive(n))
             cluster.ensure_worker_nodes(running + 1)  # adds one node, waits until it is registered
         return add
     if callable(cluster):
@@ -258,7 +258,7 @@ def run_ray_train_resize(
     default (60 s). Old checkpoints are pruned to `checkpoints_to_keep`
     (`CheckpointConfig.num_to_keep`) so long runs don't fill the disk. `s3` (an
     `tests.support.seaweedfs.S3Server`): checkpoints go to that S3 endpoint (see
-    `benchmarks.ray_train_peer._storage`), else to `storage_dir`.
+    `benchmarks.ray_train_peer.run_storage`), else to `storage_dir`.
 
     Returns one benchmark record (see docs/benchmarks/resize.md): `resize_s`
     (decision -> first step at the new size), `resize_from_node_s` (node
@@ -309,7 +309,7 @@ def run_ray_train_resize(
         },
         scaling_config=scaling_config,
         run_config=ray.train.RunConfig(
-            **_storage(storage_dir, s3),
+            **run_storage(storage_dir, s3),
             name=name,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=checkpoints_to_keep),
@@ -329,7 +329,7 @@ def run_ray_train_resize(
             outcome["error"] = e
 
     fitter = threading.Thread(target=fit, name="ray-train-resize-fit", daemon=True)
-    _log_event(timeline_dir, "fit_start")
+    log_event(timeline_dir, "fit_start")
     t0 = time.time()
     fitter.start()
     grow_error = None
@@ -337,21 +337,21 @@ def run_ray_train_resize(
     while fitter.is_alive() and not os.path.exists(marker):
         fitter.join(0.05)
     if os.path.exists(marker) and fitter.is_alive():  # no point growing a finished run
-        _log_event(timeline_dir, "node_add_start")
+        log_event(timeline_dir, "node_add_start")
         try:
             add_node()
         except Exception as e:  # noqa: BLE001 - reported in the result; the run goes on at the old size
             grow_error = f"{type(e).__name__}: {e}"
         else:
-            _log_event(timeline_dir, "node_added", worker_cpus=_worker_cpus())
+            log_event(timeline_dir, "node_added", worker_cpus=_worker_cpus())
     fitter.join()
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
     total_s = time.time() - t0
-    _log_event(timeline_dir, "fit_done")
+    log_event(timeline_dir, "fit_done")
 
-    events = _read_events(timeline_dir)
+    events = read_events(timeline_dir)
     done = [e for e in events if e["event"] == "train_fn_done"]
     return {
         "bench": "resize",

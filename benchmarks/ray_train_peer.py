@@ -42,7 +42,7 @@ FAULT_MARKER = "fault.marker"
 CHECKPOINT_FILE = "state.pt"
 
 
-def _log_event(timeline_dir: str, event: str, **fields: Any) -> None:
+def log_event(timeline_dir: str, event: str, **fields: Any) -> None:
     """Append one event with a wall-clock timestamp.
 
     One `os.write` on an O_APPEND descriptor per line, so lines from several
@@ -67,11 +67,11 @@ def fire_fault_once(timeline_dir: str, rank: int, step: int, fault: str) -> None
     fault_t = time.time()
     os.write(fd, json.dumps({"t": fault_t, "step": step, "rank": rank}).encode())
     os.close(fd)
-    _log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=fault_t)
+    log_event(timeline_dir, "fault", rank=rank, step=step, fault_t=fault_t)
     chaos.inject(fault)
 
 
-def _read_events(timeline_dir: str) -> list[dict]:
+def read_events(timeline_dir: str) -> list[dict]:
     path = os.path.join(timeline_dir, EVENTS_FILE)
     if not os.path.exists(path):
         return []
@@ -79,7 +79,7 @@ def _read_events(timeline_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-class _TimelineCallback(ray.train.UserCallback):
+class TimelineCallback(ray.train.UserCallback):
     """Runs inside the Ray Train controller: records when it sees a failure and which reports it registered.
 
     `after_exception` fires on the controller's first worker-group poll that
@@ -93,10 +93,10 @@ class _TimelineCallback(ray.train.UserCallback):
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         errors = {rank: f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
                   for rank, e in worker_exceptions.items()}
-        _log_event(self.timeline_dir, "controller_saw_failure", errors=errors)
+        log_event(self.timeline_dir, "controller_saw_failure", errors=errors)
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        _log_event(self.timeline_dir, "controller_registered_report",
+        log_event(self.timeline_dir, "controller_registered_report",
                    step=metrics[0].get("step"), checkpoint=checkpoint is not None)
 
 
@@ -158,7 +158,7 @@ def train_step(model, optimizer, dataset, step: int, global_batch: int, rank: in
     return loss
 
 
-def _unwrapped(model):
+def unwrapped(model):
     """The model `prepare_model` wrapped: it wraps in DDP only at a world size above one."""
     return getattr(model, "module", model)
 
@@ -174,14 +174,14 @@ def report_step(model, optimizer, step: int, metrics: dict, rank: int, ckpt_ever
         with tempfile.TemporaryDirectory() as tmp:
             ray_train_fsdp.save(model, optimizer, step, tmp, rank)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-        _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, **log_fields)
+        log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, **log_fields)
     elif step % ckpt_every == 0:
         if rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
-                torch.save({"model": _unwrapped(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                torch.save({"model": unwrapped(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                            os.path.join(tmp, CHECKPOINT_FILE))
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-            _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, **log_fields)
+            log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step, **log_fields)
         else:
             ray.train.report(metrics)
     elif step == num_steps:
@@ -203,7 +203,7 @@ def _train_loop(config: dict) -> None:
     strategy, tp = config.get("strategy", "ddp"), config.get("tp", 1)
     model, optimizer, step, checkpoint, mesh = resume_workload(config["seed"], strategy, config.get("use_gpu", False),
                                                                tp)
-    _log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery,
+    log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery,
                checkpoint=checkpoint.path if checkpoint is not None else None)
 
     if tp > 1:
@@ -228,17 +228,17 @@ def _train_loop(config: dict) -> None:
         step += 1
 
         if rank == 0 and is_recovery and not first_step_logged:
-            _log_event(timeline_dir, "first_step_after_recovery", rank=rank, step=step)
+            log_event(timeline_dir, "first_step_after_recovery", rank=rank, step=step)
             first_step_logged = True
 
         metrics = {"step": step, "loss": float(loss.detach())}
         report_step(model, optimizer, step, metrics, rank, ckpt_every, num_steps, timeline_dir,
                     "tp" if tp > 1 else strategy)
     if rank == 0:
-        _log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
+        log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
 
 
-def _summarise(events: list[dict], *, fault_step: int) -> dict:
+def summarise(events: list[dict], *, fault_step: int) -> dict:
     """Turn the timeline into the benchmark's figures (None where an event never happened)."""
     def first(name: str, after: float, **match: Any) -> dict | None:
         hits = [e for e in events
@@ -290,7 +290,7 @@ def check_recovery_args(num_workers: int, num_steps: int, fault_step: int, ckpt_
         raise RuntimeError(f"{who} needs a connected Ray cluster (see elastic.local_cluster)")
 
 
-def _storage(storage_dir: str, s3) -> dict:
+def run_storage(storage_dir: str, s3) -> dict:
     """RunConfig's storage arguments: local disk, or the S3 endpoint of `s3` (path = bucket/prefix)."""
     if s3 is None:
         return {"storage_path": storage_dir}
@@ -356,19 +356,19 @@ def run_ray_train_recovery(
                                                resources_per_worker={"CPU": cpus_per_worker,
                                                                      **({"GPU": 1} if use_gpu else {})}),
         run_config=ray.train.RunConfig(
-            **_storage(storage_dir, s3),
+            **run_storage(storage_dir, s3),
             name=name,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            callbacks=[_TimelineCallback(timeline_dir)],
+            callbacks=[TimelineCallback(timeline_dir)],
         ),
     )
-    _log_event(timeline_dir, "fit_start")
+    log_event(timeline_dir, "fit_start")
     t0 = time.time()
     result = trainer.fit()
     total_s = time.time() - t0
-    _log_event(timeline_dir, "fit_done")
+    log_event(timeline_dir, "fit_done")
 
-    events = _read_events(timeline_dir)
+    events = read_events(timeline_dir)
     done = [e for e in events if e["event"] == "train_fn_done"]
     final_step = (result.metrics or {}).get("step", done[-1]["step"] if done else None)
     out = {
@@ -378,7 +378,7 @@ def run_ray_train_recovery(
         "tp": tp,
         "storage": "s3" if s3 is not None else "file",
         "fault": fault,
-        **_summarise(events, fault_step=fault_step),
+        **summarise(events, fault_step=fault_step),
         "final_step": final_step,
         "total_s": total_s,
         "num_workers": num_workers,

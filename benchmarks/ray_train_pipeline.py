@@ -29,7 +29,7 @@ def _ray_train_loop(config: dict) -> None:
 
     from benchmarks import ray_train_fsdp
     from benchmarks.plain_pipeline import build_pipeline, run_step
-    from benchmarks.ray_train_peer import FAULT_MARKER, _log_event, fire_fault_once
+    from benchmarks.ray_train_peer import FAULT_MARKER, fire_fault_once, log_event
     from elastic.data.order import GlobalOrder
     from examples.gpt import build_dataset, build_model, stage_loss
 
@@ -61,7 +61,7 @@ def _ray_train_loop(config: dict) -> None:
                 getattr(m, "module", m).load_state_dict(sd)
             me.optimizer.load_state_dict(state["optimizer"])
             step = state["step"]
-    _log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery)
+    log_event(timeline_dir, "train_fn_start", rank=rank, resume_step=step, recovery=is_recovery)
 
     dataset = build_dataset()
     order = GlobalOrder(len(dataset), config["seed"])
@@ -73,7 +73,7 @@ def _ray_train_loop(config: dict) -> None:
         loss = run_step(me, dataset, order, step, config["global_batch"])
         step += 1
         if rank == 0 and is_recovery and not logged_first:
-            _log_event(timeline_dir, "first_step_after_recovery", rank=rank, step=step)
+            log_event(timeline_dir, "first_step_after_recovery", rank=rank, step=step)
             logged_first = True
         metrics = {"step": step, "loss": float(loss) if loss is not None else None}
         if step % config["ckpt_every"] == 0:
@@ -86,13 +86,13 @@ def _ray_train_loop(config: dict) -> None:
                                     "optimizer": me.optimizer.state_dict(), "step": step},
                                    os.path.join(tmp, STAGE_FILE.format(me.stage)))
                     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-                _log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step)
+                log_event(timeline_dir, "checkpoint_reported", rank=rank, step=step)
             else:
                 ray.train.report(metrics)
         elif step == num_steps:
             ray.train.report(metrics)
     if rank == 0:
-        _log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
+        log_event(timeline_dir, "train_fn_done", rank=rank, step=step)
 
 
 def run_ray_train_recovery(stages: int, replicas: int, fault: str, at_step: int, schedule: str,
@@ -100,7 +100,7 @@ def run_ray_train_recovery(stages: int, replicas: int, fault: str, at_step: int,
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from benchmarks.ray_train_peer import EVENTS_FILE, _log_event, _read_events, _summarise, _TimelineCallback
+    from benchmarks.ray_train_peer import EVENTS_FILE, TimelineCallback, log_event, read_events, summarise
 
     name = f"ray-train-pipeline-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:6]}"
     timeline_dir = os.path.join(storage_dir, f"{name}-timeline")
@@ -116,14 +116,14 @@ def run_ray_train_recovery(stages: int, replicas: int, fault: str, at_step: int,
                                                resources_per_worker={"CPU": 1 / tp}),
         run_config=ray.train.RunConfig(storage_path=storage_dir, name=name,
                                        failure_config=ray.train.FailureConfig(max_failures=2),
-                                       callbacks=[_TimelineCallback(timeline_dir)]),
+                                       callbacks=[TimelineCallback(timeline_dir)]),
     )
-    _log_event(timeline_dir, "fit_start")
+    log_event(timeline_dir, "fit_start")
     t0 = time.time()
     result = trainer.fit()
     total_s = time.time() - t0
-    events = _read_events(timeline_dir)
+    events = read_events(timeline_dir)
     done = [e for e in events if e["event"] == "train_fn_done"]
-    return {**_summarise(events, fault_step=at_step),
+    return {**summarise(events, fault_step=at_step),
             "final_step": done[-1]["step"] if done else (result.metrics or {}).get("step"),
             "total_s": total_s, "timeline": os.path.join(timeline_dir, EVENTS_FILE)}

@@ -199,7 +199,7 @@ def run_ray_train(storage_dir: str, fault: str, at_step: int, s3=None, num_worke
 
 def main(args) -> int:
     from elastic.local_cluster import local_cluster
-    from benchmarks.overhead import _connect_with_env
+    from benchmarks.overhead import connect_with_env
     from elastic.workload import HIDDEN_ENV
 
     gpu = bool(getattr(args, "gpu", False))
@@ -276,10 +276,10 @@ def main(args) -> int:
         for size in sizes:
             hidden, params = model_size(size)
             if hidden:  # every process of every system builds this width (elastic.workload)
-                _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+                connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
             if tp > 1:  # every process of every system builds this examples/gpt.py
                 params = gpt_params
-                _connect_with_env(cluster, gpt)
+                connect_with_env(cluster, gpt)
             # From LARGE_PARAMS on a step takes seconds here and a checkpoint a gigabyte: --reps-large (1).
             for rep in range(getattr(args, "reps_large", 1) if params >= LARGE_PARAMS else args.reps):
                 at_step = fault_step(rep)
@@ -358,7 +358,7 @@ def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work:
     """The torchft peer, each run on a fresh cluster whose head has a CPU for the lighthouse. A run
     that fails or hangs is a record with recover_s None and the evidence, never a figure."""
     from elastic.local_cluster import local_cluster
-    from benchmarks.overhead import _connect_with_env
+    from benchmarks.overhead import connect_with_env
     from benchmarks.torchft_peer import run_torchft_recovery
     from elastic.workload import HIDDEN_ENV
 
@@ -370,7 +370,7 @@ def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work:
             for fault in faults:
                 with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1, head_cpus=1) as cluster:
                     if hidden:
-                        _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+                        connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
                     try:
                         rec = run_torchft_recovery(work, NUM_WORKERS, NUM_STEPS, at_step, CKPT_EVERY, GLOBAL_BATCH,
                                                    fault, cluster, timeout_s=TORCHFT_TIMEOUT_S)

@@ -37,14 +37,14 @@ def main(pairs: int, out: str) -> None:
     from benchmarks import straggler
     from benchmarks.output import scratch_dir
     from elastic.local_cluster import local_cluster
-    from benchmarks.overhead import STEP_LOG_ENV, _connect_with_env, read_step_log
+    from benchmarks.overhead import STEP_LOG_ENV, connect_with_env, read_step_log
 
     work = scratch_dir("elastic-bench-refill-")
     step_log = os.path.join(work, "steps.jsonl")
     rows = []
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(local_cluster(num_worker_nodes=4, cpus_per_node=1))
-        _connect_with_env(cluster, {STEP_LOG_ENV: step_log})
+        connect_with_env(cluster, {STEP_LOG_ENV: step_log})
         for rep in range(pairs):
             for low in ([True, False] if rep % 2 == 0 else [False, True]):
                 cluster.ensure_worker_nodes(4)

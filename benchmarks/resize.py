@@ -145,7 +145,7 @@ def run_ray_train(work: str, cluster, s3=None, steps: int = NUM_STEPS) -> dict:
 
 def main(args) -> int:
     from elastic.local_cluster import local_cluster
-    from benchmarks.overhead import _connect_with_env
+    from benchmarks.overhead import connect_with_env
     from benchmarks.recovery import STATE_BYTES_PER_PARAM, model_size, parse_params
     from elastic.workload import HIDDEN_ENV
 
@@ -172,7 +172,7 @@ def main(args) -> int:
                     # coordinator (a detached actor) would otherwise remember the previous run's nodes.
                     with local_cluster(num_worker_nodes=MIN, cpus_per_node=1) as cluster:
                         if hidden:  # every process of every system builds this width (elastic.workload)
-                            _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+                            connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
                         timeline = (os.path.join(args.out, "resize-events", f"{system}-{params}-rep{rep}.jsonl")
                                     if args.out else None)
                         rec = (run_ray_train(work, cluster, s3, num_steps(params)) if system == "ray-train"

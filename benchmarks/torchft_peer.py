@@ -90,8 +90,8 @@ from ray.train.torch import TorchTrainer
 
 from elastic.runtime import chaos  # after `import ray`: chaos needs psutil, which comes from Ray's vendored copy
 from elastic import workload
-from benchmarks.ray_train_peer import (EVENTS_FILE, FAULT_MARKER, _log_event, _read_events, _TimelineCallback,
-                                         check_recovery_args)
+from benchmarks.ray_train_peer import (EVENTS_FILE, FAULT_MARKER, TimelineCallback,
+                                         check_recovery_args, log_event, read_events)
 from elastic.data.order import GlobalOrder
 
 SYSTEM = "ray-train-torchft"
@@ -160,7 +160,7 @@ def _last_step_by_rank(events: list[dict]) -> dict[str, int]:
 
 # ---------------------------------------------------------------- the worker side
 
-def _build_replica(config: dict, replica_group: int):
+def build_replica(config: dict, replica_group: int):
     """The common workload's model and optimizer behind torchft's Manager and wrappers, as in Ray's
     example: (manager, ddp model, optimizer wrapper)."""
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
@@ -216,11 +216,12 @@ def _maybe_inject_fault(config: dict, rank: int, step: int) -> None:
     fault_t = time.time()
     os.write(fd, json.dumps({"t": fault_t, "step": step, "rank": rank}).encode())
     os.close(fd)
-    _log_event(config["timeline_dir"], "fault", rank=rank, step=step, fault_t=fault_t)
+    log_event(config["timeline_dir"], "fault", rank=rank, step=step, fault_t=fault_t)
     chaos.inject(config["fault"])
 
 
-def _report(config: dict, rank: int, step: int, loss: float, module, optimizer, manager) -> None:
+def report_step(config: dict, rank: int, step: int, loss: float, module, optimizer,
+                manager) -> None:
     """Every worker reports (Ray Train's report is a barrier over all workers); group 0 attaches a
     checkpoint of the model, optimizer and manager state (torchft's docs: save the manager's too)."""
     metrics = {"step": step, "loss": loss}
@@ -231,7 +232,7 @@ def _report(config: dict, rank: int, step: int, loss: float, module, optimizer, 
         torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(),
                     "torchft": manager.state_dict(), "step": step}, os.path.join(tmp, CHECKPOINT_FILE))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-    _log_event(config["timeline_dir"], "checkpoint_reported", rank=rank, step=step)
+    log_event(config["timeline_dir"], "checkpoint_reported", rank=rank, step=step)
 
 
 def _train_loop(config: dict) -> None:
@@ -240,9 +241,9 @@ def _train_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, num_groups = ctx.get_world_rank(), ctx.get_world_size()
     replacement = os.path.exists(os.path.join(timeline_dir, FAULT_MARKER))
-    _log_event(timeline_dir, "train_fn_start", rank=rank, replacement=replacement)
+    log_event(timeline_dir, "train_fn_start", rank=rank, replacement=replacement)
 
-    manager, module, model, optimizer = _build_replica(config, rank)
+    manager, module, model, optimizer = build_replica(config, rank)
     dataset = workload.build_dataset()
     order = GlobalOrder(len(dataset), config["seed"])
     global_batch = config["global_batch_size"]
@@ -254,12 +255,13 @@ def _train_loop(config: dict) -> None:
         loss = torchft_step(model, optimizer, dataset, order.rank_indices(before, global_batch, num_groups, rank))
         after = manager.current_step()
         committed = after > before
-        _log_event(timeline_dir, "step", rank=rank, before=before, step=after, committed=committed,
+        log_event(timeline_dir, "step", rank=rank, before=before, step=after, committed=committed,
                    participants=manager.num_participants(), t_start=t_start)
         if committed and (after % config["ckpt_every"] == 0 or after >= num_steps):
-            _report(config, rank, after, float(loss.detach()), module, optimizer, manager)
+            report_step(config, rank, after, float(loss.detach()), module, optimizer,
+                        manager)
 
-    _log_event(timeline_dir, "train_fn_done", rank=rank, step=manager.current_step())
+    log_event(timeline_dir, "train_fn_done", rank=rank, step=manager.current_step())
     # As the example: without it a finished survivor leaves the others waiting on its quorum.
     manager.shutdown()
 
@@ -341,16 +343,16 @@ def run_torchft_recovery(
         run_config=ray.train.RunConfig(
             storage_path=storage_dir, name=name,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            callbacks=[_TimelineCallback(timeline_dir)],
+            callbacks=[TimelineCallback(timeline_dir)],
         ),
     )
-    _log_event(timeline_dir, "fit_start")
+    log_event(timeline_dir, "fit_start")
     t0 = time.time()
     result, error = _fit(trainer, timeout_s)
     total_s = time.time() - t0
-    _log_event(timeline_dir, "fit_done", error=repr(error) if error is not None else None)
+    log_event(timeline_dir, "fit_done", error=repr(error) if error is not None else None)
 
-    events = _read_events(timeline_dir)
+    events = read_events(timeline_dir)
     summary = summarise(events, num_workers=num_workers, fault_step=fault_step)
     timeline = os.path.join(timeline_dir, EVENTS_FILE)
     if error is not None:

@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
     st.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
                     help=STORAGE_OPTION_HELP)
-    for _, sp in _subparsers(p):
+    for _, sp in subparsers(p):
         sp.add_debug()
     return p
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _subparsers(p: argparse.ArgumentParser,
+def subparsers(p: argparse.ArgumentParser,
                 prefix: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
     """Every subcommand's parser, depth first, named: "train", "config", "config show", ..."""
     out = []
@@ -106,7 +106,7 @@ def _subparsers(p: argparse.ArgumentParser,
         if isinstance(action, argparse._SubParsersAction):
             for name, sp in action.choices.items():
                 out.append((prefix + name, sp))
-                out += _subparsers(sp, prefix + name + " ")
+                out += subparsers(sp, prefix + name + " ")
     return out
 
 

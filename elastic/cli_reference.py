@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from elastic.cli import _subparsers, parser
+from elastic.cli import parser, subparsers
 
 COMMAND = "python -m elastic.cli_reference > docs/cli.md"
 
@@ -81,12 +81,12 @@ def commands() -> list[tuple[str, argparse.ArgumentParser, str]]:
     """(name, its parser, its one-line help) for every command that does something (no groups)."""
     top = parser()
     helps = {}
-    for action in [a for _, sp in [("", top), *_subparsers(top)] for a in sp._actions]:
+    for action in [a for _, sp in [("", top), *subparsers(top)] for a in sp._actions]:
         if isinstance(action, argparse._SubParsersAction):
             for choice in action._choices_actions:
                 prog = action.choices[choice.dest].prog.removeprefix("elastic ")
                 helps[prog] = choice.help or ""
-    leaves = [(name, sp) for name, sp in _subparsers(top)
+    leaves = [(name, sp) for name, sp in subparsers(top)
               if not any(isinstance(a, argparse._SubParsersAction) for a in sp._actions)]
     return [(name, sp, helps.get(name, "")) for name, sp in leaves]
 

@@ -52,7 +52,7 @@ WORKER_NODE_RESOURCE = "elastic_worker_node"
 QUIET_TIMEOUT_S = 90.0
 
 
-def _raylet_alive(node: "ray._private.node.Node") -> bool:
+def raylet_alive(node: "ray._private.node.Node") -> bool:
     """Whether this node's raylet process (a child of ours) is still running.
 
     The local process handle knows at once; the GCS only learns of a killed
@@ -111,9 +111,9 @@ class LocalCluster:
         a node is not counted, since it can never run anything again.
         """
         for node in list(self.cluster.worker_nodes):
-            if not _raylet_alive(node):
+            if not raylet_alive(node):
                 self._drop_node(node)
-        running = [n for n in self.cluster.worker_nodes if _raylet_alive(n)]
+        running = [n for n in self.cluster.worker_nodes if raylet_alive(n)]
         for _ in range(num_nodes - len(running)):
             self._add_worker_node()
             logger.info("added a worker node (%d running)", len(self.cluster.worker_nodes))
@@ -128,7 +128,7 @@ class LocalCluster:
         split one for want of CPUs that are only late to be freed. Between tests, not mid-run."""
         t0 = time.monotonic()
         while True:
-            running = {n.node_id for n in self.cluster.worker_nodes if _raylet_alive(n)}
+            running = {n.node_id for n in self.cluster.worker_nodes if raylet_alive(n)}
             listed = {n["NodeID"] for n in self.alive_worker_nodes()}
             free = free_cpus_by_node()
             held = sorted(n[:8] for n in running if free.get(n, 0.0) < self.cpus_per_node)
@@ -185,7 +185,7 @@ class LocalCluster:
     @staticmethod
     def node_usable(node: "ray._private.node.Node") -> bool:
         """Its raylet runs and is not frozen: the node can still host work."""
-        return _raylet_alive(node)
+        return raylet_alive(node)
 
     def kill_node(self, node: "ray._private.node.Node") -> None:
         """A lost machine: SIGKILL every process under the node's raylet, then the raylet

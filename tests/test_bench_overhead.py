@@ -170,8 +170,8 @@ def test_ray_train_peers_save_the_model_whether_or_not_prepare_model_wrapped_it(
     # prepare_model wraps in DDP only above world size one: a one-GPU run has no `.module`.
     from torch import nn
 
-    from benchmarks.ray_train_peer import _unwrapped
+    from benchmarks.ray_train_peer import unwrapped
     model = nn.Linear(2, 2)
     wrapped = nn.Module()
     wrapped.module = model
-    assert _unwrapped(model) is model and _unwrapped(wrapped) is model
+    assert unwrapped(model) is model and unwrapped(wrapped) is model

@@ -560,12 +560,12 @@ def test_remote_shards_are_staged_on_local_disk_then_uploaded_and_the_stage_remo
 
     import fsspec
 
-    from elastic.checkpoint.dcp_io import _written_files, save_shards
+    from elastic.checkpoint.dcp_io import save_shards, written_files
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the stage goes
     folder = f"memory://stage-{uuid.uuid4().hex}/run/checkpoints/step_000000001"
     saved = save_shards(model_state(0), folder, {}, one_rank_group)
     fs, path = fsspec.core.url_to_fs(folder)
-    assert {p.rsplit("/", 1)[1] for p in fs.find(path)} == _written_files(saved.metadata) == set(saved.digests)
+    assert {p.rsplit("/", 1)[1] for p in fs.find(path)} == written_files(saved.metadata) == set(saved.digests)
     assert not list(tmp_path.glob("elastic-stage-*"))
     restored = model_state(1)
     load_shards(restored, folder, {}, one_rank_group)

@@ -27,11 +27,11 @@ def test_configuration_page_is_generated_from_the_models():
 
 def test_cli_page_is_generated_from_the_parser_and_names_every_option():
     from elastic import cli_reference
-    from elastic.cli import _subparsers, parser
+    from elastic.cli import parser, subparsers
     page = cli_reference.render()
     _is_generated("cli.md", page, cli_reference.COMMAND)
     top = parser()
-    flags = [flag for _, p in [("", top), *_subparsers(top)]
+    flags = [flag for _, p in [("", top), *subparsers(top)]
              for a in p._actions for flag in a.option_strings]
     assert len(flags) > 20 and "--no-per-rank" in flags and "--trace" in flags
     assert all(flag in page for flag in flags), [flag for flag in flags if flag not in page]

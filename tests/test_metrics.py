@@ -305,7 +305,7 @@ def test_ray_backend_sets_again_the_gauges_that_have_not_moved():
         _record = observe = inc
 
     t = [0.0]
-    be = ex.RayBackend(refresh_s=5.0, clock=lambda: t[0], metrics={c.name: Recorder(c.name) for c in m._CATALOGUE})
+    be = ex.RayBackend(refresh_s=5.0, clock=lambda: t[0], metrics={c.name: Recorder(c.name) for c in m.CATALOGUE})
     rm = m.RunMetrics("r")
     be.apply(rm.event({"kind": "run_started", "num_steps": 30}) + rm.event({"kind": "workers_started", "ranks": [0, 1]}))
     be.apply(rm.progress(4, 1.0, {0: report(0, step=4, step_s=0.1), 1: report(1, step=4, step_s=0.2)}))

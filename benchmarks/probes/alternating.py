@@ -23,11 +23,11 @@ def alternating_runs(work: str, hidden: int, steps: int, pairs: int, env: dict[s
     sys.path.insert(0, HERE)
     from elastic import Trainer
     from elastic.local_cluster import local_cluster
-    from benchmarks.overhead import HIDDEN_ENV, STEP_LOG_ENV, _connect_with_env, elastic_job, read_step_log
+    from benchmarks.overhead import HIDDEN_ENV, STEP_LOG_ENV, connect_with_env, elastic_job, read_step_log
 
     step_log = os.path.join(work, "steps.jsonl")
     with local_cluster(num_worker_nodes=2, cpus_per_node=1) as cluster:
-        _connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log, **env,
+        connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log, **env,
                                     "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])})
         for i in range(2 * pairs):
             first = (i + i // 2) % 2 == 0

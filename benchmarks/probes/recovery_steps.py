@@ -17,7 +17,7 @@ EVENTS = ("failure_detected", "workers_replaced", "group_formed", "restored", "r
 
 def main(size: str = "90M", system: str = "elastic-spare") -> None:
     from benchmarks.output import scratch_dir
-    from benchmarks.overhead import _connect_with_env
+    from benchmarks.overhead import connect_with_env
     from benchmarks.recovery import NUM_WORKERS, model_size, parse_params, run_elastic
     from elastic.local_cluster import local_cluster
     from elastic.observability.timeline import load
@@ -27,7 +27,7 @@ def main(size: str = "90M", system: str = "elastic-spare") -> None:
     hidden, _ = model_size(parse_params(size)[0])
     with local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1) as cluster:
         if hidden:
-            _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+            connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
         rec = run_elastic(system, "file://" + scratch_dir("elastic-probe-") + "/runs", {}, "kill_node", 25,
                           strategy="fsdp", copy_sync=True)
     print(f"recover_s {rec['recover_s']:.2f}", {k: v for k, v in rec.items() if k.startswith("t_")})

@@ -3,7 +3,7 @@ killed at step 15 once its step-10 shards are uploading. Prints the events that 
 survivors' abandoned uploads cost the new group."""
 import json, sys, time
 from elastic.local_cluster import local_cluster
-from benchmarks.overhead import _connect_with_env
+from benchmarks.overhead import connect_with_env
 from benchmarks.recovery import elastic_job, model_size, NUM_WORKERS
 from elastic.workload import HIDDEN_ENV
 from tests.support.seaweedfs import seaweedfs_server
@@ -12,7 +12,7 @@ from elastic import Trainer
 out = sys.argv[1]
 with seaweedfs_server() as s3, local_cluster(num_worker_nodes=NUM_WORKERS + 1, cpus_per_node=1) as cluster:
     hidden, params = model_size(90_000_000)
-    _connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
+    connect_with_env(cluster, {HIDDEN_ENV: str(hidden)})
     job = elastic_job("elastic", f"{s3.uri}/drill", s3.storage_options, "kill_node", 15)
     job["chaos"][0]["during_upload"] = True
     t0 = time.time()

@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 
 # What rank 0 finds in a step's folder before saving into it, shared with every rank so that all
 # of them take the same path through the collective save.
-_EMPTY, _COMMITTED, _STALE, _BROKEN, _UNREADABLE = range(5)
-_FENCED = -1  # some rank may no longer write: nobody does
-_LATE = -2  # some rank's upload for a failed group still runs: nobody writes this time
+EMPTY, COMMITTED, STALE, BROKEN, UNREADABLE = range(5)
+FENCED = -1  # some rank may no longer write: nobody does
+LATE = -2  # some rank's upload for a failed group still runs: nobody writes this time
 
 
 class Fenced(RuntimeError):
@@ -95,7 +95,7 @@ class PersistAgreement:
         deadline = time.monotonic() + self._wait_timeout_s
         late = self._earlier_still_running(deadline)
         ok, why = self._allowed(deadline)
-        verdict, detail, found = _EMPTY, "", None
+        verdict, detail, found = EMPTY, "", None
         if self.rank == 0 and ok and not late:
             verdict, detail, found = self._inspect(folder, step)
         flags = torch.tensor([int(ok is False), verdict if self.rank == 0 else 0, int(late), int(ok is None)],
@@ -104,14 +104,14 @@ class PersistAgreement:
         num_fenced, verdict, num_late, num_unread = (int(f) for f in flags)
         if num_fenced:
             who = f"rank {self.rank}: {why}" if ok is False else f"{num_fenced} rank(s) of the group may no longer write"
-            return _FENCED, f"fenced: {who}; persist of {folder} abandoned, nothing written", None
+            return FENCED, f"fenced: {who}; persist of {folder} abandoned, nothing written", None
         if num_unread:
             # Fail closed, but not for good: a storage failure, so the checkpoint stays owed.
             who = f"rank {self.rank}: {why}" if ok is None else f"{num_unread} rank(s) could not read the fence"
-            return _UNREADABLE, (f"{who} (for {self._wait_timeout_s:.0f} s); nothing of {folder} written, "
+            return UNREADABLE, (f"{who} (for {self._wait_timeout_s:.0f} s); nothing of {folder} written, "
                                  f"saved again once storage answers"), None
         if num_late:
-            return _LATE, (f"skipped: {num_late} rank(s) still upload a persist their failed group abandoned "
+            return LATE, (f"skipped: {num_late} rank(s) still upload a persist their failed group abandoned "
                            f"(after {self._wait_timeout_s:.0f} s); nothing of {folder} written, the next "
                            f"checkpoint tries again"), None
         return verdict, detail, found
@@ -122,14 +122,14 @@ class PersistAgreement:
         for attempt in range(self.retries + 1):
             try:
                 if name not in self.storage.list_dir(self.root):
-                    return _EMPTY, "", None
+                    return EMPTY, "", None
                 if COMMIT_MARKER not in self.storage.sizes(folder):
                     try:
                         self.storage.remove_tree(folder)  # left over by a lost attempt at this step
                     except StorageError as e:
                         # The manifest lists only what this save writes, so leftovers can stay.
                         log.warning("leftovers of an earlier attempt at step %d not removed: %s", step, e)
-                    return _STALE, "", None
+                    return STALE, "", None
                 try:
                     found = validate(self.storage, folder)
                     # A folder this process's restore found corrupt: reporting it as this step's
@@ -137,12 +137,12 @@ class PersistAgreement:
                     _, problem = VERDICTS.known(folder, found)
                     if problem is not None:
                         raise ValueError(problem)
-                    return _COMMITTED, "", found
+                    return COMMITTED, "", found
                 except ValueError as e:
-                    return _BROKEN, (f"{folder} holds a {COMMIT_MARKER} marker but is not a valid checkpoint "
+                    return BROKEN, (f"{folder} holds a {COMMIT_MARKER} marker but is not a valid checkpoint "
                                      f"({e}); a committed folder is never rewritten, so step {step} is not "
                                      f"checkpointed again (readers skip that folder)"), None
             except StorageError as e:
                 if attempt == self.retries or self._stop.wait(self.backoff_s * 2 ** attempt):
-                    return _UNREADABLE, f"cannot look at {folder} before saving: {e}", None
+                    return UNREADABLE, f"cannot look at {folder} before saving: {e}", None
         raise AssertionError("unreachable")

@@ -292,7 +292,7 @@ def staging_for(state: Any) -> Any:
     return None
 
 
-def _written_files(metadata) -> set[str] | None:
+def written_files(metadata) -> set[str] | None:
     """The files a DCP save wrote, from the index it returned: shards named in `storage_data`
     plus the index itself. None when the index does not say."""
     storage_data = getattr(metadata, "storage_data", None)

@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.checkpoint.agreement import (_BROKEN, _COMMITTED, _FENCED, _LATE, _UNREADABLE, Fenced,
+from elastic.checkpoint.agreement import (BROKEN, COMMITTED, FENCED, LATE, UNREADABLE, Fenced,
                                           PersistAgreement)
-from elastic.checkpoint.dcp_io import UploadBound, _written_files, save_shards, snapshot, staging_for
+from elastic.checkpoint.dcp_io import UploadBound, save_shards, snapshot, staging_for, written_files
 from elastic.checkpoint.layout import COMMIT_MARKER, MANIFEST, Manifest, commit, step_dir
 from elastic.checkpoint.retention import apply_retention
-from elastic.checkpoint.retry import _is_peer_failure
+from elastic.checkpoint.retry import is_peer_failure
 from elastic.checkpoint.uploader import UploadCut, UploadFenced
 from elastic.protocol import PersistResult
 from elastic.storage import Storage, StorageError
@@ -243,16 +243,16 @@ class AsyncCheckpointer(PersistAgreement):
             verdict, detail, found = self._agree(folder, step)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - the group failed: nothing to retry
             return report(error=f"{type(e).__name__}: {e}")
-        if self._gave_up is not None and verdict != _COMMITTED:
+        if self._gave_up is not None and verdict != COMMITTED:
             return report(error=self._timed_out(folder, detail or None))
-        if verdict in (_FENCED, _LATE):
+        if verdict in (FENCED, LATE):
             return report(error=detail)
-        if verdict == _COMMITTED:
+        if verdict == COMMITTED:
             # A redone step (recovery from storage): its folder was committed by the attempt that
             # was lost, with the state this attempt recomputed. Never rewritten in place.
             return report(committed=self.rank == 0, reused=True,
                           metrics_=found.metrics if found is not None else metrics)
-        if verdict in (_BROKEN, _UNREADABLE):
+        if verdict in (BROKEN, UNREADABLE):
             return report(error=detail or f"rank 0 could not prepare {folder}; nothing saved")
 
         # 2. Shards, collectively: retried in lockstep, because DCP raises on every rank.
@@ -273,7 +273,7 @@ class AsyncCheckpointer(PersistAgreement):
             # DCP's CheckpointException is a BaseException, not an Exception.
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - storage and peer errors: retry or report
                 err = f"{type(e).__name__}: {e}"
-                if self._stop.is_set() or _is_peer_failure(e):
+                if self._stop.is_set() or is_peer_failure(e):
                     break  # the group is gone (or the persist given up): retrying is pointless
                 if self._any_rank_fenced(isinstance(e, UploadFenced)):
                     return report(attempts=attempt, error=f"fenced: rank {self.rank}: {e}; {folder} not committed"
@@ -322,7 +322,7 @@ class AsyncCheckpointer(PersistAgreement):
         """Manifest then marker, on rank 0, after every rank's shards are written (DCP said so).
         The manifest (with every file's digest, `saved.digests`) is built once, so a retry writes
         the same bytes."""
-        wrote = _written_files(saved.metadata)
+        wrote = written_files(saved.metadata)
         manifest = None
         for attempt in range(self.retries + 1):
             ok, why = self._allowed()

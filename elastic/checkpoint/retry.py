@@ -41,6 +41,6 @@ def describe_failure(e: BaseException, limit: int = 300) -> str:
     return text[:limit]
 
 
-def _is_peer_failure(e: BaseException) -> bool:
+def is_peer_failure(e: BaseException) -> bool:
     text = str(e).lower()
     return any(s in text for s in PEER_LOST)

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 from elastic.config.secrets import redact
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # hide_input_in_errors: pydantic's own message quotes the input (a whole job, storage_options
     # included) for a check that fails; loading.format_validation_error says what was given instead.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)

@@ -5,10 +5,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from elastic.config.base import _Strict
+from elastic.config.base import Strict
 
 
-class ChaosFault(_Strict):
+class ChaosFault(Strict):
     """One injected fault, keyed by (rank, step): fires once, on the worker holding `rank`,
     when it has completed `at_step` steps and before it starts the next one."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from elastic.config.base import _Strict
+from elastic.config.base import Strict
 from elastic.config.chaos import ChaosFault
 from elastic.config.sections import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, StragglerConfig
 from elastic.config.train import FsdpSpec, TrainSpec
@@ -24,7 +24,7 @@ def batch_plan(global_batch_size: int, world_size: int, micro_batch_size: int | 
     return micro, per_rank // micro
 
 
-class JobConfig(_Strict):
+class JobConfig(Strict):
     """A whole job: `elastic train job.yaml`, or `Trainer(dict)`."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="The run's name, seed and length.")

@@ -5,11 +5,11 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from elastic.config.base import _Strict
+from elastic.config.base import Strict
 from elastic.config.uris import check_storage_uri
 
 
-class ScalingConfig(_Strict):
+class ScalingConfig(Strict):
     """How many ranks, how far the world may shrink and grow, spares and resources."""
 
     num_workers: int = Field(2, ge=1, description="Training ranks (one Ray actor each); the target size.")
@@ -58,7 +58,7 @@ class ScalingConfig(_Strict):
         return self.max_workers if self.max_workers is not None else self.num_workers
 
 
-class FailureConfig(_Strict):
+class FailureConfig(Strict):
     """How faults are detected (silence, heartbeat, hangs) and how many recoveries a run may make."""
 
     max_failures: int = Field(3, ge=0, description="Recoveries allowed before the run stops with an error.")
@@ -97,7 +97,7 @@ class FailureConfig(_Strict):
     )
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     """Where checkpoints go, how often, how many are kept, and how long storage is waited for."""
 
     storage_uri: str = Field(
@@ -197,7 +197,7 @@ class CheckpointConfig(_Strict):
         return self
 
 
-class StragglerConfig(_Strict):
+class StragglerConfig(Strict):
     """Straggler detection and mitigation (see elastic/policies/straggler.py)."""
 
     enabled: bool = Field(False, description="Watch each rank's own compute time; swap a persistent straggler for a "
@@ -212,7 +212,7 @@ class StragglerConfig(_Strict):
     cooldown_s: float = Field(30.0, ge=0, description="No new action this soon after the last one.")
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     """The run's name, seed and length."""
 
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",

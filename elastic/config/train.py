@@ -8,7 +8,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import Field, model_validator
 
-from elastic.config.base import _Strict
+from elastic.config.base import Strict
 
 
 def _import_ref(ref: str, field: str) -> Callable:
@@ -29,7 +29,7 @@ def _import_ref(ref: str, field: str) -> Callable:
 DTYPES = Literal["float32", "bfloat16", "float16"]
 
 
-class FsdpSpec(_Strict):
+class FsdpSpec(Strict):
     """Settings of the fully-sharded strategy (train.strategy: fsdp), PyTorch's fully_shard (FSDP2)."""
 
     blocks: list[str] | None = Field(
@@ -59,7 +59,7 @@ class FsdpSpec(_Strict):
 SCHEDULES = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
 
-class PipelineSpec(_Strict):
+class PipelineSpec(Strict):
     """Settings of the pipeline strategy (train.strategy: pipeline): the model is cut into stages at
     the children of its nn.Sequential root, one stage per rank (two or more with interleaved_1f1b),
     and torch.distributed.pipelining runs the schedule. scaling.num_workers = stages x replicas."""
@@ -93,7 +93,7 @@ class PipelineSpec(_Strict):
         return self
 
 
-class TensorParallelSpec(_Strict):
+class TensorParallelSpec(Strict):
     """Tensor parallelism (train.tp): every stage's layers split over `size` ranks
     (torch.distributed.tensor.parallel). scaling.num_workers = replicas x stages x size."""
 
@@ -120,7 +120,7 @@ class TensorParallelSpec(_Strict):
                            "norms (examples/gpt.py). A train.tp.plan applies SequenceParallel itself.")
 
 
-class DataSpec(_Strict):
+class DataSpec(Strict):
     """A built-in dataset (train.data), instead of a dataset function."""
 
     format: Literal["parquet"] = Field(description="parquet: rows of Parquet files, by global index.")
@@ -139,7 +139,7 @@ def _parquet_dataset(uri: str, columns, storage_options):
     return ParquetDataset(uri, columns, storage_options)
 
 
-class TrainSpec(_Strict):
+class TrainSpec(Strict):
     """What to train. Each callable is given as 'module:function' so workers can import it."""
 
     model: str = Field(description="module:function() -> torch.nn.Module")

@@ -43,7 +43,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from elastic.data.parquet_row_group import _column, _Decoded, _Window
+from elastic.data.parquet_row_group import DecodedGroup, Window, decode_column
 from elastic.config.secrets import redact_uri, secret_values
 from elastic.storage import Storage, StorageError, normalize_uri, scrubbed_error
 
@@ -239,7 +239,7 @@ class ParquetDataset(torch.utils.data.Dataset):
             footer, problem = None, "no PAR1 footer"
             if tail[-4:] == _MAGIC:
                 try:
-                    footer = pq.read_metadata(_Window(self._fs, self._paths[f], self._sizes[f], start, tail))
+                    footer = pq.read_metadata(Window(self._fs, self._paths[f], self._sizes[f], start, tail))
                 except Exception as e:  # noqa: BLE001
                     problem = f"cannot read its footer: {type(e).__name__}: {e}"
             if expected is not None:
@@ -298,7 +298,7 @@ class ParquetDataset(torch.utils.data.Dataset):
         g = bisect.bisect_right(self._starts, i) - 1
         return g, i - self._starts[g]
 
-    def _row_groups(self, groups: Sequence[int]) -> dict[int, _Decoded]:
+    def _row_groups(self, groups: Sequence[int]) -> dict[int, DecodedGroup]:
         """Decoded row groups, from the cache, from a read already in flight, or read now (all the
         missing ones in one concurrent request)."""
         mine: list[int] = []
@@ -337,7 +337,7 @@ class ParquetDataset(torch.utils.data.Dataset):
                 out[g] = self._row_groups([g])[g]
         return out
 
-    def _load(self, groups: list[int]) -> dict[int, _Decoded]:
+    def _load(self, groups: list[int]) -> dict[int, DecodedGroup]:
         self._read_footers({self._groups[g][0] for g in groups})
         spans = [self._span(g) for g in groups]
         blobs = self._cat_ranges([self._paths[self._groups[g][0]] for g in groups],
@@ -345,15 +345,16 @@ class ParquetDataset(torch.utils.data.Dataset):
         out = {}
         for g, (start, _), blob in zip(groups, spans, blobs, strict=True):
             f, r = self._groups[g]
-            window = _Window(self._fs, self._paths[f], self._sizes[f], start, blob)
+            window = Window(self._fs, self._paths[f], self._sizes[f], start, blob)
             try:
                 pf = pq.ParquetFile(window, metadata=self._footers[f], pre_buffer=False)
                 table = pf.read_row_group(r, columns=self.columns, use_threads=False)
             except Exception as e:  # noqa: BLE001
                 raise self._error(f"ParquetDataset: reading row group {r} of {self._uri_of(f)} failed: "
                                   f"{type(e).__name__}: {e}", e)
-            out[g] = _Decoded([_column(c, table.column(c), f"row group {r} of {self._uri_of(f)}")
-                               for c in self.columns])
+            out[g] = DecodedGroup([decode_column(c, table.column(c),
+                                                 f"row group {r} of {self._uri_of(f)}")
+                                   for c in self.columns])
         return out
 
     def _span(self, g: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """One Parquet row group in memory, for `elastic.data.parquet.ParquetDataset`: the bytes of its
-one ranged read, served to pyarrow as a file (`_Window`), and its selected columns decoded once
-into tensors, or Python values for what a tensor cannot hold (`_column`, `_Decoded`).
+one ranged read, served to pyarrow as a file (`Window`), and its selected columns decoded once
+into tensors, or Python values for what a tensor cannot hold (`decode_column`, `DecodedGroup`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import torch
 
 
-class _Window(io.RawIOBase):
+class Window(io.RawIOBase):
     """A read-only file of `size` bytes of which [start, start + len(data)) is already in memory.
 
     pyarrow reads row groups through it; a read outside the window (it should not
@@ -54,7 +54,7 @@ class _Window(io.RawIOBase):
         return out
 
 
-class _Decoded:
+class DecodedGroup:
     """One row group's selected columns, decoded once into tensors (or Python lists)."""
 
     def __init__(self, columns: list):
@@ -103,7 +103,7 @@ def _tensor(arr: pa.Array) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
-def _column(name: str, col: pa.ChunkedArray, where: str):
+def decode_column(name: str, col: pa.ChunkedArray, where: str):
     arr = col.combine_chunks()
     t = arr.type
     is_list = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Protocol
 
-from elastic.observability.metrics import _CATALOGUE, PROGRESS_EVERY_S, RunMetrics, Update
+from elastic.observability.metrics import CATALOGUE, PROGRESS_EVERY_S, RunMetrics, Update
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _ray_metrics() -> dict[str, Any]:
     from ray.util.metrics import Counter, Gauge, Histogram
 
     out: dict[str, Any] = {}
-    for m in _CATALOGUE:
+    for m in CATALOGUE:
         if m.kind == "gauge":
             out[m.name] = Gauge(m.name, m.description, tag_keys=m.tags)
         elif m.kind == "counter":

@@ -56,7 +56,7 @@ class Metric:
         return (base,)
 
 
-_CATALOGUE = (
+CATALOGUE = (
     Metric("elastic_num_steps", "gauge", "Optimizer steps the run is to train (run.num_steps)."),
     Metric("elastic_step", "gauge", "Last step every rank has completed."),
     Metric("elastic_steps", "counter",
@@ -132,7 +132,7 @@ _CATALOGUE = (
            "The rank's median compute time in the last straggler window over the others' (stragglers.enabled).",
            ("run", "rank")),
 )
-METRICS: dict[str, Metric] = {m.name: m for m in _CATALOGUE}
+METRICS: dict[str, Metric] = {m.name: m for m in CATALOGUE}
 # Counters without labels, and so with one series from the start (0 until they move)
 ZERO_AT_START = ("elastic_steps", "elastic_lost_steps", "elastic_skipped_steps", "elastic_rollbacks")
 # Labelled counters, one series per value a run can give them, at 0 from the start: increase()
@@ -148,7 +148,7 @@ ZERO_BY_LABEL = {
 }
 # elastic.protocol.MemorySample's fields, each the metric elastic_rank_<field>
 MEMORY_FIELDS = tuple(f.name for f in fields(MemorySample))
-PER_RANK = tuple(m.name for m in _CATALOGUE if "rank" in m.tags)
+PER_RANK = tuple(m.name for m in CATALOGUE if "rank" in m.tags)
 
 
 def _state_names() -> tuple[str, ...]:

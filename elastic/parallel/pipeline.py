@@ -275,7 +275,7 @@ class Pipeline(DataParallel):
 
     def assemble(self, state: dict, offers: dict[int, dict]) -> int:
         """Fill this rank's fresh state (keyed by name) from old stages' offers. Returns the step."""
-        from elastic.parallel.resharding import ReshardError, _set, flatten
+        from elastic.parallel.resharding import ReshardError, flatten, set_leaf
         steps = {o["step"] for o in offers.values()}
         if len(steps) != 1:
             raise ReshardError(f"offers from different steps: {sorted(steps)}")
@@ -295,7 +295,7 @@ class Pipeline(DataParallel):
                 with torch.no_grad():
                     dst.copy_(src)
             elif dst is v:
-                _set(state, path, src.clone())
+                set_leaf(state, path, src.clone())
             else:
                 raise ReshardError(f"{'.'.join(map(str, path))}: a tensor slice of shape {tuple(dst.shape)} offered "
                                    f"as {tuple(src.shape)}")

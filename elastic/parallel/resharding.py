@@ -81,7 +81,7 @@ def map_leaves(tree, fn):
     return fn(tree)
 
 
-def _set(tree, path: tuple, value) -> None:
+def set_leaf(tree, path: tuple, value) -> None:
     for k in path[:-1]:
         tree = tree[k]
     tree[path[-1]] = value
@@ -230,7 +230,7 @@ def exchange(state: dict, kept: dict[int, dict], fetched: dict[int, dict], holde
                 if isinstance(v, torch.Tensor):
                     v.copy_(other[path])
                 else:
-                    _set(state, path, other[path])
+                    set_leaf(state, path, other[path])
                 continue
             if r.parts != new_dp or r.part != new_part // tp:
                 raise ReshardError(f"{name}: dp part {r.part}/{r.parts} at rank {new_part}/{new_world}, tp {tp}")

@@ -3,11 +3,13 @@ the controller, wait for the moment the fault names (during an upload, after a p
 fault. The faults themselves are elastic/runtime/chaos.py's."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import TYPE_CHECKING
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.runtime import chaos
@@ -15,16 +17,25 @@ from elastic.runtime import chaos
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
 
+log = logging.getLogger(__name__)
+
 
 def fire_fault(w: Worker, fault: dict) -> None:
     # Tell the controller first (it records the fault time and never hands this fault out
-    # again), then fault. The report must land before the process dies, hence ray.get.
+    # again), then fault. The report must land before the process dies, hence ray.get; within
+    # the backstop, so a controller that never answers does not hold the rank (and the drill)
+    # for good: the fault then fires unreported, as a fault from outside would.
     uploading = _await_upload(w.ckpt, w.job.failure.collective_timeout_s) if fault.get("during_upload") else None
     if fault.get("after_persist") and w.ckpt is not None:
         w.ckpt.wait(w.job.failure.collective_timeout_s)
     if w.controller is not None:
-        ray.get(w.controller.report_fault.remote(fault, w.rank, w.step, time.time(), os.getpid(),
-                                                 w.generation, uploading))
+        bound_s = w.job.failure.collective_timeout_s
+        try:
+            ray.get(w.controller.report_fault.remote(fault, w.rank, w.step, time.time(), os.getpid(),
+                                                     w.generation, uploading), timeout=bound_s)
+        except GetTimeoutError:
+            log.warning("chaos fault %s at step %s not reported: the controller did not answer within %g s "
+                        "(failure.collective_timeout_s); it fires anyway", fault["action"], w.step, bound_s)
     if fault["action"] == "slow":
         w.slow_factor = fault["factor"]  # the process stays slow; the rank may move elsewhere
         return

@@ -95,6 +95,7 @@ class MemoryCopies:
         self.buddy = None  # (rank, actor handle) that holds this rank's parts, or None
         self.holds_for: tuple[int, ...] = ()  # the ranks whose buddy this rank is (memory_sync receives their parts)
         self._sender: threading.Thread | None = None
+        self._sender_gen: int | None = None  # the group whose part the sender carries
 
     # ---------------------------------------------------------------- in a group
     def start(self, generation: int, buddy, holds_for: tuple[int, ...] = ()) -> None:
@@ -115,7 +116,10 @@ class MemoryCopies:
             self._extra_s = None
 
     def sending(self) -> bool:
-        return self._sender is not None and self._sender.is_alive()
+        """A send of this group's is on its way; one of an older group (its buddy may be the
+        frozen rank the group re-formed without) holds nothing back: its part is of no use now."""
+        return (self._sender is not None and self._sender.is_alive()
+                and self._sender_gen is not None and self._sender_gen == self.generation)
 
     def holding_back(self, step: int, step_s: float | None) -> bool:
         """This rank's vote against a copy at the step after `step` (the step statistics' COPYING
@@ -185,15 +189,20 @@ class MemoryCopies:
             self.cost_s, self._extra_s = time.perf_counter() - t0, None  # the whole of it held the step
             return
 
+        # A buddy frozen with its node (Ray still lists it alive) never answers: without a bound
+        # this send would stay "on its way" for good, and this rank would vote against every copy.
+        bound_s = w.job.failure.collective_timeout_s
+
         def send() -> None:
             try:
                 if delay_s:
                     time.sleep(delay_s)
-                ray.get(handle.hold_copy.remote(w.rank, gen, to_wire(part)))
-            except Exception:  # noqa: BLE001 - the buddy is gone: its copies are too, and the polls say so
+                ray.get(handle.hold_copy.remote(w.rank, gen, to_wire(part)), timeout=bound_s)
+            except Exception:  # noqa: BLE001 - the buddy is gone or frozen: the copy is lost, the polls say why
                 pass
 
         self._sender = threading.Thread(target=send, name="memory-copy", daemon=True)
+        self._sender_gen = gen
         self._sender.start()
 
     def _evict_oldest(self, parts: dict[int, dict]) -> dict | None:

@@ -161,7 +161,9 @@ def from_shards(w: Worker, offers: list, old_world: int, old_pp: int = 1,
         parts = w.strategy.needed_stages(old_pp)
     else:
         parts = resharding.needed_parts(st, old_world, w.world_size, w.rank, frozenset(holders), w.strategy.tp)
-    got = dict(zip(parts, ray.get([offers[p] for p in parts])))
+    # Within the restore's backstop: an old rank's node frozen with its part in its object store
+    # would hold this read for good (the heartbeat finds the node; this rank then fails here).
+    got = dict(zip(parts, ray.get([offers[p] for p in parts], timeout=w.job.failure.collective_timeout_s)))
     t = phase("fetch", t)
     received = None
     if pipeline:
