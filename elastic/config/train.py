@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from elastic.config.base import Strict
 
 
-def _import_ref(ref: str, field: str) -> Callable:
+def import_ref(ref: str, field: str) -> Callable:
     if not isinstance(ref, str) or ref.count(":") != 1:
         raise ValueError(f"{field}: expected 'module:function', got {ref!r}")
     mod_name, fn_name = ref.split(":")
@@ -245,12 +245,12 @@ class TrainSpec(Strict):
     def resolve(self) -> dict[str, Callable | None]:
         """Import every callable; raises ValueError naming the field that fails."""
         return {
-            "model": _import_ref(self.model, "train.model"),
-            "dataset": _import_ref(self.dataset, "train.dataset") if self.dataset else self.data.factory(),
-            "loss": _import_ref(self.loss, "train.loss") if self.loss else None,
-            "stage_loss": _import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
-            "tp_plan": _import_ref(self.tp.plan, "train.tp.plan") if self.tp.plan else None,
-            "init": _import_ref(self.init, "train.init") if self.init else None,
-            "scheduler": _import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
-            "optimizer": _import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
+            "model": import_ref(self.model, "train.model"),
+            "dataset": import_ref(self.dataset, "train.dataset") if self.dataset else self.data.factory(),
+            "loss": import_ref(self.loss, "train.loss") if self.loss else None,
+            "stage_loss": import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
+            "tp_plan": import_ref(self.tp.plan, "train.tp.plan") if self.tp.plan else None,
+            "init": import_ref(self.init, "train.init") if self.init else None,
+            "scheduler": import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
+            "optimizer": import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
         }

@@ -276,5 +276,5 @@ def apply(model: nn.Module, tp_mesh, plan_fn=None, sequence_parallel: bool = Fal
 
 
 def import_plan(ref: str):
-    from elastic.config.train import _import_ref
-    return _import_ref(ref, "train.tp.plan")
+    from elastic.config.train import import_ref
+    return import_ref(ref, "train.tp.plan")
