@@ -4,31 +4,87 @@ from __future__ import annotations
 
 import math
 
-from elastic.policies.placement import (group_node, pick_spare, regroup_move, regroup_nodes, replacement_homes, spare_homes,
-                                        split_groups, trade_move)
+from elastic.policies.placement import (group_node, homes_kept, pick_spare, regroup_move, regroup_nodes,
+                                        replacement_homes, spare_homes, split_groups, take_rank, trade_move)
 
 
 # ---------------------------------------------------------------- replacements beside their tp group
+def homes(*args, **kwargs) -> dict[int, str]:
+    return replacement_homes(*args, **kwargs).homes
+
+
 def test_a_replacement_goes_to_its_tp_groups_node_when_it_has_room():
     members = {0: "A", 2: "B", 3: "B"}  # rank 1 (tp group 0, on A) was lost; its slot on A is free
     # A warm spare on C does not pull rank 1 off its group's node: A has the room.
-    assert replacement_homes([1], 2, members, ["C"], {"A": 1.0, "B": 0.0, "C": 0.0}, 1.0) == {1: "A"}
+    assert homes([1], 2, members, ["C"], {"A": 1.0, "B": 0.0, "C": 0.0}, 1.0) == {1: "A"}
     # A spare on A is the best of both.
-    assert replacement_homes([1], 2, members, ["A", "C"], {"A": 0.0, "B": 0.0, "C": 0.0}, 1.0) == {1: "A"}
-    # No room on A: no home; the rank goes wherever a worker is (its group then spans nodes).
-    assert replacement_homes([1], 2, members, ["C"], {"A": 0.0, "B": 0.0, "C": 0.0}, 1.0) == {}
+    assert homes([1], 2, members, ["A", "C"], {"A": 0.0, "B": 0.0, "C": 0.0}, 1.0) == {1: "A"}
+    # No room on A, nor for the whole group anywhere: no home; the rank goes wherever a worker
+    # is (its group then spans nodes), and the plan says why.
+    got = replacement_homes([1], 2, members, ["C"], {"A": 0.0, "B": 0.0, "C": 0.0}, 1.0)
+    assert got.homes == {} and "no node has room for its 2 ranks together" in got.split[0], got
     # Slots count in workers' CPUs.
-    assert replacement_homes([1], 2, members, [], {"A": 1.0}, 2.0) == {}
+    assert homes([1], 2, members, [], {"A": 1.0}, 2.0) == {}
+
+
+def test_the_slot_of_a_dead_process_is_room_for_its_replacement():
+    # Ray does not show rank 1's slot on A free yet: its own dead process's slot counts.
+    members = {0: "A", 2: "B", 3: "B"}
+    assert homes([1], 2, members, [], {"A": 0.0, "B": 0.0, "C": 1.0}, 0.5, freed={1: "A"}) == {1: "A"}
+    assert homes([1], 2, members, [], {"A": 0.0, "B": 0.0}, 0.5, freed={1: "X"}) == {}  # a node gone: none
 
 
 def test_a_tp_group_lost_whole_goes_where_most_of_it_fits():
     members = {2: "B", 3: "B"}  # tp group 0 (ranks 0, 1) lost with node A
-    assert replacement_homes([0, 1], 2, members, ["C"], {"B": 0.0, "C": 1.0, "D": 1.0}, 1.0) == {0: "C", 1: "C"}
+    assert homes([0, 1], 2, members, ["C"], {"B": 0.0, "C": 1.0, "D": 1.0}, 1.0) == {0: "C", 1: "C"}
     # Room for one rank only, on each of two nodes: one rank there, the other placed as before.
-    assert replacement_homes([0, 1], 2, members, [], {"C": 1.0, "D": 1.0}, 1.0) == {0: "C"}
+    got = replacement_homes([0, 1], 2, members, [], {"C": 1.0, "D": 1.0}, 1.0)
+    assert got.homes == {0: "C"} and "node C took 1" in got.split[0], got
     # Two groups lost: each takes room once, in rank order.
-    got = replacement_homes([0, 1, 2, 3], 2, {}, [], {"C": 2.0, "D": 2.0}, 1.0)
+    got = homes([0, 1, 2, 3], 2, {}, [], {"C": 2.0, "D": 2.0}, 1.0)
     assert got == {0: "C", 1: "C", 2: "D", 3: "D"}
+
+
+def test_a_group_lost_whole_goes_where_a_worker_for_it_is_already_starting():
+    """Cause 3 of the split in issue 55: the home ignored the worker started at the fault's first
+    signal. Tp group 1 (ranks 2, 3) was lost with its node; C and D each have room for both, and
+    that worker is on D: the group goes to D (name order would say C, and then three workers
+    start for two ranks, one of them on D)."""
+    got = replacement_homes([2, 3], 2, {0: "A", 1: "A"}, ["D"], {"A": 0.0, "C": 1.0, "D": 0.5}, 0.5)
+    assert got.homes == {2: "D", 3: "D"} and got.split == {}, got
+
+
+def test_a_rank_whose_groups_node_is_full_goes_where_the_whole_group_fits_and_its_survivors_follow():
+    members = {0: "A", 2: "B", 3: "B"}  # rank 1 lost; the slot it left on A was taken meanwhile
+    got = replacement_homes([1], 2, members, [], {"A": 0.0, "B": 0.0, "C": 0.5, "D": 1.0}, 0.5)
+    assert got.homes == {1: "D"} and got.follow == {0: "D"}, got
+    assert "rank(s) [0] follow at a step boundary" in got.split[0], got
+    # A spare on C and a free slot beside it: room for all of the group there too, the spare wins.
+    got = replacement_homes([1], 2, members, ["C"], {"A": 0.0, "B": 0.0, "C": 0.5, "D": 1.0}, 0.5)
+    assert got.homes == {1: "C"} and got.follow == {0: "C"}, got
+
+
+def test_a_worker_takes_a_rank_only_on_its_home():
+    """Cause 1 of the split in issue 55: a worker started on demand took any missing rank. Tp
+    group 1's node was killed; its ranks' home is C, and the worker started at the fault's first
+    signal came up on D first: it takes neither (it took rank 2, and the group spanned C and D)."""
+    at_c = {2: "C", 3: "C"}
+    assert take_rank([2, 3], at_c, "D") is None
+    assert take_rank([2, 3], at_c, "C") == 2
+    assert take_rank([1, 2, 3], at_c, "D") == 1  # a rank without a home goes to any worker
+    assert take_rank([], at_c, "C") is None
+
+
+def test_a_home_is_given_up_only_when_it_cannot_be_reached():
+    at_c = {2: "C", 3: "C", 5: "E"}
+    kept, dropped = homes_kept(at_c, [2, 3, 5], set(), set(), 1.0, 5.0)
+    assert kept == at_c and dropped == {}
+    kept, dropped = homes_kept(at_c, [2, 3, 5], {"C"}, set(), 1.0, 5.0)  # C lost while its workers started
+    assert kept == {5: "E"} and sorted(dropped) == [2, 3] and "was lost" in dropped[2]
+    kept, dropped = homes_kept(at_c, [3, 5], set(), {"E"}, 1.0, 5.0)  # Ray put E's worker elsewhere
+    assert kept == {3: "C"} and "placed elsewhere" in dropped[5]
+    kept, dropped = homes_kept(at_c, [3], set(), set(), 5.0, 5.0)  # none came up there in time
+    assert kept == {} and "within 5 s" in dropped[3]
 
 
 def test_split_groups_names_the_tp_groups_that_span_nodes():
@@ -61,13 +117,24 @@ def test_a_refill_goes_where_it_can_gather_a_split_tp_group():
     members = {0: "A", 1: "C", 2: "B", 3: "B"}
     assert regroup_nodes(members, 2, {"A": 0.5, "B": 0.0, "C": 0.5, "D": 1.0}, 0.5) == ["A"]  # name order on a tie
     assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.5, "D": 1.0}, 0.5) == ["C"]  # A is full
-    assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.0, "D": 1.0}, 0.5) == []  # neither node of its own has room
+    # Neither node of its own has room, nor another for all of it.
+    assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.0, "D": 0.5}, 0.5) == []
     assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "B"}, 2, {"A": 1.0}, 0.5) == []  # nothing split
     # tp 4: three on A, one on B: one spare on A (the node holding most of it), not three on B.
     assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "A"}, 4, {"A": 1.0, "B": 2.0}, 0.5) == ["A"]
     # Two off A: as many spares there as it has room for.
     assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "C"}, 4, {"A": 2.0}, 0.5) == ["A", "A"]
     assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "C"}, 4, {"A": 0.5}, 0.5) == ["A"]
+
+
+def test_a_node_with_room_for_a_whole_split_group_gets_a_spare_per_rank():
+    # Group 0 spans A and C, both full; D (a node that joined) has room for all of it.
+    members = {0: "A", 1: "C", 2: "B", 3: "B"}
+    assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.0, "D": 1.0}, 0.5) == ["D", "D"]
+    # The first move goes to D; then D holds part of the group and the rest follows.
+    assert regroup_move(members, 2, [("D", 0.1), ("D", 0.1)], 0.2) == (1, "D")
+    assert regroup_move({**members, 1: "D"}, 2, [("D", 0.1)], 0.2) == (0, "D")
+    assert regroup_move(members, 2, [("D", 0.1), ("D", 0.3)], 0.2) is None  # one of the two too slow
 
 
 def test_a_warm_spare_on_part_of_a_split_group_gathers_it():

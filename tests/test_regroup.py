@@ -139,3 +139,34 @@ def test_one_replica_of_a_tp_pipeline_is_not_regrouped_onto_a_spare():
     ctl = Controller(job.model_dump_json(), group=group, clock=clock, wall=clock)
     assert ctl.layout.dp == 1 and not ctl.shape.swappable(ctl.layout)
     assert regroup.check(ctl) is None
+
+
+def test_a_group_split_over_full_nodes_moves_whole_to_a_node_with_a_spare_for_each_rank():
+    """Group 0 spans A and C, and neither has a slot; D (a node that joined) holds a spare for each
+    of its ranks: its highest rank moves there first, and the rest follow at the next check."""
+    ctl, group = controller(stragglers=False)
+    D = "node-d" + "0" * 50
+    group.ready_spares = [FakeRank(-1, D, 5)]
+    assert regroup.check(ctl) is None  # one spare there: moving one rank would not gather the group
+    group.ready_spares.append(FakeRank(-1, D, 6))
+    planned = regroup.check(ctl)
+    assert isinstance(planned, Swapping) and planned.rank == 1 and planned.to_node == D, planned
+
+
+def test_a_recovery_that_leaves_a_tp_group_split_names_it_with_why_and_how_it_mends():
+    """A replacement that found no room beside its tp group: the recovery names the split group
+    in a `tp_split` event, with the group's reason and how it will be gathered; the spares that
+    gather it are asked for as the run goes on, though the pool keeps none."""
+    ctl, group = crosswise()
+    group.members = {}  # started by the controller: ranks 0-1 on one node, 2-3 on another
+    drive(ctl, lambda c: c.step >= 5)
+    group.split_reasons = {0: "no node has room for its 2 ranks together"}
+    group.kill_process(1)
+    drive(ctl, lambda c: kinds(c, "tp_split") and c.step >= 10)
+    (split,) = kinds(ctl, "tp_split")
+    (replaced,) = kinds(ctl, "workers_replaced")
+    assert replaced["tp_split_groups"] == [0] and split["group"] == 0 and split["ranks"] == [0, 1], split
+    assert split["nodes"]["0"] != split["nodes"]["1"], split
+    assert split["reason"] == "no node has room for its 2 ranks together", split
+    assert "step boundary" in split["mend"] and "train.tp.regroup" in split["mend"], split
+    assert group.regroup_starts > 0  # num_spares is 0: asked all the same

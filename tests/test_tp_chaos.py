@@ -25,6 +25,9 @@ node, and the fifth node has room for a lost node's replacements).
   the 2-D re-shard's exactness is test_resharding's.)
 * ddp x tp with a warm spare, rank 1's process killed: the replacement starts on its tp group's
   node (the dead process's slot) rather than take the spare on another node; bit-identical.
+* fsdp x tp without spares (issue 55): the node of tp group 1 killed with three free nodes of
+  room, then rank 1's process: every replacement beside its group, read from the events' node
+  ids (the worker started at a fault's first signal once took a rank elsewhere, 2 of 2 runs).
 """
 from __future__ import annotations
 
@@ -192,6 +195,36 @@ def test_a_replacement_starts_beside_its_tp_group_rather_than_take_a_spare_elsew
     assert plan["source"] == "FromPeer" and "no storage read" in plan["reason"], plan
 
 
+def test_every_replacement_of_a_tp_rank_goes_beside_its_group(cluster, tmp_path):
+    """fsdp x tp (dp 2 x tp 2), no spares, a copy every step. The node holding tp group 1 (ranks 2
+    and 3) is killed while three nodes have room for both: the two replacements start on one of
+    them. Then rank 1's process is killed: its replacement starts in the slot it left, beside
+    rank 0. Both restore from the in-memory copies, and no recovery leaves a group split."""
+    steps = 16
+    chaos = [{"action": "kill_node", "rank": 2, "at_step": 5}, {"action": "kill_process", "rank": 1, "at_step": 11}]
+    j = gpt_3d(tmp_path, chaos, steps=steps, strategy="fsdp", pipeline=None, loss="examples.gpt:loss_fn")
+    j["scaling"].update(num_workers=4, min_workers=4)
+    j["checkpoint"].update(memory_every_steps=1, memory_sync=True)
+    result = Trainer(j).fit(progress=False)
+    story = _recovery_story(result)
+    assert result.metrics["step"] == steps, story
+    nodes = dict(result.events_of("workers_started")[0]["nodes"])
+    assert result.events_of("placement")[0]["split_groups"] == [], story  # the premise: each group on one node
+    replaced = result.events_of("workers_replaced")
+    assert [r["ranks"] for r in replaced] == [[2, 3], [1]], story
+    killed_node = nodes["2"]
+    for rep in replaced:
+        nodes.update(rep["nodes"])
+        assert rep["tp_split_groups"] == [], story
+        # From the node ids: every replaced rank shares its node with every rank of its tp group.
+        assert all(nodes[str(r)] == nodes[str(r // 2 * 2 + i)] for r in rep["ranks"] for i in range(2)), story
+    assert replaced[0]["nodes"]["2"] != killed_node, story  # on a node that lives
+    assert replaced[1]["nodes"]["1"] == nodes["0"], story  # the slot its dead process left, beside rank 0
+    assert result.events_of("tp_split") == [], story
+    assert [p["source"] for p in result.events_of("restore_plan")] == ["FromShards"] * 2, story
+    assert all(e["uri"] is None for e in result.events_of("restored")[1:]), story  # no storage read
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_tp_straggler_is_swapped_not_its_tp_peer_and_its_group_is_gathered_again(cluster, tmp_path, strategy):
     """dp 2 x tp 2, rank 1 computes 3x slower from step 3, inside its forward and backward: its tp
@@ -240,5 +273,5 @@ def _recovery_story(result) -> list:
     """The events that say how a fault was handled, for a failed assertion's message."""
     kinds = {"placement", "workers_started", "failure_detected", "decision", "worker_replaced",
              "collectives_aborted", "slow_return", "restore_plan", "workers_replaced", "resized", "recovered",
-             "faults_merged", "group_error"}
+             "faults_merged", "group_error", "tp_split", "spare_ready", "spare_lost"}
     return [{k: v for k, v in e.items() if k not in ("ts", "run")} for e in result.events if e["kind"] in kinds]

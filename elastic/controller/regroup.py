@@ -8,7 +8,12 @@ Two ways, cheapest first, each at a step boundary:
   works where every node is full, and needs two groups split over the same nodes;
 * a move onto a spare: once a warm spare waits on a node that holds part of the group (the
   pool's refill is started there, restoring.py), the rank off that node moves to it: a planned
-  swap (resize.on_swapping), its state from memory, as a straggler's."""
+  swap (resize.on_swapping), its state from memory, as a straggler's. Where no node of the group
+  has a free slot, spares start on a node with room for all of it (one that joins), and the
+  group's ranks move there one by one (group/replacing.py `start_regroup_spares`).
+
+A split is a last resort: a recovery that leaves one names it, with its reason and how it will be
+mended (`name_splits`, a `tp_split` event)."""
 from __future__ import annotations
 
 import math
@@ -74,3 +79,30 @@ def _trade(ctl: Controller, ranks: tuple[int, int], nodes: dict[int, str]) -> Tr
         return None
     ctl.events.emit("decision", decision="Trade", ranks=[a, b], reason=reason, step=ctl.step)
     return Trading((a, b), reason)
+
+
+def name_splits(ctl: Controller, replaced: list[int]) -> list[int]:
+    """A `tp_split` event for each tp group that spans nodes after `replaced` were filled: its
+    ranks, their nodes, why (the group's `split_reasons`) and how it will be gathered. Returns the
+    first ranks of those groups."""
+    tp = ctl.job.train.tp.size
+    nodes = {r: m.node_id for r, m in ctl.group.members.items()}
+    split = split_groups(nodes, tp) if tp > 1 else []
+    for first in split:
+        ranks = [r for r in range(first, first + tp) if r in nodes]
+        why = ctl.group.split_reasons.get(first) or ("its survivors were on different nodes before the fault"
+                                                     if not set(ranks) & set(replaced) else "no reason recorded")
+        ctl.events.emit("tp_split", group=first, ranks=ranks, nodes={r: nodes[r][:12] for r in ranks},
+                        reason=why, mend=_mend(ctl))
+    return split
+
+
+def _mend(ctl: Controller) -> str:
+    """How a split tp group will be gathered, for the `tp_split` event."""
+    if not ctl.job.train.tp.regroup:
+        return "not: train.tp.regroup is off"
+    if not ctl.shape.swappable(ctl.layout):
+        return ("not by a move: at one replica no other rank holds its state (a trade of ranks needs two "
+                "replicas too)")
+    return ("at a step boundary, from memory: spares start on a node of the group with a free slot, or on a "
+            "node with room for all of it (one that joins), and its ranks move there (train.tp.regroup)")

@@ -70,6 +70,9 @@ class SparePool(Replacing):
         self.prestart = PrestartPool(sc.prestarted_per_node, self._new_prestarted)
         self._waiting: list[tuple[object, object, float]] = []  # (worker, its claimed slot, since): slot not granted yet
         self._claims: dict["ray.ObjectRef", object] = {}  # pending spare (granted slot, building) -> its slot
+        self.meant: dict["ray.ObjectRef", str] = {}  # pending spare -> the node it was started at (`at`)
+        self.misplaced: set[str] = set()  # nodes a spare was started at but came up elsewhere (this promote)
+        self.split_reasons: dict[int, str] = {}  # the last promote's: first rank of a tp group -> why it spans nodes
 
     def _new_actor(self, background: bool = False, node: str | None = None, prestarted: bool = False):
         """A new worker actor, never on a suspect node. `background`: it starts beside a training
@@ -139,6 +142,7 @@ class SparePool(Replacing):
     def _restart(self, ref: "ray.ObjectRef") -> None:
         """Kill a pending spare and start another like it, placed under the suspect nodes now."""
         h = self._pending_spares.pop(ref)
+        self.meant.pop(ref, None)
         on_demand, background = ref in self._on_demand, ref in self._background
         self._on_demand.discard(ref)
         self._background.discard(ref)
@@ -157,15 +161,24 @@ class SparePool(Replacing):
         uncalibrated is calibrated when a straggler decision first weighs it (calibrate_spares).
         On demand, pre-started workers are taken first (`near`: the nodes whose slots were just
         freed, tried first); processes are started only for the rest. `at`: the nodes the first
-        processes started belong on (a soft affinity: elsewhere if the node is full)."""
+        processes started belong on (a soft affinity: Ray waits for a slot there while the node
+        lives). With tensor parallelism and no `at`, processes started on demand go to the `near`
+        nodes: a dead process's slot is its tp group's (placed by SPREAD, the first replacement of
+        a process kill landed on another node and took the rank before the one started beside the
+        group: 1 of 2 runs in issue 55)."""
         if on_demand:
-            n -= self._take_prestarted(n, near or at)
+            got = self._take_prestarted(n, near or at)
+            n -= got
+            if not at and self.job.train.tp.size > 1:
+                at = near[got:]  # pre-started ones claim the `near` slots first
         low = background and not on_demand and self.job.scaling.low_priority_refills
         calibrate = not on_demand if calibrate is None else calibrate
         for i in range(max(0, n)):
             h = self._new_actor(background=low, node=at[i] if i < len(at) else None)
             ref = h.warm.remote(calibrate=calibrate)
             self._pending_spares[ref] = h
+            if i < len(at):
+                self.meant[ref] = at[i]
             self._kept_off[ref] = frozenset(self.suspect_nodes)
             if on_demand:
                 self._on_demand.add(ref)
@@ -192,6 +205,7 @@ class SparePool(Replacing):
         for ref in ready:
             h = self._pending_spares.pop(ref)
             self._kept_off.pop(ref, None)
+            meant = self.meant.pop(ref, None)
             on_demand = ref in self._on_demand
             self._on_demand.discard(ref)
             self._background.discard(ref)
@@ -204,6 +218,8 @@ class SparePool(Replacing):
                 if slot is not None:
                     release_slot(slot)
                 continue
+            if meant is not None and meant != info.node_id:
+                self.misplaced.add(meant)  # Ray's soft affinity let it go: that node is gone or cannot hold it
             self.ready_spares.append(Member(-1, h, info.node_id, info.ip, info.pid, info.calib_s, on_demand,
                                             prestarted=slot is not None, slot=slot))
             self.agents.ensure(info.node_id)  # up before the spare takes a rank there
@@ -226,22 +242,31 @@ class SparePool(Replacing):
             lost.append(f"spare on node {m.node_id[:12]} {bad[i]}{when}")
         return lost
 
-    def trim_spares(self, keep: int) -> None:
+    def trim_spares(self, keep: int, regroup: bool = True) -> None:
+        """Kill spares until `keep` are left, the last started first; those that can gather a tp
+        group split over nodes (`regroup_guard`) stay beyond `keep` (`regroup`: False at shutdown)."""
+        guard = self.regroup_guard() if regroup else set()
         while self.num_spares() > keep:
+            ref = next((r for r in reversed(self._pending_spares) if id(r) not in guard), None)
+            spare = next((m for m in reversed(self.ready_spares) if id(m) not in guard), None)
             if self._waiting:
                 h, slot, _ = self._waiting.pop()
                 release_slot(slot)
                 ray.kill(h, no_restart=True)
-            elif self._pending_spares:
-                ref, h = self._pending_spares.popitem()
+            elif ref is not None:
+                h = self._pending_spares.pop(ref)
                 self._kept_off.pop(ref, None)
+                self.meant.pop(ref, None)
                 if ref in self._claims:
                     release_slot(self._claims.pop(ref))
                 self._on_demand.discard(ref)
                 self._background.discard(ref)
                 ray.kill(h, no_restart=True)
+            elif spare is not None:
+                self.ready_spares.remove(spare)
+                kill_member(spare)
             else:
-                kill_member(self.ready_spares.pop())
+                break
 
     def calibrate_spares(self, timeout_s: float) -> list[str]:
         """Calibrate the ready spares that were not (started on demand, kept afterwards), so a

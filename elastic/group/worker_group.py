@@ -392,7 +392,7 @@ class WorkerGroup(SparePool):
     def shutdown(self) -> None:
         for r in list(self.members):
             self.kill(r)
-        self.trim_spares(0)
+        self.trim_spares(0, regroup=False)
         self.prestart.shutdown()
         self.agents.shutdown()
         if self.heartbeats is not None:

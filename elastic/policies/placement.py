@@ -10,7 +10,7 @@ still move one when the node fills meanwhile).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -56,33 +56,109 @@ def split_groups(nodes: dict[int, str], tp: int) -> list[int]:
     return [g * tp for g, ns in sorted(groups.items()) if len(ns) > 1]
 
 
+@dataclass(frozen=True)
+class Replacements:
+    """Where the replacements for lost ranks go (`replacement_homes`)."""
+    homes: dict[int, str]  # rank -> the node it belongs on; a rank left out goes wherever a worker is
+    split: dict[int, str] = field(default_factory=dict)  # first rank of a tp group -> why it will span nodes
+    follow: dict[int, str] = field(default_factory=dict)  # first rank of a tp group -> the node its survivors
+    #   move to (a regroup at a step boundary): its own node had no room, that one has room for all of it
+
+
 def replacement_homes(missing: list[int], tp: int, member_nodes: dict[int, str], spare_nodes: list[str],
-                      free_cpus: dict[str, float], cpus_per_worker: float) -> dict[int, str]:
-    """Where each replacement for `missing` belongs so its tp group stays on one node: the node of
-    the group's surviving members (the one most of them are on), or, for a group lost whole, the
-    node that can take the most of it. A node takes a rank for each ready spare on it
-    (`spare_nodes`, one entry per spare) and each free slot (`free_cpus` / `cpus_per_worker`).
-    A rank left out (its group's node is full) is placed as before, wherever a worker is: its
-    group then spans nodes. Groups in rank order; a node's room is taken once."""
+                      free_cpus: dict[str, float], cpus_per_worker: float,
+                      freed: dict[int, str] | None = None) -> Replacements:
+    """Where each replacement for `missing` belongs so its tp group stays on one node. Room on a
+    node: a free slot (`free_cpus` / `cpus_per_worker`), the slot of a missing rank's own dead
+    process there (`freed`: rank -> its node; Ray may not show it free yet), and a worker already
+    there for the taking (`spare_nodes`, one entry per ready spare or worker already starting).
+    * Part of a group lost: the node most of its survivors are on, if it has room for the missing
+      ranks; else a node with room for the whole group, where the survivors follow (`follow`).
+    * A group lost whole: the node with the most room for it; on a tie, the one with the most
+      workers already there (a worker started at the fault's first signal is used, not wasted
+      beside two started elsewhere), then name order.
+    A group that no node can hold together has what room allows placed, the rest left out, and
+    says why in `split`. Groups in rank order; a node's room is taken once."""
     room = _slots(free_cpus, cpus_per_worker)
-    for n in spare_nodes:
-        room[n] = room.get(n, 0) + 1
+    freed = freed or {}
+    for node in set(freed.values()) & set(room):
+        room[node] = max(room[node], sum(1 for r in missing if freed.get(r) == node))
+    waiting = {n: spare_nodes.count(n) for n in set(spare_nodes)}
+    for n, k in waiting.items():
+        room[n] = room.get(n, 0) + k
     by_group: dict[int, list[int]] = {}
     for r in sorted(missing):
         by_group.setdefault(r // tp, []).append(r)
     homes: dict[int, str] = {}
+    split: dict[int, str] = {}
+    follow: dict[int, str] = {}
     for g, ranks in sorted(by_group.items()):
+        kept = [r for r in range(g * tp, (g + 1) * tp) if r in member_nodes and r not in ranks]
         home = _majority_node(g, tp, member_nodes, ranks)
-        if home is None:  # the whole group is gone: the node with the most room for it (a fixed order on ties)
-            fits = sorted((n for n, k in room.items() if k > 0), key=lambda n: (-min(room[n], len(ranks)), n))
-            if not fits:
+        size = len(ranks) + len(kept)
+        if home is not None and room.get(home, 0) < len(ranks):
+            whole = _roomiest(room, waiting, size, exclude=home)
+            if whole is not None and room[whole] >= size:
+                follow[g * tp] = whole
+                split[g * tp] = (f"node {home[:12]} of its survivors has room for {room.get(home, 0)} of its "
+                                 f"{len(ranks)} lost rank(s); node {whole[:12]} has room for all {size}: the "
+                                 f"replacement(s) start there and rank(s) {kept} follow at a step boundary")
+                home = whole
+        if home is None:  # the whole group is gone: the node with the most room for it
+            home = _roomiest(room, waiting, len(ranks))
+            if home is None:
+                split[g * tp] = f"no node has a free slot for its {len(ranks)} rank(s)"
                 continue
-            home = fits[0]
         for r in ranks:
             if room.get(home, 0) > 0:
                 homes[r] = home
                 room[home] -= 1
-    return homes
+        if any(r not in homes for r in ranks) and g * tp not in split:
+            split[g * tp] = (f"no node has room for its {size} ranks together: node {home[:12]} took "
+                             f"{sum(1 for r in ranks if r in homes)}, the rest go where a worker is")
+    return Replacements(homes, split, follow)
+
+
+def _roomiest(room: dict[str, int], waiting: dict[str, int], need: int, exclude: str | None = None) -> str | None:
+    """The node with the most room for `need` ranks, the most workers already there on a tie,
+    then name order; None when no node has room at all."""
+    fits = [n for n, k in room.items() if k > 0 and n != exclude]
+    return min(fits, key=lambda n: (-min(room[n], need), -min(waiting.get(n, 0), need), n), default=None)
+
+
+def take_rank(need: list[int], homes: dict[int, str], node: str) -> int | None:
+    """Which of the missing ranks `need` (in order) a worker ready on `node` takes: one whose home
+    is `node`, else one with no home; never one whose home is another node, however the worker
+    was started. (A worker started on demand used to take any rank: one started elsewhere at the
+    fault's first signal was ready before the ones starting on the group's node, and took a rank
+    of the group, which then spanned two nodes for the rest of the run.)"""
+    here = [r for r in need if homes.get(r) == node]
+    return (here or [r for r in need if r not in homes] or [None])[0]
+
+
+def homes_kept(homes: dict[int, str], need: list[int], gone: set[str] | frozenset[str],
+               misplaced: set[str] | frozenset[str], waited_s: float, patience_s: float
+               ) -> tuple[dict[int, str], dict[int, str]]:
+    """The homes of the ranks still missing that are still worth waiting for, and why the others
+    were given up (rank -> reason): the node was lost or became suspect (`gone`); a worker started
+    there came up on another node (`misplaced`: Ray's soft affinity moved it, the node being gone
+    or unable to hold it); or no worker came up there within `patience_s`. A rank given up takes
+    any worker: its tp group then spans nodes, which is better than no rank at all."""
+    kept: dict[int, str] = {}
+    dropped: dict[int, str] = {}
+    for r in need:
+        h = homes.get(r)
+        if h is None:
+            continue
+        if h in gone:
+            dropped[r] = f"its group's node {h[:12]} was lost while its replacement started"
+        elif h in misplaced:
+            dropped[r] = f"a worker started on node {h[:12]} for its group was placed elsewhere by Ray"
+        elif waited_s >= patience_s:
+            dropped[r] = f"no worker came up on node {h[:12]} of its group within {patience_s:g} s"
+        else:
+            kept[r] = h
+    return kept, dropped
 
 
 def spare_homes(n: int, tp: int, free_cpus: dict[str, float], cpus_per_worker: float,
@@ -156,13 +232,19 @@ def regroup_nodes(member_nodes: dict[int, str], tp: int, free_cpus: dict[str, fl
                   cpus_per_worker: float) -> list[str]:
     """Where spares belong so that each tp group whose ranks span nodes can be gathered on one:
     for each such group (rank order), the node holding the most of it that has a free worker
-    slot (name order breaks ties), once per rank of the group off that node. A node's room is
-    taken once; a group no node of its own can take is left out."""
+    slot (name order breaks ties), once per rank of the group off that node. Where no node of its
+    own has a free slot, a node with room for all of it (one that joined, or freed up), once per
+    rank: the whole group moves there. A node's room is taken once; a group that neither can
+    take is left out."""
     room = _slots(free_cpus, cpus_per_worker)
     out: list[str] = []
     for _, on in _split(member_nodes, tp):
         fits = [n for n in on if room.get(n, 0) > 0]
         if not fits:
+            whole = _roomiest(room, {}, len(on))
+            if whole is not None and room[whole] >= len(on):
+                out += [whole] * len(on)
+                room[whole] -= len(on)
             continue
         home = _most(on, fits)
         for _ in range(min(room[home], len(on) - on.count(home))):
@@ -177,17 +259,23 @@ def regroup_move(member_nodes: dict[int, str], tp: int, spares: list[tuple[str, 
     """The next move that gathers a split tp group: (a rank of the group, the node it moves to),
     where a ready spare usable at that node is on a node already holding part of the group; the
     node holding the most of it first (name order on ties), the group's highest rank off it
-    moves. None when no split group can be gathered that way. `spares`: (node, calibrated step
-    seconds or None). Usable: any when `max_calib_s` is None (stragglers off); else one calibrated
-    at most `max_calib_s`, or one not calibrated (a spare kept on the meta device, a pipeline's:
-    nothing to time it with) on a node not in `slow_nodes` (those a straggler was found on)."""
-    usable = {n for n, c in spares if max_calib_s is None or (c is not None and c <= max_calib_s)
-              or (c is None and n not in slow_nodes)}
+    moves. Else, a node none of the group is on with a usable spare for every rank of it (the
+    spares `regroup_nodes` started where the group's own nodes had no room): the group's highest
+    rank moves there first, and the rest follow, one move each. None when no split group can be
+    gathered either way. `spares`: (node, calibrated step seconds or None). Usable: any when
+    `max_calib_s` is None (stragglers off); else one calibrated at most `max_calib_s`, or one not
+    calibrated (a spare kept on the meta device, a pipeline's: nothing to time it with) on a node
+    not in `slow_nodes` (those a straggler was found on)."""
+    usable = [n for n, c in spares if max_calib_s is None or (c is not None and c <= max_calib_s)
+              or (c is None and n not in slow_nodes)]
     for ranks, on in _split(member_nodes, tp):
         targets = [n for n in on if n in usable]
         if targets:
             home = _most(on, targets)
             return max(r for r in ranks if member_nodes[r] != home), home
+        whole = sorted(n for n in set(usable) if usable.count(n) >= len(ranks))
+        if whole:
+            return max(ranks), whole[0]
     return None
 
 

@@ -79,6 +79,8 @@ class FakeGroup:
     calibrated_starts: list = field(default_factory=list)  # whether those spares calibrate before they are ready
     lost_spares: list = field(default_factory=list)
     placement: object = None  # where tp groups start (WorkerGroup.start); none here
+    split_reasons: dict = field(default_factory=dict)  # first rank of a tp group -> why it spans nodes (promote)
+    regroup_starts: int = 0  # start_regroup_spares calls
     suspect_nodes: set = field(default_factory=set)
     calls: list = field(default_factory=list)  # (method, args) in order
     # test hooks
@@ -233,7 +235,11 @@ class FakeGroup:
     def probe_suspects(self) -> list[str]:
         return []
 
-    def trim_spares(self, keep: int) -> None:
+    def start_regroup_spares(self) -> int:
+        self.regroup_starts += 1
+        return 0  # fake members hold no tp groups
+
+    def trim_spares(self, keep: int, regroup: bool = True) -> None:
         while self.num_spares() > keep:
             (self._pending.pop() if self._pending else self.ready_spares.pop())
 
