@@ -222,7 +222,7 @@ def _check_resume(storage: Storage, job: JobConfig, num_samples: int, fingerprin
     except StorageError as e:
         raise ConfigError(f"checkpoint.storage_uri: cannot read the run's checkpoints: {e}") from None
     tr = job.train
-    data = 'train.dataset ' + tr.dataset if tr.dataset else tr.dataset_ref
+    data = f'train.dataset {tr.dataset}' if tr.dataset else tr.dataset_ref
     checks = {  # manifest key: (the job's value, how to name it, what to keep the same)
         "global_batch_size": (tr.global_batch_size, f"train.global_batch_size={tr.global_batch_size}", "value"),
         "seed": (job.run.seed, f"run.seed={job.run.seed}", "value"),

@@ -5,6 +5,7 @@ import yaml
 from pydantic import ValidationError
 
 from elastic.config.job import JobConfig
+from elastic.config.objects import RECORD
 from elastic.config.secrets import OPTIONS_FIELD, is_secret_key, is_shown_option, redact
 
 
@@ -86,5 +87,7 @@ def parse_job(raw: dict, overrides: dict[str, str] | None = None) -> JobConfig:
 
 def dump_job(job: JobConfig) -> str:
     """The resolved job as YAML, every default filled in and credentials redacted: what
-    `elastic config show` and `--dry-run` print, and what each run writes as its config.yaml."""
-    return yaml.safe_dump(redact(job.model_dump(mode="json")), sort_keys=False, default_flow_style=False)
+    `elastic config show` and `--dry-run` print, and what each run writes as its config.yaml. An
+    object given from Python in place of 'module:function' shows as `<object module.name>`."""
+    return yaml.safe_dump(redact(job.model_dump(mode="json", context={RECORD: True})), sort_keys=False,
+                          default_flow_style=False)

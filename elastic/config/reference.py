@@ -48,6 +48,8 @@ def _type(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is type(None):
         return "null"
+    if origin is typing.Annotated:
+        return _type(args[0])
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -60,7 +62,7 @@ def _type(annotation: Any) -> str:
         return "section"
     if annotation is Any:
         return "any"
-    return getattr(annotation, "__name__", str(annotation))
+    return getattr(annotation, "doc_type", None) or getattr(annotation, "__name__", str(annotation))
 
 
 def _value(v: Any) -> str:

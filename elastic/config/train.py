@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from typing import Any, Callable, Literal
 
 from pydantic import Field, model_validator
 
 from elastic.config.base import Strict
+from elastic.config.objects import Ref, UserObject
 
 
 def import_ref(ref: str, field: str) -> Callable:
@@ -24,6 +26,38 @@ def import_ref(ref: str, field: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"{field}: module {mod_name!r} has no callable {fn_name!r}")
     return fn
+
+
+def resolve_ref(ref: str | UserObject, field: str) -> Callable:
+    """The callable a job's `field` names: a 'module:function' imported, or the object given."""
+    return ref.get() if isinstance(ref, UserObject) else import_ref(ref, field)
+
+
+def _check_object(ref, field: str, what: str) -> None:
+    """An object given for `field` (from Python) is something it can call; said before any worker
+    starts. (A string is checked where it is imported.)"""
+    if not isinstance(ref, UserObject) or not ref.local:
+        return
+    obj = ref.get()
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        raise ValueError(f"{field}: got a model ({ref}), not {what}: elastic calls it on every worker (under "
+                         f"train.meta_init on the meta device); pass the function or class that builds it")
+    if not callable(obj):
+        raise ValueError(f"{field}: expected {what}, got {ref}, which cannot be called")
+
+
+def _dataset_factory(ref: str | UserObject) -> Callable:
+    """train.dataset as a function: one given as the dataset itself (map-style: len, getitem)
+    is returned by a function."""
+    got = resolve_ref(ref, "train.dataset")
+    if not callable(got) and hasattr(got, "__len__") and hasattr(got, "__getitem__"):
+        return functools.partial(_same, got)
+    return got
+
+
+def _same(obj):
+    return obj
 
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
@@ -74,7 +108,7 @@ class PipelineSpec(Strict):
     split: list[str] | None = Field(
         None, description="Names of the root's children where stages 2, 3, ... begin (one fewer than the number of "
                           "chunks); default: balanced by parameter count.")
-    loss: str = Field(description="module:function(output, target) -> scalar loss, mean over the micro-batch; "
+    loss: Ref = Field(description="module:function(output, target) -> scalar loss, mean over the micro-batch; "
                                   "the last stage calls it with its output and the batch's last element.")
 
     @property
@@ -99,7 +133,7 @@ class TensorParallelSpec(Strict):
 
     size: int = Field(1, ge=1, description="Ranks each layer is split over (1: no tensor parallelism). Fixed "
                                            "for the run: the world grows and shrinks by whole replicas.")
-    plan: str | None = Field(
+    plan: Ref | None = Field(
         None, description="module:function(model, tp_mesh) that parallelizes the model in place with "
                           "torch.distributed.tensor.parallel (a pipeline passes the rank's stage). Default: the "
                           "built-in Megatron-style plan for transformer blocks (a head-major fused `qkv` or "
@@ -140,15 +174,18 @@ def _parquet_dataset(uri: str, columns, storage_options):
 
 
 class TrainSpec(Strict):
-    """What to train. Each callable is given as 'module:function' so workers can import it."""
+    """What to train. Each callable is given as 'module:function' so workers can import it, or, from
+    Python (Trainer), as the function or object itself, which travels to the workers pickled by
+    cloudpickle (docs/getting-started.md#objects-instead-of-names)."""
 
-    model: str = Field(description="module:function() -> torch.nn.Module")
-    dataset: str | None = Field(None, description="module:function() -> map-style dataset (len, getitem)")
+    model: Ref = Field(description="module:function() -> torch.nn.Module")
+    dataset: Ref | None = Field(None, description="module:function() -> map-style dataset (len, getitem); from "
+                                                   "Python, the dataset itself too")
     data: DataSpec | None = Field(None, description="A built-in dataset ({format: parquet, uri, columns}) instead of "
                                                     "train.dataset.")
-    loss: str | None = Field(None, description="module:function(model, batch) -> scalar loss, mean over the batch "
+    loss: Ref | None = Field(None, description="module:function(model, batch) -> scalar loss, mean over the batch "
                                               "(ddp, fsdp; a pipeline uses train.pipeline.loss)")
-    optimizer: str | None = Field(None, description="module:function(params) -> optimizer; default AdamW(lr=1e-3)")
+    optimizer: Ref | None = Field(None, description="module:function(params) -> optimizer; default AdamW(lr=1e-3)")
     global_batch_size: int = Field(ge=1, description="Samples per optimizer step, constant for the run.")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Samples per forward/backward on one rank; default: the whole per-rank share."
@@ -167,7 +204,7 @@ class TrainSpec(Strict):
                            "seed and the module's name, so the weights do not depend on the layout. Each module with "
                            "tensors of its own is initialised by its reset_parameters(), or by train.init. "
                            "docs/large-models.md.")
-    init: str | None = Field(
+    init: Ref | None = Field(
         None, description="With train.meta_init: module:function(name, module) that initialises one module's own "
                           "parameters and buffers in place (a full-size copy on the CPU, its children not included), "
                           "instead of module.reset_parameters(). Seeded per module: draw from torch's global RNG.")
@@ -175,7 +212,7 @@ class TrainSpec(Strict):
         None, description="Class names of the blocks whose activations are recomputed in backward instead of kept "
                           "(torch.utils.checkpoint, non-reentrant, one block at a time; e.g. [Block]). Checked on "
                           "the meta device before any worker starts. Default: none.")
-    scheduler: str | None = Field(
+    scheduler: Ref | None = Field(
         None, description="module:function(optimizer) -> torch LRScheduler, stepped once per training step; its state "
                           "is a function of the step, replayed on every restore. ReduceLROnPlateau is "
                           "refused (it follows a metric).")
@@ -232,6 +269,16 @@ class TrainSpec(Strict):
         if self.init is not None and not self.meta_init:
             raise ValueError("train.init is set but train.meta_init is false: set train.meta_init: true (an eager "
                              "build initialises the model in its own constructor)")
+        for field, what in (("model", "a function that builds the model"), ("loss", "a function(model, batch)"),
+                            ("optimizer", "a function(params) -> optimizer"),
+                            ("scheduler", "a function(optimizer) -> scheduler"),
+                            ("init", "a function(name, module)")):
+            _check_object(getattr(self, field), f"train.{field}", what)
+        if isinstance(self.dataset, UserObject) and self.dataset.local:
+            ds = self.dataset.get()
+            if not callable(ds) and not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+                raise ValueError(f"train.dataset: expected a map-style dataset (len, getitem) or a function that "
+                                 f"returns one, got {self.dataset}")
         if self.prefetch and self.data_workers:
             raise ValueError(f"train.prefetch (a thread) and train.data_workers={self.data_workers} (processes) both "
                              "read ahead: set one of them")
@@ -240,17 +287,17 @@ class TrainSpec(Strict):
     @property
     def dataset_ref(self) -> str:
         """How the job names its data, for messages."""
-        return self.dataset or f"train.data ({self.data.format} at {self.data.uri})"
+        return str(self.dataset) if self.dataset else f"train.data ({self.data.format} at {self.data.uri})"
 
     def resolve(self) -> dict[str, Callable | None]:
         """Import every callable; raises ValueError naming the field that fails."""
         return {
-            "model": import_ref(self.model, "train.model"),
-            "dataset": import_ref(self.dataset, "train.dataset") if self.dataset else self.data.factory(),
-            "loss": import_ref(self.loss, "train.loss") if self.loss else None,
-            "stage_loss": import_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
-            "tp_plan": import_ref(self.tp.plan, "train.tp.plan") if self.tp.plan else None,
-            "init": import_ref(self.init, "train.init") if self.init else None,
-            "scheduler": import_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
-            "optimizer": import_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
+            "model": resolve_ref(self.model, "train.model"),
+            "dataset": _dataset_factory(self.dataset) if self.dataset else self.data.factory(),
+            "loss": resolve_ref(self.loss, "train.loss") if self.loss else None,
+            "stage_loss": resolve_ref(self.pipeline.loss, "train.pipeline.loss") if self.pipeline else None,
+            "tp_plan": resolve_ref(self.tp.plan, "train.tp.plan") if self.tp.plan else None,
+            "init": resolve_ref(self.init, "train.init") if self.init else None,
+            "scheduler": resolve_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
+            "optimizer": resolve_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
         }

@@ -28,11 +28,15 @@ _REF = re.compile(r"^([A-Za-z_]\w*)(?:\.\w+)*:[A-Za-z_][\w.]*$")  # "package.mod
 
 
 def job_packages(job_json: str) -> tuple[str, ...]:
-    """The top-level packages of every 'module:function' the job names, and elastic's. Pure."""
+    """The top-level packages of every 'module:function' the job names, of every object given
+    from Python (elastic/config/objects.py: its module, "__main__" for a script's or a
+    notebook's), and elastic's. Pure."""
     found = {"elastic"}
 
     def walk(v) -> None:
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "cloudpickle" in v:
+            found.add(str(v.get("module") or "__main__").split(".")[0])
+        elif isinstance(v, dict):
             for x in v.values():
                 walk(x)
         elif isinstance(v, list):
@@ -67,7 +71,10 @@ def worker_runtime_env(job_json: str) -> dict | None:
     job_env = ray.get_runtime_context().runtime_env or {}
     if job_env.get("working_dir") or job_env.get("py_modules"):
         return None
-    if importable_bare(job_packages(job_json)):
+    packages = job_packages(job_json)
+    # An object of __main__ travels by value, but what it refers to by name (a module beside the
+    # script) must be importable there: such a job gets the driver's paths.
+    if "__main__" not in packages and importable_bare(packages):
         return None
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}

@@ -275,6 +275,7 @@ def apply(model: nn.Module, tp_mesh, plan_fn=None, sequence_parallel: bool = Fal
     return model if out is None else out
 
 
-def import_plan(ref: str):
-    from elastic.config.train import import_ref
-    return import_ref(ref, "train.tp.plan")
+def import_plan(ref):
+    """train.tp.plan's function: a 'module:function' imported, or the object given from Python."""
+    from elastic.config.train import resolve_ref
+    return resolve_ref(ref, "train.tp.plan")
