@@ -112,12 +112,16 @@ class Trainer:
         bar = _Progress(self.job.run.num_steps) if progress else None
         events: list[dict] = []  # what the driver has seen, in case the controller dies with the rest
         last: dict = {}
+        misses = 0  # progress answers missed in a row
         while True:
             ready, _ = ray.wait([done], timeout=0.5)
-            try:
-                p = ray.get(controller.progress.remote(len(events)), timeout=10)
-            except Exception:  # noqa: BLE001 - progress is best effort; the run's outcome is what counts
-                p = None
+            p, answered = _ask_progress(controller, len(events), done)
+            misses = 0 if answered else misses + 1
+            if misses >= self.job.failure.driver_progress_misses and not ready:
+                if bar:
+                    bar.close()
+                ray.kill(controller)  # and the workers it owns: a frozen one must not train on
+                raise self._controller_silent(misses, last, events)
             if p and bar:
                 bar.update(p)
             if p:
@@ -150,6 +154,21 @@ class Trainer:
     def _controller_died(self, e: BaseException, last: dict, events: list[dict]) -> TrainingFailed:
         """The controller actor is gone (its process or node died), and with it the run's state and
         its workers (Ray ends the actors it owned). What is left to go on is in storage."""
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return self._failed_without_controller(
+            f"the controller actor died ({type(e).__name__}: {cause})", last, events)
+
+    def _controller_silent(self, misses: int, last: dict, events: list[dict]) -> TrainingFailed:
+        """The controller answered none of the last `misses` progress requests (frozen, starved or
+        cut off): the driver stopped it. What is left to go on is in storage."""
+        allowed = self.job.failure.driver_progress_misses
+        return self._failed_without_controller(
+            f"the controller actor answered none of the driver's last {misses} progress requests "
+            f"({PROGRESS_ANSWER_S:g} s each, failure.driver_progress_misses={allowed}) "
+            "and was stopped", last, events)
+
+    def _failed_without_controller(self, what: str, last: dict, events: list[dict]
+                                   ) -> TrainingFailed:
         ck = self.job.checkpoint
         storage_uri = ck.storage_uri
         run_dir = join(storage_uri, self.job.run.name)
@@ -161,13 +180,33 @@ class Trainer:
                      else "no checkpoint was committed; running the job again starts from step 0")
         except StorageError as se:
             latest, where = None, f"the last committed checkpoint is unknown ({se})"
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         step = last.get("step")
-        message = (f"the controller actor died ({type(e).__name__}: {cause})"
-                   + (f" at step {step}" if step is not None else "") + f"; {where}")
+        message = what + (f" at step {step}" if step is not None else "") + f"; {where}"
         result = Result(metrics={"loss": last.get("loss"), "step": step, "strategy": self.job.train.strategy},
                         checkpoint=latest.uri if latest else None, run_dir=run_dir, events=events, error=message)
         return TrainingFailed(message, result)
+
+
+PROGRESS_ANSWER_S = 10.0  # how long the driver waits for one progress answer: longer is a miss
+
+
+def _ask_progress(controller, since_event: int, done) -> tuple[dict | None, bool]:
+    """(the controller's progress, whether it answered). An answer that is an error still says
+    the controller lives (progress is best effort: the run's outcome is what counts). One that
+    does not come within PROGRESS_ANSWER_S is a miss; so is an actor that cannot be reached,
+    once the rest of PROGRESS_ANSWER_S has passed (while `done` may still end), so that a miss
+    always stands for that long without an answer."""
+    asked = time.monotonic()
+    try:
+        return ray.get(controller.progress.remote(since_event), timeout=PROGRESS_ANSWER_S), True
+    except ray.exceptions.GetTimeoutError:
+        return None, False
+    except ray.exceptions.ActorUnavailableError:
+        ray.wait([done], timeout=max(0.0, PROGRESS_ANSWER_S - (time.monotonic() - asked)))
+        return None, False
+    except Exception:  # noqa: BLE001 - answered, with an error: the controller is alive
+        log.debug("progress answered with an error", exc_info=True)
+        return None, True
 
 
 def _measure_dataset(build, tr) -> tuple[int, str | None]:

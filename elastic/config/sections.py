@@ -95,6 +95,13 @@ class FailureConfig(Strict):
     replacement_timeout_s: float = Field(
         60.0, gt=0, description="How long to wait for resources to start a replacement worker."
     )
+    driver_progress_misses: int = Field(
+        6, ge=1,
+        description="The driver asks the controller for progress about twice a second and waits up "
+                    "to 10 s for each answer. After this many answers missed in a row (the "
+                    "controller's process frozen, starved or cut off from the driver: 6 is about a "
+                    "minute), the driver stops the controller and fails the run, naming the newest "
+                    "committed checkpoint.")
 
 
 class CheckpointConfig(Strict):
