@@ -12,12 +12,9 @@ from typing import Iterator
 import pytest
 
 from tests.support import netns
+from tests.support.netns import netns_required  # noqa: F401 - autouse: skip, or fail under CI
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
-
-_reason = netns.netns_unsupported_reason()
-if _reason:
-    pytestmark.append(pytest.mark.skip(reason=_reason))
 
 ray = pytest.importorskip("ray")
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
