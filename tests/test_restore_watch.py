@@ -66,7 +66,8 @@ def test_a_chaos_fault_during_restore_is_handed_to_the_receiving_rank_once():
 def test_a_survivor_lost_while_the_replacements_start_is_merged_before_the_group_forms(how):
     """A second node lost seconds after the first, while the replacements start (4-10 s here): the
     churn benchmark found it only 6-11 s later, in a formation that could not complete. Now the
-    heartbeat's word on a survivor that answers no poll merges it into this recovery."""
+    start of the replacements is watched as training is (heartbeat and polls), and a survivor
+    found lost cuts it short and is merged into this recovery."""
     c, g, clock = make(heartbeats=True)
     drive(c, lambda c: c.step >= 10)
     g.kill_process(1)
@@ -76,3 +77,6 @@ def test_a_survivor_lost_while_the_replacements_start_is_merged_before_the_group
     (merged,) = kinds(c, "faults_merged")
     assert merged["lost"] == [2] and merged["causes"]["2"].startswith("unresponsive")
     assert not kinds(c, "group_error")  # no formation was tried with the lost survivor
+    # Found while the replacements were still starting, not after: the wait is watched.
+    (found,) = [e for e in kinds(c, "silence_detected") if e.get("during") == "promote"]
+    assert found["ranks"] == [2] and found["reason"]

@@ -11,6 +11,8 @@ from elastic.checkpoint.layout import latest_committed, step_of_uri
 from elastic.controller import regroup, reports
 from elastic.controller.records import RecoveryRecord
 from elastic.controller.states import Errored, Forming, Recovering, State
+from elastic.controller.watch import group_watch
+from elastic.group.member import SurvivorsLost
 from elastic.group.worker_group import GroupError, cause_of
 from elastic.policies.failure import (FORMATION_SILENCE, FailureObservation, LostRank, Raise, decide_failure,
                                      formation_silent, node_says_running)
@@ -108,7 +110,12 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     may_shrink = sc.min_size <= len(group.members) < ctl.world_size
     try:
         how = group.promote(missing, sc.shrink_after_s if may_shrink else cfg.replacement_timeout_s,
-                            cfg.ping_timeout_s)
+                            cfg.ping_timeout_s, watch=group_watch(ctl, "promote"))
+    except SurvivorsLost as e:  # a second fault while the replacements started: take it in now
+        ctl.events.emit("faults_merged", lost=sorted(e.ranks), reason="lost while the replacements started: "
+                        "replaced in this recovery, before the group forms",
+                        causes={r: str(w)[:200] for r, w in sorted(e.ranks.items())})
+        return Recovering(tuple(LostRank(r, cause_of(w), w) for r, w in e.ranks.items()), ctl.wall())
     except GroupError as e:
         if len(group.members) < sc.min_size:
             return Errored(f"{e}; scaling.min_workers={sc.min_size}; "

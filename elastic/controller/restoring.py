@@ -8,10 +8,10 @@ from elastic.checkpoint.layout import committed_checkpoints
 from elastic.controller.recovery import lost_from
 from elastic.controller.states import Errored, Forming, Recovering, Restoring, Running, State
 from elastic.group.worker_group import GroupError, cause_of
-from elastic.policies.failure import REFUSED_GRACE_S, LostRank, decide_none_loaded, decide_refused, decide_silence
+from elastic.controller.watch import group_watch
+from elastic.policies.failure import LostRank, decide_none_loaded
 from elastic.policies.restore import FromPeer, FromShards, FromStorage
-from elastic.protocol import LostCause, RestoreResult, Watch
-from elastic.runtime.heartbeat import refused_ranks
+from elastic.protocol import RestoreResult
 from elastic.storage import call_within
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def on_restoring(ctl: Controller, _: Restoring) -> State:
     plan, ctl.restore_plan = ctl.restore_plan, FromStorage()
     timeout_s = ctl.job.failure.collective_timeout_s
-    watch = restore_watch(ctl)
+    watch = group_watch(ctl, "restore")
     if isinstance(plan, FromShards):
         try:
             out = ctl.group.restore_from_shards(plan.offers, plan.old_world, timeout_s, plan.old_pp, plan.copies_step,
@@ -50,30 +50,6 @@ def restore_faults(ctl: Controller, sources: set[int]) -> dict[int, dict]:
     return due
 
 
-def restore_watch(ctl: Controller) -> Watch:
-    """Who is lost while the group restores, judged as in training (running.py): a rank whose
-    node refuses the heartbeat, or that answers no poll while its node's heartbeat is silent or
-    says its process is stopped, for failure.ping_timeout_s; Ray's word on a dead one at once.
-    The restore's own deadline (failure.collective_timeout_s) is left as a backstop."""
-    cfg, t0 = ctl.job.failure, ctl.now()
-
-    def lost(pending: set[int]) -> dict[int, str]:
-        _, silent = ctl.group.poll_nowait(cfg.ping_timeout_s)
-        out = {r: why for r, why in silent.items() if r in pending and why != LostCause.UNRESPONSIVE}
-        beats = ctl.group.beats() if cfg.heartbeat else {}
-        unanswered = ctl.group.unanswered_s()
-        quiet = {r: why for r, why in silent.items() if r in pending and why == LostCause.UNRESPONSIVE}
-        decision = (decide_refused(pending, refused_ranks(beats), unanswered, REFUSED_GRACE_S)
-                    or decide_silence(quiet, unanswered, ctl.now() - t0, cfg, list(ctl.training.step_times), beats))
-        if decision is not None:
-            ranks, why = decision
-            ctl.events.emit("silence_detected", ranks=list(ranks), during="restore", reason=why,
-                            unanswered_s={r: round(unanswered.get(r, 0.0), 2) for r in ranks})
-            out.update({r: LostCause.UNRESPONSIVE.value for r in ranks})
-        return out
-    return lost
-
-
 def restore_from_storage(ctl: Controller, plan: FromStorage) -> State:
     """List the committed checkpoints, then every rank loads the newest that loads. Both wait
     for storage, within checkpoint.restore_wait_s; a restore never starts over from step 0
@@ -90,7 +66,7 @@ def restore_from_storage(ctl: Controller, plan: FromStorage) -> State:
             ctl.events.emit("checkpoint_skipped", uri=uri, reason=why)
         try:
             out = ctl.group.restore([c.uri for c in candidates], ctl.job.failure.collective_timeout_s,
-                                    watch=restore_watch(ctl))
+                                    watch=group_watch(ctl, "restore"))
         except GroupError as e:
             return lost_from(ctl, e, "restore")
         failed = out[0].skipped

@@ -31,6 +31,11 @@ class GroupError(RuntimeError):
         self.ranks = ranks
 
 
+class SurvivorsLost(GroupError):
+    """Members found lost (`ranks`: {rank: why}) while the group waited on something else, such
+    as replacements starting: the wait is cut so the recovery can take them in at once."""
+
+
 @dataclass
 class Member:
     rank: int

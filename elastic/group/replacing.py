@@ -14,15 +14,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from elastic.group.member import GroupError
+from elastic.group.member import GroupError, SurvivorsLost
 from elastic.group.prestart_claims import PrestartedClaims
 from elastic.group.room import free_cpus_by_node, placing_node
+from elastic.protocol import Watch
 from elastic.policies.placement import (Replacements, homes_kept, regroup_nodes, replacement_homes, spare_homes,
                                         split_groups, take_rank)
 
 
 class Replacing(PrestartedClaims):
-    def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float) -> dict[int, str]:
+    def promote(self, ranks: list[int], timeout_s: float, ping_timeout_s: float,
+                watch: Watch | None = None) -> dict[int, str]:
         """Fill `ranks` with spares: live warm ones first, then ones still warming (waited for), then
         freshly started workers. A spare that dies or goes silent before it gets its rank is
         replaced in turn, until `timeout_s` runs out. Returns {rank: how it was filled}.
@@ -30,7 +32,10 @@ class Replacing(PrestartedClaims):
         (`replacement_homes`): a worker takes a rank only on its home (`take_rank`), and one is
         started there for each rank no worker there covers. A home is given up only when its node
         is lost, a worker started there is placed elsewhere, or none comes up there within half of
-        `timeout_s` (`homes_kept`); `split_reasons` says why each tp group that spans nodes does."""
+        `timeout_s` (`homes_kept`); `split_reasons` says why each tp group that spans nodes does.
+        `watch`: asked of the members at every turn of the wait (the heartbeat and the polls, as in
+        training); a member it finds lost cuts the wait with `SurvivorsLost`, the workers started
+        so far warming on as spares for the recovery that takes it in."""
         how: dict[int, str] = {}
         need = list(ranks)
         t0 = time.monotonic()
@@ -52,7 +57,8 @@ class Replacing(PrestartedClaims):
                 how[r] = "pre-started" if m.prestarted else "started on demand" if m.on_demand else label_if_planned
 
         take_ready("warm spare")
-        self._start_for(need, homes)
+        if homes:  # on their tp group's node, before the loop starts the rest anywhere
+            self._start_for(need, homes)
         if need:
             # A spare still warming at low priority is now wanted: it finishes at full priority
             # (the call runs once its constructor has, beside warm()).
@@ -71,6 +77,10 @@ class Replacing(PrestartedClaims):
             self.probe_suspects()  # a node that answers again may hold the only free slot
             self.lost_spares.extend(self.refresh_spares(wait_s=min(0.5, max(0.0, deadline - time.monotonic()))))
             take_ready("spare, waited while it warmed")
+            lost = watch(set(self.members)) if watch is not None and need else {}
+            if lost:
+                raise SurvivorsLost(f"members {sorted(lost)} were lost while replacements for {need} started: "
+                                    f"{lost}", lost)
         if need and timeout_s <= 0:
             raise GroupError(f"no warm spare for ranks {need}, and no wait for one", {r: "unavailable" for r in need})
         if need:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from elastic.group.member import SurvivorsLost
 from elastic.group.worker_group import GroupError
 from elastic.protocol import (PersistResult, PollReport, RankStatus, RestoreResult, RunResult, RunStatus,
                               StepRecord)
@@ -258,7 +259,7 @@ class FakeGroup:
         self.members[rank] = m
         return m
 
-    def promote(self, ranks, timeout_s, ping_timeout_s) -> dict[int, str]:
+    def promote(self, ranks, timeout_s, ping_timeout_s, watch=None) -> dict[int, str]:
         self.calls.append(("promote", tuple(ranks)))
         if self.fail_promote > 0:
             self.fail_promote -= 1
@@ -271,8 +272,12 @@ class FakeGroup:
         freezing, self.freeze_on_promote = self.freeze_on_promote, {}
         for r, freeze_how in freezing.items():
             self.freeze(r, freeze_how)
-        if freezing:
-            self.clock.advance(2.0)  # the replacements' start outlasts the silence bound
+        if freezing:  # the replacements' start outlasts the silence bound: watched as it goes
+            for _ in range(10):
+                self.clock.advance(0.2)
+                lost = watch(set(self.members)) if watch else {}
+                if lost:
+                    raise SurvivorsLost(f"members {sorted(lost)} were lost while replacements started", lost)
         self.refresh_spares()
         for r in ranks:
             if self.ready_spares:
