@@ -27,6 +27,7 @@ from elastic.data.fingerprint import dataset_fingerprint, has_hook
 from elastic.data.prefetch import check_data_workers
 from elastic.group.room import check_copies_room
 from elastic.group.runtime_env import worker_runtime_env
+from elastic.observability.loggers import prepare as prepare_loggers
 from elastic.ray_job import check_storage_location
 from elastic.storage import Storage, StorageError, join
 
@@ -69,6 +70,7 @@ class Trainer:
             job = parse_job(job)
         _warn_inline_credentials(job)
         check_storage_location(job.checkpoint.storage_uri)  # not in a submitted job's unpacked copy
+        job = prepare_loggers(job)  # their extras installed, their folders absolute
         # Import the user's callables now: a bad 'module:function' fails here, before any worker starts.
         try:
             fns = job.train.resolve()
@@ -375,7 +377,7 @@ class _Progress:
     NOTABLE = {"fault_injected", "failure_detected", "decision", "recovered", "checkpoint_skipped",
                "hang_detected", "user_error", "workers_replaced", "checkpoint_failed", "silence_detected", "silence_excused",
                "checkpoint_deferred", "checkpoint_retry", "persist_abandoned", "storage_unanswered",
-               "fence_not_written"}
+               "fence_not_written", "logger_failed"}
 
     def __init__(self, total: int, out=None, every_s: float = 10.0):
         self.out = out or sys.stderr

@@ -686,6 +686,38 @@ def test_bad_steps_roll_back_to_the_last_checkpoint_and_skip_their_batches(clust
     assert_exact_once(tmp_path / "runs" / j["run"]["name"] / "ledger.json", NUM_STEPS, 48, NUM_SAMPLES, seed=7)
 
 
+def test_loggers_hold_every_step_once_through_a_node_kill_and_a_resubmitted_run(  # noqa: F811
+        cluster, tmp_path, monkeypatch):  # noqa: F811
+    """TensorBoard and MLflow (a local store) on a real run: rank 1's node is killed with peer
+    restore off, so the steps after the last commit are trained again from storage; then the job
+    is resubmitted for 10 more steps. Both curves, read back with tensorboard's own reader and
+    MLflow's client, hold every step once, each the loss of the attempt that counted."""
+    from mlflow.tracking import MlflowClient
+
+    from elastic.observability.loggers import LOSS
+    from tests.test_loggers import assert_curve, tensorboard_curve
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads MLflow's file store
+    name, mlruns = f"loggers-{uuid.uuid4().hex[:6]}", f"file://{tmp_path}/mlruns"
+    over = {"scaling": {"num_workers": 2}, "failure": {"peer_restore": False},
+            "loggers": {"tensorboard_dir": str(tmp_path / "tb"), "mlflow_tracking_uri": mlruns}}
+    kill = [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}]
+    first = Trainer(job(tmp_path, kill, name=name, **over)).fit(progress=False)
+    restored = first.events_of("restored")[-1]
+    assert first.metrics["step"] == NUM_STEPS and restored["step"] < FAULT_STEP, restored  # redone
+    again = job(tmp_path, name=name, **over)
+    again["run"]["num_steps"] = NUM_STEPS + 10
+    second = Trainer(again).fit(progress=False)
+    assert second.events_of("restored")[0]["step"] == NUM_STEPS
+    expected = {**first.losses, **second.losses}
+    assert sorted(expected) == list(range(1, NUM_STEPS + 11))
+    assert_curve(tensorboard_curve(tmp_path / "tb" / name), expected)
+    client = MlflowClient(tracking_uri=mlruns)
+    (run,) = client.search_runs([client.get_experiment_by_name("elastic").experiment_id])
+    assert run.info.run_name == name and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, LOSS)
+    assert_curve(sorted((m.step, m.value) for m in history), expected)
+
+
 @pytest.mark.s3
 def test_parquet_and_checkpoints_on_s3_stay_exact_once_through_a_node_kill(cluster, tmp_path, s3_server):  # noqa: F811
     """Everything in S3 (SeaweedFS over HTTP): the Parquet shards the run reads and its checkpoints.

@@ -35,15 +35,19 @@ def _release_leases(monkeypatch):
         lease.release()
 
 
-def make(num_steps=40, scaling=None, failure=None, stragglers=None, checkpoint=None, **group_kw):
+def make(num_steps=40, scaling=None, failure=None, stragglers=None, checkpoint=None, loggers=None,
+         storage_uri=None, **group_kw):
+    """`storage_uri`: a run folder shared with another controller (a resubmitted run)."""
     clock = FakeClock()
     job = JobConfig.model_validate({
         "run": {"name": "ctl", "num_steps": num_steps},
         "scaling": {"num_workers": 3, **(scaling or {})},
         "failure": {"max_failures": 3, "hang_floor_s": 5, **(failure or {})},
-        "checkpoint": {"storage_uri": f"memory://ctl-{uuid.uuid4().hex[:8]}", **(checkpoint or {})},
+        "checkpoint": {"storage_uri": storage_uri or f"memory://ctl-{uuid.uuid4().hex[:8]}",
+                       **(checkpoint or {})},
         "train": {"model": "m:f", "dataset": "m:f", "loss": "m:f", "global_batch_size": 48},
         "stragglers": stragglers or {},
+        "loggers": loggers or {},
     })
     group = FakeGroup(clock, **group_kw)
     return Controller(job.model_dump_json(), group=group, clock=clock, wall=clock), group, clock

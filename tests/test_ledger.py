@@ -75,6 +75,7 @@ def test_the_reports_carry_the_dataset_length_the_completion_needs(tmp_path):
         world_size = 2
         checkpoints = None
         events = type("E", (), {"emit": staticmethod(lambda *a, **k: None)})()
+        loggers = type("L", (), {"enabled": False})()  # no TensorBoard or MLflow
 
     reports.absorb_reports(Ctl, {0: PollReport(rank=0, generation=0, status=RankStatus.RUNNING, step=5, ledger=(_entry(5, 2, 0, order),))})
     assert Ctl.run_log.num_samples == N

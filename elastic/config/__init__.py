@@ -6,8 +6,9 @@ need the whole job (batch plan vs. world size) live in `JobConfig`.
 
 The names below are the package's public API; the modules hold one concern each:
 `sections` (run, scaling, failure, checkpoint, stragglers), `chaos` (injected
-faults), `train` (what to train), `job` (the whole job and its batch plans),
-`loading` (YAML and errors) and `reference` (docs/configuration.md).
+faults), `train` (what to train), `loggers` (TensorBoard, MLflow), `job` (the whole
+job and its batch plans), `loading` (YAML and errors) and `reference`
+(docs/configuration.md).
 """
 from elastic.config.chaos import ChaosFault
 from elastic.config.job import JobConfig, batch_plan, pipeline_plan

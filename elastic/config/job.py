@@ -6,6 +6,7 @@ from pydantic import Field, model_validator
 
 from elastic.config.base import Strict
 from elastic.config.chaos import ChaosFault
+from elastic.config.loggers import LoggersConfig
 from elastic.config.sections import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, StragglerConfig
 from elastic.config.train import FsdpSpec, TrainSpec
 
@@ -39,6 +40,8 @@ class JobConfig(Strict):
     stragglers: StragglerConfig = Field(
         default_factory=StragglerConfig, description="Straggler detection and mitigation.")
     chaos: list[ChaosFault] = Field(default_factory=list, description="Faults to inject (drills, tests, demo).")
+    loggers: LoggersConfig = Field(
+        default_factory=LoggersConfig, description="TensorBoard and MLflow: the run's curves, every step once.")
 
     @model_validator(mode="after")
     def _check_plan(self) -> "JobConfig":

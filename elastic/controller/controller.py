@@ -48,12 +48,14 @@ from elastic.checkpoint.layout import checkpoints_root
 from elastic.config import JobConfig
 from elastic.config.secrets import job_secrets, scrub
 from elastic.controller import lifecycle, recovery, resize, restoring, running
+from elastic.controller.finish import logged_through
 from elastic.controller.records import Checkpoints, Housekeeping, Progress, RecoveryRecord, ResizeRecord, RunLog
 from elastic.controller.states import (
     TERMINAL, Dropping, Errored, Finished, Forming, Growing, Recovering, Restoring, Running, Starting, State, Swapping,
     Trading)
 from elastic.observability import export as run_metrics
 from elastic.observability.events import EventLog
+from elastic.observability.loggers import RunLoggers
 from elastic.parallel.shape import shape_for
 from elastic.policies.restore import FromStorage, RestoreSource
 from elastic.policies.straggler import StragglerState
@@ -113,6 +115,9 @@ class Controller:
         self.training = Progress(last_progress_at=self.now())
         self.checkpoints = Checkpoints()
         self.run_log = RunLog()
+        # TensorBoard, MLflow: each step once a committed checkpoint covers it (loggers.py says why)
+        self.loggers = RunLoggers(self.job.loggers, self.job.run.name, self.lease.fresh,
+                                  self.events.emit)
         self.house = Housekeeping(grow_checked_at=self.now())
         self.recovery: RecoveryRecord | None = None  # a recovery in progress until a step completes
         self.resize: ResizeRecord | None = None  # a resize in progress until the first step at the new size
@@ -158,6 +163,9 @@ class Controller:
             if self.holds_run:
                 self.run_log.write_metrics(self.storage, self.run_dir, self.fence.holds)
                 self.run_log.write_steps(self.storage, self.run_dir, self.fence.holds)
+                ok = isinstance(self.state, Finished)
+                self.loggers.close(logged_through(self, ok), self.run_log, self.wall, ok,
+                                   self.fence.holds)
         st = self.state
         if self.holds_run:  # a driver refused the run, or one that lost it, writes nothing into its folder
             self.events.emit("run_finished" if isinstance(st, Finished) else "run_failed",

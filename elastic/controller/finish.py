@@ -33,6 +33,18 @@ def finish(ctl: Controller, done: dict[int, RunResult]) -> Finished | Errored:
     return Errored(missing) if missing else Finished(digests)
 
 
+def logged_through(ctl: Controller, finished: bool) -> int:
+    """The last step the loggers may write at the end of the run: every step once the final
+    checkpoint committed; else the newest committed checkpoint's, as storage shows it (a commit
+    whose report died with its rank counts too), which a resubmitted run resumes after."""
+    if finished or not ctl.loggers.enabled:
+        return ctl.step
+    answered, latest, error = call_within(lambda: latest_committed(ctl.storage, ctl.root),
+                                          ctl.grace_s)
+    from_storage = latest.step if answered and error is None and latest is not None else 0
+    return max(from_storage, max(ctl.checkpoints.committed_steps, default=0))
+
+
 def fenced_out(ctl: Controller) -> str | None:
     """Why this controller's checkpoints are refused by the fence, naming who holds the run and
     its generation; None when they are not (the fence shows ours, or cannot be read)."""

@@ -100,6 +100,8 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
             if entry is None or entry[0] != e.world or e.replica in entry[1]:  # a new attempt at this step
                 entry = log.ledger[e.step] = (e.world, {})
             entry[1][e.replica] = list(e.sample_ids)
+    if ctl.loggers.enabled:  # a committed checkpoint's steps: no restore or rollback redoes them
+        ctl.loggers.advance(max(ctl.checkpoints.committed_steps, default=0), log, ctl.wall)
 
 
 def absorb_progress(ctl: Controller, answers: dict[int, PollReport]) -> None:

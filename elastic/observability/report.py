@@ -53,6 +53,8 @@ def describe_event(ev: dict) -> str:
                 f"{ev['waited_s']:.0f}s); newest committed: {ev['newest'] or 'none'}")
     if k == "checkpoint_failed":
         return f"CHECKPOINT step {ev['step']} not committed: {ev['error']}"
+    if k == "logger_failed":
+        return f"LOGGER {ev['logger']} ({ev['where']}) failed: {ev['error']}; {ev['then']}"
     if k == "user_error":
         return f"ERROR in training code on rank {ev['rank']} at step {ev['step']}: {ev['error']}"
     return f"{k} " + " ".join(f"{a}={b}" for a, b in ev.items() if a not in ("t", "kind"))
