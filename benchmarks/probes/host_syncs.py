@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import traceback
 
 import torch
@@ -91,19 +92,25 @@ class HostReads(TorchDispatchMode):
     # ---------------------------------------------------------------- what is a device tensor
     def host(self, t: torch.Tensor) -> None:
         if not self.gpu and isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
-            self._host[t.untyped_storage().data_ptr()] = t
+            ptr = _address(t)
+            if ptr is not None:
+                self._host[ptr] = t
 
     def on_device(self, t) -> bool:
         if not isinstance(t, torch.Tensor):
             return False
         if self.gpu or t.device.type != "cpu":
             return t.device.type != "cpu"
-        return t.untyped_storage().data_ptr() not in self._host
+        return _address(t) not in self._host
 
-    def mark_data(self, dataset) -> None:
-        """The dataset's tensors are host memory (a step copies its batch to the device)."""
+    def mark_data(self, dataset, depth: int = 2) -> None:
+        """The dataset's tensors (and those of the objects it holds) are host memory: a step
+        copies its batch to the device."""
         for v in vars(dataset).values():
-            self.host(v)
+            if isinstance(v, torch.Tensor):
+                self.host(v)
+            elif depth > 1 and hasattr(v, "__dict__"):
+                self.mark_data(v, depth - 1)
 
     def mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A non-fused, non-capturable optimizer keeps its step counters on the host, on a GPU too."""
@@ -145,8 +152,12 @@ class HostReads(TorchDispatchMode):
                     and not kwargs.get("non_blocking", False):
                 self.read("to the host")
         out = func(*args, **kwargs)
-        host_only = bool(ins) and not any(self.on_device(t) for t in ins)
-        if host_only and not self.gpu:  # host work (the data path): its results are host tensors too
+        # Host work (the data path), tensors made from Python values (on a GPU, made on the host
+        # first) and drawn from a CPU generator (a sample order's permutation): host memory too.
+        gen = kwargs.get("generator")
+        host_only = (func is aten.lift_fresh.default or (gen is not None and gen.device.type == "cpu")
+                     or bool(ins) and not any(self.on_device(t) for t in ins))
+        if host_only and not self.gpu:
             for t in pytree.tree_leaves(out):
                 self.host(t)
         elif func.namespace == "aten" and not host_only:
@@ -158,9 +169,13 @@ class HostReads(TorchDispatchMode):
         if not self.gpu:
             mode = self
             saved = self._saved = {n: getattr(torch.Tensor, n) for n in ("cpu", "tolist", "numpy", "to")}
+            thread = threading.get_ident()  # the patches are process-wide, the mode is this thread's
+
+            def watched(t) -> bool:
+                return threading.get_ident() == thread and mode.on_device(t)
 
             def cpu(t, *a, **k):
-                if not mode.on_device(t):
+                if not watched(t):
                     return saved["cpu"](t, *a, **k)
                 mode.read(".cpu()")
                 with _disable_current_modes():
@@ -172,13 +187,13 @@ class HostReads(TorchDispatchMode):
                 # Only the string: on a CPU the step's own device is torch.device("cpu") too, and
                 # `.to(device)` is a move to the device, not to the host.
                 target = k.get("device", a[0] if a else None)
-                if target == "cpu" and not k.get("non_blocking", False) and mode.on_device(t):
+                if target == "cpu" and not k.get("non_blocking", False) and watched(t):
                     return cpu(t)
                 return saved["to"](t, *a, **k)
 
             def reader(name):
                 def f(t, *a, **k):
-                    if mode.on_device(t):
+                    if watched(t):
                         mode.read(f".{name}()")
                     return saved[name](t, *a, **k)
                 return f
@@ -192,6 +207,15 @@ class HostReads(TorchDispatchMode):
             setattr(torch.Tensor, name, fn)
         self._saved = {}
         return super().__exit__(*exc)
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """Where a tensor's memory is; None for one without its own (a DTensor, a freed FSDP buffer),
+    which counts as device memory."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _where() -> str:

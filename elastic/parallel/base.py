@@ -126,7 +126,9 @@ class Strategy(ABC):
         for i in range(0, len(idx), micro):
             chunk = idx[i:i + micro]
             self.set_gradient_sync(model, i + micro >= len(idx))
-            loss = loss_fn(model, load(chunk)) * (len(chunk) / len(idx))
+            loss = loss_fn(model, load(chunk))
+            if len(chunk) != len(idx):  # a weight of 1 would change no bit and cost two operators
+                loss = loss * (len(chunk) / len(idx))
             loss.backward()
             local_loss = loss.detach() if local_loss is None else local_loss + loss.detach()
         return local_loss

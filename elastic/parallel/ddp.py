@@ -118,6 +118,9 @@ class DataParallel(Strategy):
                 self._slices[i] = self._bufs[k][offset:offset + self._numels[i]]
                 offset += self._numels[i]
         self._grads = [like(self._slices[i], p) for i, p in enumerate(self._params)]
+        # The slices in their gradients' shapes, the destinations of the copies into the buckets:
+        # a reshape of each gradient every step cost an operator per parameter.
+        self._into = [self._slices[i].view(local(p).shape) for i, p in enumerate(self._params)]
         index = {id(p): i for i, p in enumerate(self._params)}
         model.elastic_grad_hooks = [p.register_post_accumulate_grad_hook(
             lambda p, i=index[id(p)]: self._grad_ready(i)) for p in self._params]
@@ -151,7 +154,7 @@ class DataParallel(Strategy):
             if grad is None:  # no gradient this step (an unused parameter): zeros
                 self._slices[i].zero_()
             else:
-                torch.mul(local(grad).reshape(-1), scale, out=self._slices[i])
+                torch.mul(local(grad), scale, out=self._into[i])
         self._works.append(dist.all_reduce(self._bufs[k], op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"),
                                            async_op=True))
 

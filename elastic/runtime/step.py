@@ -1,7 +1,17 @@
 """One training step of one rank: its batches (elastic/runtime/batches.py), forward and backward
 through the strategy, the step's statistics summed over the whole world in one collective
-(`StepStats`), and the update every rank decides the same way from them (clipping, fp16 loss
-scaling, bad steps).
+(`StepStats`, elastic/runtime/step_stats.py), and the update every rank decides the same way from
+them (clipping, fp16 loss scaling, bad steps).
+
+A steady step makes the host wait for the device nowhere, where the optimizer allows it. With
+an optimizer that takes `found_inf` (torch's fused Adam, AdamW and SGD) the update's decision is
+taken on the device: a bad step's update is masked, fp16's loss scale moves, clipping scales by
+min(1, coefficient). The host reads the step's statistics one step late, from a copy that did not
+wait (the next step's work is queued by then), and acts on them there: a bad step's record and
+verdict, the report of the step (loss, compute time, ledger), the agreed flags. Where the run
+loop must act on a step's own flags (a checkpoint or copy due, a stop seen, the last step) it
+reads them at once (`settle`). Any other optimizer gets the update decided on the host: one read
+of the statistics before the update, as before.
 
 The worker's run loop calls `StepRunner.train_step` once per step and acts on the flags it
 returns (a stop, a checkpoint to skip or to save again); the runner keeps what the step reports
@@ -9,11 +19,10 @@ returns (a stop, a checkpoint to skip or to save again); the runner keeps what t
 """
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
-from dataclasses import dataclass
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,11 +33,16 @@ from torch.utils.data import default_collate
 from elastic.checkpoint.retry import PEER_LOST
 from elastic.config import batch_plan
 from elastic.parallel.buffers import StepBuffers
-from elastic.protocol import LedgerEntry, StepRecord
+from elastic.protocol import LedgerEntry
 from elastic.runtime import chaos
 from elastic.runtime.batches import RankBatches, to_device
 from elastic.runtime.collectives import GroupAborted
 from elastic.runtime.compute_clock import ComputeClock, cpu_time_counts
+from elastic.runtime.step_report import BadStep, RollBack, StepReports, Unsettled
+from elastic.runtime.step_stats import LOSS_SCALE_INIT, StepStats, StepTensors, update_loss_scale
+
+# What state.py and worker.py import from here.
+__all__ = ["LOSS_SCALE_INIT", "BadStep", "CollectiveError", "RollBack", "StepRunner", "StepStats"]
 
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
@@ -42,26 +56,6 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer died, hung past the backstop, or the group was torn down."""
-
-
-class BadStep(RuntimeError):
-    """A step's loss or gradient was not finite and train.bad_step says stop (the user's to fix).
-    `step`: the bad step (the rank's own counter has not reached it: it made no update)."""
-
-    def __init__(self, step: int, message: str):
-        super().__init__(message)
-        self.step = step
-
-
-class RollBack(Exception):
-    """train.bad_step=rollback: bad_step_limit bad steps in a row; the controller restores."""
-
-    def __init__(self, bad_steps: list[int]):
-        super().__init__(f"bad steps {bad_steps}")
-        self.bad_steps = bad_steps
-
-
-LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_INTERVAL = 2.0 ** 16, 2000  # fp16 dynamic loss scaling, as torch's GradScaler
 
 
 # A lost peer (as the checkpointer recognises it) or any error raised by the transport itself.
@@ -78,100 +72,55 @@ def is_collective_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in text for m in _TRANSPORT_ERRORS)
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """One step's statistics, summed over the whole world, as every rank reads them.
-
-    They travel as one tensor in one all-reduce (or riding on the gradients' own reduction, see
-    `flags`): a collective of their own would cost a meeting of the ranks per step, and one sum in
-    a fixed order keeps every rank's copy bit-identical. The slots below are the only place that
-    knows the tensor's layout."""
-
-    # The slots of the statistics tensor, in its order.
-    LOSS = 0  # this rank's loss (sum over the world: divide by strategy.loss_ranks)
-    STOP = 1  # 1 on a rank asked to stop (request_stop)
-    BUSY = 2  # 1 on a rank whose previous persist still runs
-    OWE = 3  # 1 on a rank that owes a checkpoint (a persist failed on storage; its wait is over)
-    COPYING = 4  # 1 on a rank whose last in-memory copy is still on its way to its buddy
-    GRAD_SUMSQ = 5  # this rank's part of the squared gradient norm
-    # A non-finite loss or gradient needs no slot of its own: a sum is finite only if every term
-    # is (the squared norms are never negative; +inf and -inf losses sum to NaN), so the summed
-    # LOSS and GRAD_SUMSQ tell it on the host, and the step launches no isfinite kernels. (A sum
-    # of finite losses that overflows counts as non-finite: such a step is not one to apply.)
-
-    loss_sum: float
-    stop: bool  # some rank was asked to stop: every rank stops after this step
-    persist_busy: bool  # some rank's persist is still in flight: every rank skips a checkpoint due now
-    bad_loss: bool
-    bad_grads: bool
-    owe: bool  # some rank owes a checkpoint: every rank saves again after this step
-    copying: bool = False  # some rank's in-memory copy is on its way: every rank skips a copy due now
-
-    @classmethod
-    def flags(cls, loss: torch.Tensor, stop: bool, busy: bool, owe: bool, copying: bool) -> torch.Tensor:
-        """What is known before the gradients are: slots LOSS to COPYING. A strategy whose
-        gradient reduction spans the whole world sums this in place on the same group
-        (`Strategy.reduce_gradients(extra=...)`). Made on the loss's device by kernels alone, and
-        only the flags that are set cost one: a copy from a Python list would synchronise a GPU's
-        stream (PyTorch waits for a copy from pageable memory) and hold the host until backward
-        had finished."""
-        out = torch.zeros(cls.GRAD_SUMSQ, device=loss.device)
-        out[cls.LOSS] = loss
-        for slot, on in ((cls.STOP, stop), (cls.BUSY, busy), (cls.OWE, owe), (cls.COPYING, copying)):
-            if on:
-                out[slot] = 1.0
-        return out
-
-    @classmethod
-    def tensor(cls, flags: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
-        """The whole statistics tensor: `flags` and GRAD_SUMSQ."""
-        return torch.cat([flags, sumsq.reshape(1)])
-
-    @classmethod
-    def read(cls, host: torch.Tensor) -> StepStats:
-        """The summed tensor's host copy, by name."""
-        v = host.tolist()
-        return cls(loss_sum=v[cls.LOSS], stop=v[cls.STOP] > 0, persist_busy=v[cls.BUSY] > 0,
-                   bad_loss=not math.isfinite(v[cls.LOSS]), bad_grads=not math.isfinite(v[cls.GRAD_SUMSQ]),
-                   owe=v[cls.OWE] > 0, copying=v[cls.COPYING] > 0)
-
-
-class StepRunner:
-    """Trains one step at a time on the worker's model, optimizer and strategy (`worker`)."""
+class StepRunner(StepReports):
+    """Trains one step at a time on the worker's model, optimizer and strategy (`worker`); what
+    the steps report and the verdict on each: `StepReports` (elastic/runtime/step_report.py)."""
 
     def __init__(self, worker: Worker, lock: threading.Lock):
         self.w = worker
         self._lock = lock  # the worker's: poll() drains what the step reports
-        self.skip_steps: set[int] = set()  # steps (1-based) to train without an update (after a rollback)
-        self._bad_in_a_row: list[int] = []  # consecutive bad steps so far (since the last restore)
+        self._init_reports()
         self._buffers = StepBuffers()
-        # Reported by the next poll: (step, why) of steps that made no update; per step, the
-        # rank's own compute seconds and the global mean loss; the sample ledger, if enabled.
-        self.skipped: list[tuple[int, str]] = []
-        self.compute_log: list[StepRecord] = []
-        self.ledger: list[LedgerEntry] = []
         self.data = RankBatches(worker)  # what the rank reads each step, read ahead
         self._cpu_time = cpu_time_counts(worker.job)  # how the compute is timed (see compute_clock)
         self._slow = chaos.SlowCompute()  # the "slow" fault, if this process is given one
-        self.held_report = None  # memory_sync: the last step's report, until its copies are in
-
-    def take(self) -> tuple[tuple[StepRecord, ...], tuple[LedgerEntry, ...], tuple[tuple[int, str], ...]]:
-        """(compute log, ledger, skipped steps) since the last take, emptied. The caller holds
-        the lock."""
-        out = tuple(self.compute_log), tuple(self.ledger), tuple(self.skipped)
-        self.compute_log, self.ledger, self.skipped = [], [], []
-        return out
+        self.tensors = StepTensors()
+        # (the optimizer, weakly; whether it takes found_inf on the device)
+        self._found_inf_of: tuple = (lambda: None, False)
 
     # ---------------------------------------------------------------- the step
     def train_step(self, micro: int) -> StepStats:
-        """Step `worker.step + 1`. One that a lost peer cuts short leaves the model's buffers as
-        they were before it (elastic/parallel/buffers.py, StepBuffers): it is redone."""
+        """Step `worker.step + 1`. Returns the newest statistics the host has read: this step's
+        where the host decides the update, else the step before's (this one's: `settle`). One
+        that a lost peer cuts short leaves the model's buffers as they were before it
+        (elastic/parallel/buffers.py, StepBuffers): it is redone. A step that fails settles the
+        one before it first, which was done."""
         self._buffers.save(self.w.model)
         try:
             return self._train_step(micro)
-        except CollectiveError:
-            self._buffers.restore()
+        except (BadStep, RollBack):
             raise
+        except BaseException as e:
+            if isinstance(e, CollectiveError):
+                self._buffers.restore()
+            if self._unsettled is not None:
+                # A verdict that ends the run (train.bad_step) on the step before wins over this
+                # failure; a rollback does not: the step is kept as skipped, and the recovery
+                # resumes the survivors there with their bad run forgotten, which trains the
+                # same steps the same way as the rollback would.
+                self.settle(may_roll_back=False)
+            raise
+
+    def _found_inf_taken(self) -> bool:
+        """Whether the update can be decided on the device: the optimizer takes `found_inf` as
+        GradScaler hands it (torch's fused Adam, AdamW, SGD) and steps on the device the statistics
+        are on (not CPU offload, whose optimizer would read the flag before its copy lands)."""
+        opt = self.w.optimizer
+        if self._found_inf_of[0]() is not opt:  # weakly: a model a restore replaces must be freed
+            takes = bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
+                p.device == self.w.device for g in opt.param_groups for p in g["params"])
+            self._found_inf_of = (weakref.ref(opt), takes)
+        return self._found_inf_of[1]
 
     def _train_step(self, micro: int) -> StepStats:
         """Step `worker.step + 1`: forward, backward, the statistics agreed, the update."""
@@ -233,7 +182,7 @@ class StepRunner:
             # Where every rank ends with the whole gradient (ddp), its norm needs no collective, and
             # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
             # rank's part joins the statistics in one all-reduce after the reduction.
-            flags = StepStats.flags(local_loss, stop, busy, owe, copying)
+            flags = self.tensors.flags(local_loss, stop, busy, owe, copying)
             ride = w.strategy.whole_grads_everywhere or not check_grads
             carried = w.strategy.reduce_gradients(w.model, flags if ride else None) is not None
             # Only what reads them takes the local views (one per parameter: 54 DTensor to_local calls
@@ -241,94 +190,71 @@ class StepRunner:
             grads = w.strategy.local_grads(w.model) if check_grads else []
             if scale is not None:
                 torch._foreach_mul_(grads, 1.0 / scale)
-            sumsq = (_sum_of_squares(grads, w.device, w.strategy.grad_weights(w.model)) if check_grads
-                     else torch.zeros((), device=w.device))
-            stats = StepStats.tensor(flags, sumsq)
+            sumsq = (self.tensors.sum_of_squares(grads, w.device, w.strategy.grad_weights(w.model))
+                     if check_grads else None)
+            stats = StepTensors.with_sumsq(flags, sumsq) if check_grads else flags
             if not carried:
                 dist.all_reduce(stats)
-            norm_sq = sumsq if carried else stats[StepStats.GRAD_SUMSQ] / w.strategy.grad_copies
         except (RuntimeError, dist.DistError) as e:
             raise CollectiveError(f"{type(e).__name__}: {e}") from e
-        grad_norm = norm_sq.sqrt()
-        # Every decision below reads one host copy: on a GPU each read of a device tensor is a
-        # synchronisation of its own (on a CPU, `.cpu()` is the same tensor).
-        agreed = StepStats.read(stats.cpu())
-        compute_s = clock.seconds()  # on a GPU, read now that the host copy has synchronised the stream
-        self._update(tr, grads, agreed, grad_norm)
-        w.set_progress(grad_norm=float(grad_norm) if tr.clip_grad_norm is not None or w.amp else None)
+        copies = 1 if carried else w.strategy.grad_copies
+        grad_norm = None
+        if check_grads:
+            grad_norm = (sumsq if carried else stats[StepStats.GRAD_SUMSQ] / copies).sqrt()
+        step = w.step + 1
+        skipped = step in self.skip_steps
+        ledger = (LedgerEntry(step, lay.data_world, replica, tuple(idx), w.order.num_samples)
+                  if w.job.run.sample_ledger and lay.stage_of(w.rank) == lay.tp_of(w.rank) == 0 else None)  # one rank per share
+        deferred = self._found_inf_taken()
+        if deferred:
+            # The step before's statistics, read now that this step's work is queued behind their
+            # copy; a verdict on it (a rollback, train.bad_step=raise) comes before this update.
+            try:
+                agreed = self.settle()
+            except (BadStep, RollBack):
+                self._buffers.restore()  # this step never happened
+                raise
+            found = self.tensors.found(stats)
+            host, event = self.tensors.to_host(stats)
+            if not skipped:
+                self._apply(tr, grads, grad_norm, found)
+        else:
+            # The one read of a step whose optimizer takes no found_inf: on a GPU the host waits
+            # here for backward and the reduction, then decides the update.
+            host, event = stats.cpu(), None
+            agreed = StepStats.read(host)
+            if self._judge(step, agreed, skipped):
+                self._apply(tr, grads, grad_norm, None)
+        if w.amp and not skipped:
+            update_loss_scale(w.amp, stats)
         w.step += 1
         if w.scheduler is not None:
             w.scheduler.step()  # once per step, skipped or not: the schedule is a function of the step
-        loss = agreed.loss_sum / w.strategy.loss_ranks
-        step = w.step
-        ledger = (LedgerEntry(step, lay.data_world, replica, tuple(idx), w.order.num_samples)
-                  if w.job.run.sample_ledger and lay.stage_of(w.rank) == lay.tp_of(w.rank) == 0 else None)  # one rank per share
-
-        def report() -> None:
-            """The step, done: what the next poll tells the controller (its time counts the wait
-            for the copies where they held the report)."""
-            now, step_s = time.time(), time.perf_counter() - t_start
-            with self._lock:
-                self.compute_log.append(StepRecord(step, compute_s, loss, now, step_s))
-                if ledger is not None:
-                    self.ledger.append(ledger)
-            w.set_progress(step=step, loss=loss, step_end=now, step_s=step_s, compute_s=compute_s,
-                           first_step_end=w._progress.get("first_step_end") or now)
-
-        if w.copies.holds_report(step):  # memory_sync: reported once every rank's copy of it is in
-            self.held_report = report
+        ended = (time.time(), time.perf_counter() - t_start)
+        rec = Unsettled(step, host, event, clock, t_start, ended, skipped, copies, ledger)
+        if deferred:
+            self._unsettled = rec
         else:
-            report()
+            self._report(rec, agreed)  # read and judged above
         return agreed
 
-    def report_held(self) -> None:
-        """Report the step whose report waited for its in-memory copies (memory_sync)."""
-        report, self.held_report = self.held_report, None
-        if report is not None:
-            report()
-
-    def _update(self, tr, grads: list[torch.Tensor], stats: StepStats, grad_norm: torch.Tensor) -> None:
-        """The optimizer step of step `worker.step + 1`, decided the same way on every rank from the
-        all-reduced stats: skipped after a rollback, after an fp16 overflow (the loss scale backs
-        off), or for a non-finite loss or gradient (train.bad_step); clipped to the global norm."""
+    def _apply(self, tr, grads: list[torch.Tensor], grad_norm: torch.Tensor | None,
+               found: torch.Tensor | None) -> None:
+        """The optimizer step, clipped to the global norm (by min(1, coefficient): a factor of 1
+        leaves every bit as it is, and no read decides it), masked where `found` is 1."""
         w = self.w
-        step = w.step + 1
-        bad_loss, bad_grads = stats.bad_loss, stats.bad_grads
-        if step in self.skip_steps:
-            self._skip(step, "rolled back: this batch is skipped")
+        if tr.clip_grad_norm is not None and grads:
+            coef = (tr.clip_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+            # .to(): host gradients under train.fsdp.offload
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        if found is None:
+            w.optimizer.step()
             return
-        if w.amp and bad_grads and not bad_loss:
-            w.amp["scale"].mul_(0.5)
-            w.amp["good_steps"].zero_()
-            self._skip(step, "fp16 overflow: loss scale halved")
-            return
-        if bad_loss or bad_grads:
-            what = "loss" if bad_loss else "gradient norm"
-            if tr.bad_step == "raise":
-                raise BadStep(step, f"step {step}: non-finite {what} on some rank (train.bad_step=raise)")
-            self._bad_in_a_row.append(step)
-            self._skip(step, f"non-finite {what} (train.bad_step={tr.bad_step})")
-            if len(self._bad_in_a_row) >= tr.bad_step_limit:
-                if tr.bad_step == "skip":
-                    raise BadStep(step, f"steps {self._bad_in_a_row}: {len(self._bad_in_a_row)} bad steps in a row "
-                                  f"(train.bad_step_limit={tr.bad_step_limit}); last: non-finite {what}")
-                raise RollBack(list(self._bad_in_a_row))
-            return
-        self._bad_in_a_row = []
-        if tr.clip_grad_norm is not None:
-            coef = tr.clip_grad_norm / (grad_norm + 1e-6)
-            if coef < 1 and grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))  # host gradients under train.fsdp.offload
-        w.optimizer.step()
-        if w.amp:
-            w.amp["good_steps"].add_(1)
-            if int(w.amp["good_steps"]) >= LOSS_SCALE_GROWTH_INTERVAL:
-                w.amp["scale"].mul_(2.0)
-                w.amp["good_steps"].zero_()
-
-    def _skip(self, step: int, why: str) -> None:
-        with self._lock:
-            self.skipped.append((step, why))
+        w.optimizer.found_inf = found  # as torch's GradScaler hands it to a fused optimizer
+        try:
+            w.optimizer.step()
+        finally:
+            del w.optimizer.found_inf
 
     def calibrate(self, reps: int = 5) -> float | None:
         """Best compute time of one rank's share of a step (forward + backward) on this process,
@@ -359,25 +285,9 @@ class StepRunner:
         w.model.zero_grad(set_to_none=True)
         return min(times[1:]) / tr.tp.size  # the first allocates gradients and warms caches: not timed
 
-    def forget_bad_run(self) -> None:
-        """After a restore every rank of the new group counts consecutive bad steps from zero:
-        survivors and a replacement (which never saw the old count) then agree on when the limit
-        is reached, so they roll back, or stop, together."""
-        self._bad_in_a_row = []
-
 
 _AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _scaled(loss_fn, scale: torch.Tensor):
     return lambda *args: loss_fn(*args) * scale
-
-
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device, weights: list[float] | None = None) -> torch.Tensor:
-    """Sum of squares of `grads`, each weighted (tensor parallelism: 1 / its copies in the tp group)."""
-    if not grads:
-        return torch.zeros((), device=device)
-    sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2)
-    if weights is not None:
-        sq = sq * torch.tensor(weights, dtype=sq.dtype, device=sq.device)
-    return sq.sum().to(device)

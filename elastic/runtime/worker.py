@@ -220,8 +220,7 @@ class Worker(GroupMembership):
         `holds_for`: the ranks whose copies this rank keeps."""
         tr = self.job.train
         self.copies.start(self.generation, buddy, holds_for)
-        self.runner.held_report = None  # a report held when the last run failed is never made
-        self.runner.skip_steps = set(skip_steps)
+        self.runner.start_run(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
         micro = self.runner.data.micro = self.runner.data.micro_batch()
         self.set_progress(status=RankStatus.RUNNING)
@@ -247,6 +246,8 @@ class Worker(GroupMembership):
                         fire_fault(self, f)
                 self.ckpt.expire()  # a persist past checkpoint.persist_timeout_s is given up: never waited on forever
                 agreed = self.runner.train_step(micro)
+                if self.runner.unsettled and self._acts_now(agreed, num_steps):
+                    agreed = self.runner.settle()  # this step's own flags, for what acts on them
                 if self._progress["step_s"] is not None:
                     self.copies.note_step(self._progress["step_s"])
                 if self.copies.holds_report(self.step):
@@ -294,6 +295,16 @@ class Worker(GroupMembership):
             self._running.clear()
         self.set_progress(status=RankStatus.DONE)
         return RunResult(RunStatus.DONE, self.step, generation, digest=self.state_digest())
+
+    def _acts_now(self, late, num_steps: int) -> bool:
+        """Whether this step's own agreed flags are needed now, where the step's statistics are
+        read a step late (`late`: the step before's): a checkpoint or an in-memory copy may be
+        due, the run ends, or the step before saw a stop or a checkpoint owed (both hold until
+        acted on, so this step's flags carry them too). Otherwise nothing acts on them, and the
+        next step reads them without waiting."""
+        step = self.step
+        due = step % self.job.checkpoint.every_steps == 0
+        return step == num_steps or due or late.stop or late.owe or self.copies.due(step, False)
 
     def _copy_before_report(self) -> None:
         """checkpoint.memory_sync: this step's copy at its buddy, then every rank's (one small
