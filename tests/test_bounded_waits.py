@@ -42,7 +42,8 @@ def _ray_gets() -> list[tuple[str, str, int, bool]]:
                         and child.func.attr == "get" and isinstance(child.func.value, ast.Name)
                         and child.func.value.id == "ray"):
                     timeout = next((k.value for k in child.keywords if k.arg == "timeout"), None)
-                    bounded = timeout is not None and not (isinstance(timeout, ast.Constant) and timeout.value is None)
+                    none = isinstance(timeout, ast.Constant) and timeout.value is None
+                    bounded = timeout is not None and not none
                     found.append((rel, _qualname(scope), child.lineno, bounded))
                 visit(child, scope)
 
@@ -52,18 +53,21 @@ def _ray_gets() -> list[tuple[str, str, int, bool]]:
 
 def _qualname(scope: tuple[str, ...]) -> str:
     """A nested helper counts as its outermost class and function (`Class.method`)."""
-    return ".".join(scope[:2]) if len(scope) > 1 and scope[0][:1].isupper() else (scope[0] if scope else "<module>")
+    if len(scope) > 1 and scope[0][:1].isupper():
+        return ".".join(scope[:2])
+    return scope[0] if scope else "<module>"
 
 
 def test_no_ray_get_in_elastic_waits_without_a_timeout_unless_listed_with_why():
     gets = _ray_gets()
     assert len(gets) > 10, "the scan found almost no ray.get: it no longer reads the package"
-    unbounded = [(f, fn, line) for f, fn, line, bounded in gets if not bounded and (f, fn) not in ALLOWED]
-    assert not unbounded, "ray.get without timeout= (give it one, or list it in ALLOWED with why): " + ", ".join(
-        f"{f}:{line} in {fn}" for f, fn, line in unbounded)
+    unbounded = [f"{f}:{line} in {fn}" for f, fn, line, bounded in gets
+                 if not bounded and (f, fn) not in ALLOWED]
+    assert not unbounded, ("ray.get without timeout= (give it one, or list it in ALLOWED with "
+                           "why): " + ", ".join(unbounded))
 
 
 def test_every_listed_exception_still_names_a_ray_get_without_a_timeout():
     unbounded = {(f, fn) for f, fn, _, bounded in _ray_gets() if not bounded}
     stale = sorted(set(ALLOWED) - unbounded)
-    assert not stale, f"listed in ALLOWED but no ray.get without a timeout is there any more: {stale}"
+    assert not stale, f"listed in ALLOWED, but no ray.get without a timeout is there now: {stale}"

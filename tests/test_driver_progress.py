@@ -53,7 +53,8 @@ def _job(tmp_path, misses: int) -> dict:
             "scaling": {"num_workers": 1},
             "failure": {"driver_progress_misses": misses},
             "checkpoint": {"storage_uri": f"file://{tmp_path}/runs"},
-            "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
+            "train": {"model": "elastic.workload:build_model",
+                      "dataset": "elastic.workload:build_dataset",
                       "loss": "elastic.workload:loss_fn", "global_batch_size": 16}}
 
 
@@ -79,16 +80,19 @@ def test_a_controller_that_stops_answering_fails_the_run_after_the_misses_naming
     e = out["error"]
     assert isinstance(e, TrainingFailed), repr(e)
     message, result = str(e), e.result
-    assert message.startswith("the controller actor answered none of the driver's last 3 progress requests")
+    assert message.startswith(
+        "the controller actor answered none of the driver's last 3 progress requests"), message
     assert "failure.driver_progress_misses=3" in message and " at step 7;" in message, message
     named = re.search(r"the last committed checkpoint is (\S+) \(step (\d+)\)", message)
     assert named and named.groups() == (committed, "20"), message
-    assert result.checkpoint == committed and result.error == message and result.metrics["step"] == 7
+    assert result.checkpoint == committed and result.error == message
+    assert result.metrics["step"] == 7
     seen = [ev["n"] for ev in result.events]  # what it did say is kept
     assert seen and set(seen) <= set(range(1, ANSWERS + 1)), seen
 
 
-def test_a_controller_that_answers_late_but_within_the_misses_is_waited_for(local_ray, tmp_path, monkeypatch):
+def test_a_controller_that_answers_late_but_within_the_misses_is_waited_for(
+        local_ray, tmp_path, monkeypatch):
     """Misses count in a row: a controller that answers again before the limit (a long pause of
     its process, a loaded head) is followed to its end, whatever it missed in all."""
 
@@ -97,12 +101,12 @@ def test_a_controller_that_answers_late_but_within_the_misses_is_waited_for(loca
             import time
             while self.asked < 8:
                 time.sleep(0.05)
-            return {"status": "finished", "loss": 0.1, "step": 100, "checkpoint": None, "run_dir": "r",
-                    "events": [], "digests": {}, "error": None, "losses": {}}
+            return {"status": "finished", "loss": 0.1, "step": 100, "checkpoint": None,
+                    "run_dir": "r", "events": [], "digests": {}, "error": None, "losses": {}}
 
         def progress(self, since_event: int = 0, steps_after: int | None = None) -> dict:
             self.asked += 1
-            if self.asked in (2, 3, 5, 6):  # two misses, an answer, two misses: never three in a row
+            if self.asked in (2, 3, 5, 6):  # two misses, an answer, two: never three in a row
                 threading.Event().wait()
             return {"state": "Running", "step": 7, "events": []}
 

@@ -26,8 +26,8 @@ def _run_without_iproute2(tmp_path, ci: bool) -> tuple[int, str]:
     env["PATH"] = str(empty)
     if ci:
         env["CI"] = "true"
-    p = subprocess.run([sys.executable, "-m", "pytest", *DRILLS, "-q", "-rfEs", "-p", "no:cacheprovider"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    cmd = [sys.executable, "-m", "pytest", *DRILLS, "-q", "-rfEs", "-p", "no:cacheprovider"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -39,9 +39,11 @@ def _count(out: str, what: str) -> int:
 def test_the_partition_drills_fail_under_ci_where_they_cannot_run_and_skip_elsewhere(tmp_path):
     rc, out = _run_without_iproute2(tmp_path, ci=True)
     errors = _count(out, "error")
-    assert rc != 0 and errors > 0, f"under CI=true the drills did not fail (rc {rc}):\n{out[-3000:]}"
+    assert rc != 0 and errors > 0, (
+        f"under CI=true the drills did not fail (rc {rc}):\n{out[-3000:]}")
     assert _count(out, "passed") == 0 and _count(out, "skipped") == 0, out[-3000:]
-    assert "CI=true, and the network-namespace drill cannot run here: `ip`/`tc` missing" in out, out[-3000:]
+    said = "CI=true, and the network-namespace drill cannot run here: `ip`/`tc` missing"
+    assert said in out, out[-3000:]
     rc, out = _run_without_iproute2(tmp_path, ci=False)
-    assert rc == 0 and _count(out, "skipped") == errors, f"(rc {rc}):\n{out[-3000:]}"  # every test, skipped
+    assert rc == 0 and _count(out, "skipped") == errors, f"(rc {rc}):\n{out[-3000:]}"  # every test
     assert _count(out, "error") == 0 and _count(out, "passed") == 0, out[-3000:]

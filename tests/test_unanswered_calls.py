@@ -52,11 +52,13 @@ class Buddy:
 
 
 def _worker(**kw) -> SimpleNamespace:
-    strategy = SimpleNamespace(state_dict=lambda model, opt: {},
-                               offer=lambda st, rank, world, step, into=None: {"step": step, "part": rank,
-                                                                              "t": torch.ones(4)})
-    return SimpleNamespace(rank=0, world_size=2, step=1, model=None, optimizer=None, amp=None, strategy=strategy,
-                           job=SimpleNamespace(failure=SimpleNamespace(collective_timeout_s=BOUND_S)), **kw)
+    def offer(st, rank, world, step, into=None) -> dict:
+        return {"step": step, "part": rank, "t": torch.ones(4)}
+
+    strategy = SimpleNamespace(state_dict=lambda model, opt: {}, offer=offer)
+    job = SimpleNamespace(failure=SimpleNamespace(collective_timeout_s=BOUND_S))
+    return SimpleNamespace(rank=0, world_size=2, step=1, model=None, optimizer=None, amp=None,
+                           strategy=strategy, job=job, **kw)
 
 
 def _senders() -> set[threading.Thread]:
@@ -82,7 +84,8 @@ def test_a_copy_sent_to_a_frozen_buddy_ends_at_its_bound_and_holds_back_no_later
     copies.take(w)
     for t in _senders() - stuck:
         t.join(60)
-    assert ray.get(buddy.copies.remote(), timeout=60) == [(0, 2, 2)]  # the new group's copy reached its buddy
+    # The new group's copy reached its buddy.
+    assert ray.get(buddy.copies.remote(), timeout=60) == [(0, 2, 2)]
     for t in stuck:
         t.join(60)  # a backstop far past the bound: it ends at BOUND_S
     assert not any(t.is_alive() for t in stuck), "the send to the frozen buddy never ends"
@@ -95,8 +98,8 @@ def test_a_chaos_fault_whose_report_is_never_answered_fires_at_the_bound(local_r
     controller = ray.remote(max_concurrency=4, num_cpus=0)(NeverAnswers).remote()
     assert ray.get(controller.where.remote(), timeout=60)
     w = _worker(controller=controller, ckpt=None, generation=1, slow_factor=1.0)
-    t = threading.Thread(target=fire_fault, args=(w, {"action": "slow", "factor": 3.0, "rank": 0, "at_step": 1}),
-                         daemon=True)
+    fault = {"action": "slow", "factor": 3.0, "rank": 0, "at_step": 1}
+    t = threading.Thread(target=fire_fault, args=(w, fault), daemon=True)
     t.start()
     t.join(60)  # a backstop far past the bound
     assert not t.is_alive(), "the fault waits for a report nobody answers"
