@@ -466,12 +466,30 @@ def test_a_dead_spare_is_replaced_without_disturbing_training(cluster, baseline,
     assert result.metrics["step"] == 600 and len(set(result.digests.values())) == 1
 
 
+class _Seen:
+    """The kinds of event the driver has received so far (Trainer.fit's on_event), to wait on."""
+
+    def __init__(self):
+        self.kinds: set[str] = set()
+        self._changed = threading.Condition()
+
+    def __call__(self, event: dict) -> None:
+        with self._changed:
+            self.kinds.add(event["kind"])
+            self._changed.notify_all()
+
+    def wait_for(self, kind: str, backstop_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: kind in self.kinds, backstop_s)
+
+
 @contextlib.contextmanager
-def _training_in_background(j, storage, root):
+def _training_in_background(j, storage, root, on_event=None):
     """Runs the job on a thread; the block starts once its first persist has begun (its step
     folder exists; the fence is written earlier). The run's result is `out["result"]`."""
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("result", Trainer(j).fit(progress=False)))
+    t = threading.Thread(target=lambda: out.setdefault(
+        "result", Trainer(j).fit(progress=False, on_event=on_event)))
     t.start()
     deadline = time.monotonic() + 120
     while not any(n.startswith("step_") for n in storage.list_dir(root)) and time.monotonic() < deadline:
@@ -501,28 +519,43 @@ def test_a_second_driver_on_a_running_run_is_refused_and_the_first_trains_on(clu
 
 @pytest.mark.s3
 def test_storage_outage_during_persist_training_goes_on(cluster, baseline, tmp_path, s3_server):  # noqa: F811
-    """SeaweedFS stops answering for 12 s, longer than the hang bound (5 s here), while a checkpoint
-    persists in the background: training goes on at full speed (the next checkpoint step is
-    deferred on every rank, not waited for), the last step's wait for storage is not taken for a
-    hang, nothing is redone, and every checkpoint that ends up committed is whole."""
+    """SeaweedFS stops answering once the step-10 checkpoint persists in the background, until
+    every rank waits for it at the last step and for twice the hang bound (5 s here) after that:
+    training goes on at full speed meanwhile (the step-20 checkpoint is deferred on every rank,
+    not waited for), the last step's wait for storage is not taken for a hang, nothing is
+    redone, and every checkpoint that ends up committed is whole. The outage ends on what the
+    run did, not after a fixed time that a slow day outlasts or a fast one wastes."""
     from elastic.checkpoint.layout import committed_checkpoints, validate
 
     uri = f"{s3_server.uri}/outage-{uuid.uuid4().hex[:6]}"
-    j = job(tmp_path, storage_uri=uri, storage_options=s3_server.storage_options)
-    j["train"]["micro_batch_size"] = 8  # slower steps: the outage overlaps the step-10 and step-20 persists
+    # A lease of 300 s: storage is out for as long as the run takes to reach its last step, which
+    # may pass 3/4 of the default 30 s; a lapsed lease is tests/test_lapsed_driver.py's story.
+    j = job(tmp_path, storage_uri=uri, storage_options=s3_server.storage_options,
+            run={"lease_ttl_s": 300})
+    j["train"]["micro_batch_size"] = 8  # slower steps: the step-10 persist in flight at the outage
     storage = Storage(uri, s3_server.storage_options)
     root = join(uri, j["run"]["name"], "checkpoints")
-    with _training_in_background(j, storage, root) as out:
+    seen = _Seen()
+    with _training_in_background(j, storage, root, on_event=seen) as out:
         with s3_server.outage():
-            time.sleep(12)
+            outage = (time.time(), None)
+            waited = seen.wait_for("storage_wait", backstop_s=240)
+            if waited:
+                time.sleep(2 * j["failure"]["hang_floor_s"])  # a wait past the hang bound
+            outage = (outage[0], time.time())
+    assert waited, "the ranks never waited for storage at the last step while it was out"
     result = out["result"]
     assert result.metrics["step"] == NUM_STEPS and len(set(result.digests.values())) == 1
     assert not result.events_of("failure_detected") and not result.events_of("hang_detected")
     assert len(result.events_of("restored")) == 1  # the start only: nothing restored, no step redone
-    # The outage really hit a persist in flight: it waited it out, and training did not stop for it.
-    assert max(e["persist_s"] for e in result.events_of("checkpoint_committed")) > 10
+    # The outage really hit a persist in flight (begun before it, as the block starts only then):
+    # it committed after it; training did not stop for it (the next checkpoint step deferred, the
+    # last one's wait no hang).
+    (first,) = [e for e in result.events_of("checkpoint_committed") if e["step"] == EVERY]
+    assert outage[1] < first["t"], (outage, first)
     assert [e["step"] for e in result.events_of("checkpoint_deferred")] == [20]
-    assert result.events_of("storage_wait")  # the last step waited for storage, and that was no hang
+    (wait, *_) = result.events_of("storage_wait")
+    assert outage[0] < wait["t"] < outage[1] and wait["step"] == NUM_STEPS, (outage, wait)
     committed = committed_checkpoints(storage, root)
     assert committed and committed[0].step == NUM_STEPS
     for c in committed:
@@ -581,14 +614,19 @@ def test_a_node_kill_during_a_storage_outage_recovers_from_memory_without_waitin
     from elastic.checkpoint.fencing import current_generation
 
     uri = f"{s3_server.uri}/outage-kill-{uuid.uuid4().hex[:6]}"
+    # A lease of 300 s: storage stays out until the recovery ends, which on a slow day passes
+    # 3/4 of the default 30 s; a lapsed lease is tests/test_lapsed_driver.py's story.
     j = job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": 25}], storage_uri=uri,
-            storage_options=s3_server.storage_options)
+            storage_options=s3_server.storage_options, run={"lease_ttl_s": 300})
     storage = Storage(uri, s3_server.storage_options)
     root = join(uri, j["run"]["name"], "checkpoints")
-    with _training_in_background(j, storage, root) as out:
+    seen = _Seen()
+    with _training_in_background(j, storage, root, on_event=seen) as out:
         with s3_server.outage():
             outage = (time.time(), None)
-            time.sleep(25)  # the fault comes within a second of the outage, the recovery some seconds later
+            # Storage comes back once the driver has seen the recovery end, or at a backstop that
+            # only a recovery waiting for storage reaches (then the order below fails).
+            seen.wait_for("recovered", backstop_s=240)
             outage = (outage[0], time.time())
     result = out["result"]
     (fault,) = result.events_of("fault_injected")

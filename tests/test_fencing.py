@@ -176,11 +176,10 @@ def test_a_persist_writes_nothing_while_the_fence_cannot_be_read_and_its_checkpo
     storage, root = store
     write_fence(storage, root, 1)
     reads = _unreadable_fence(storage, root, monkeypatch, "throttled")
-    t0 = time.monotonic()
     res = _persist(storage, root, one_rank_group, 10, Fence(storage, root, 1), retries=2, wait_timeout_s=60)
     assert not res.committed and "cannot be read" in res.error
     # Asked again as a failed write is retried (1 + retries), not polled until the 60 s bound.
-    assert len(reads) == 3 and time.monotonic() - t0 < 30
+    assert len(reads) == 3
     assert owes_retry(res.error)  # a storage failure: saved again later, not given up as "fenced:"
     assert step_dir(root, 10).rsplit("/", 1)[1] not in storage.list_dir(root)  # not one byte of it
 
