@@ -113,6 +113,7 @@ def test_a_copys_cost_is_its_take_and_the_slowdown_of_steps_during_its_send():
         c.note_step(t)
     release = threading.Event()
     c._sender = threading.Thread(target=release.wait)
+    c.generation = c._sender_gen = 1  # a send of this group's (an older group's holds nothing back)
     c._sender.start()
     c.cost_s, c._extra_s = 0.01, 0.0  # what take() leaves: 10 ms on the training thread
     c.note_step(0.16)  # a step while the send is on its way: 60 ms beyond the median of 100 ms
