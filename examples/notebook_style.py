@@ -71,4 +71,5 @@ def main(storage_uri: str = "file://./runs", num_steps: int = 30):
 
 if __name__ == "__main__":
     result = main(*sys.argv[1:2])
-    print(f"loss {result.metrics['loss']:.4f} at step {result.metrics['step']}; run folder {result.run_dir}")
+    print(f"loss {result.metrics['loss']:.4f} at step {result.metrics['step']}; "
+          f"run folder {result.run_dir}")

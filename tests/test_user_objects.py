@@ -69,20 +69,23 @@ def test_objects_travel_in_the_jobs_json_by_value_and_the_records_name_them():
 
 
 def test_strings_stay_strings():
-    job = parse_job(_job(model="elastic.workload:build_model", dataset="elastic.workload:build_dataset",
-                         loss="elastic.workload:loss_fn", optimizer=None))
+    job = parse_job(_job(model="elastic.workload:build_model", loss="elastic.workload:loss_fn",
+                         dataset="elastic.workload:build_dataset", optimizer=None))
     assert json.loads(job.model_dump_json())["train"]["model"] == "elastic.workload:build_model"
     assert yaml.safe_load(dump_job(job))["train"]["loss"] == "elastic.workload:loss_fn"
     with pytest.raises(ValueError, match=r"train.model: expected 'module:function'"):
-        job.model_copy(update={"train": job.train.model_copy(update={"model": "nocolon"})}).train.resolve()
+        job.train.model_copy(update={"model": "nocolon"}).resolve()
 
 
 @pytest.mark.parametrize("train, message", [
-    ({"model": nn.Linear(4, 2)}, r"train.model: got a model .*Linear instance.*pass the function or class"),
+    ({"model": nn.Linear(4, 2)},
+     r"train.model: got a model .*Linear instance.*pass the function or class"),
     ({"model": 3}, r"train.model: expected 'module:function' or a Python object .*got int 3"),
     ({"optimizer": torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)},
-     r"train.optimizer: expected a function\(params\) -> optimizer, got <object torch.optim.sgd.SGD instance>"),
-    ({"dataset": object()}, r"train.dataset: expected a map-style dataset .*got <object builtins.object instance>"),
+     r"train.optimizer: expected a function\(params\) -> optimizer, got "
+     r"<object torch.optim.sgd.SGD instance>"),
+    ({"dataset": object()},
+     r"train.dataset: expected a map-style dataset .*got <object builtins.object instance>"),
     ({"loss": (lambda lock: (lambda m, b: lock))(threading.Lock())},
      r"train.loss: <object .*lambda>> cannot be sent to the workers: cloudpickle raised TypeError"),
     ({"loss": None}, r"train.loss is required"),
@@ -97,8 +100,9 @@ def test_the_notebook_style_example_runs_on_a_local_ray(tmp_path):
     """examples/notebook_style.py: everything defined in __main__, given as objects; the workers
     (other processes, which cannot import __main__) train it to the end."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "notebook_style.py"), f"file://{tmp_path}"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    script = str(ROOT / "examples" / "notebook_style.py")
+    out = subprocess.run([sys.executable, script, f"file://{tmp_path}"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "at step 30" in out.stdout, out.stdout
     run = tmp_path / "notebook-style"
@@ -109,4 +113,4 @@ def test_the_notebook_style_example_runs_on_a_local_ray(tmp_path):
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in events][-1] == "run_finished"
     losses = {int(k): v["loss"] for k, v in json.loads((run / "metrics.json").read_text()).items()}
-    assert sorted(losses) == list(range(1, 31)) and losses[30] < losses[1] / 10, losses  # it learned
+    assert sorted(losses) == list(range(1, 31)) and losses[30] < losses[1] / 10, losses  # learned

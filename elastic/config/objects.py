@@ -67,9 +67,9 @@ class UserObject:
             from ray import cloudpickle
             self._blob = cloudpickle.dumps(self._obj)
             if len(self._blob) > _LARGE_BYTES:
-                log.warning("%s pickles to %.0f MiB, sent with the job to the controller and every worker: "
-                            "give a function that loads the data on the worker instead of an object that holds it",
-                            self, len(self._blob) / 2 ** 20)
+                log.warning("%s pickles to %.0f MiB, sent with the job to the controller and "
+                            "every worker: give a function that loads the data on the worker "
+                            "instead of an object that holds it", self, len(self._blob) / 2 ** 20)
         return self._blob
 
     def __repr__(self) -> str:
@@ -95,6 +95,9 @@ class UserObject:
         return core_schema.no_info_plain_validator_function(_to_ref)
 
 
+EXPECTED = "expected 'module:function' or a Python object (Trainer only)"
+
+
 def _to_ref(value: Any) -> "str | UserObject":
     """A job's callable as given: a 'module:function' string (checked where it is imported), a
     `UserObject` (already one, or shipped in the job's JSON), or the user's object, pickled once
@@ -103,17 +106,18 @@ def _to_ref(value: Any) -> "str | UserObject":
         return value
     if isinstance(value, dict):
         if set(value) == {"object", "module", "cloudpickle"}:  # shipped in the job's JSON
-            return UserObject(value["object"], value["module"], blob=base64.b64decode(value["cloudpickle"]))
-        raise ValueError("expected 'module:function' or a Python object (Trainer only), got a mapping")
+            return UserObject(value["object"], value["module"],
+                              blob=base64.b64decode(value["cloudpickle"]))
+        raise ValueError(f"{EXPECTED}, got a mapping")
     if value is None or isinstance(value, (bool, int, float, list, tuple, bytes)):
-        raise ValueError(f"expected 'module:function' or a Python object (Trainer only), got "
-                         f"{type(value).__name__} {value!r}")
+        raise ValueError(f"{EXPECTED}, got {type(value).__name__} {value!r}")
     obj = UserObject.of(value)
     try:
         obj.blob()
     except Exception as e:  # noqa: BLE001 - whatever cloudpickle raises, the user's to fix
-        raise ValueError(f"{obj} cannot be sent to the workers: cloudpickle raised {type(e).__name__}: {e}; "
-                         f"define it at module level, or capture no lock, file or socket in it") from None
+        raise ValueError(f"{obj} cannot be sent to the workers: cloudpickle raised "
+                         f"{type(e).__name__}: {e}; define it at module level, or capture no "
+                         f"lock, file or socket in it") from None
     return obj
 
 
@@ -122,7 +126,8 @@ def _ref_json(value: "str | UserObject", info: Any) -> Any:
         return value
     if (info.context or {}).get(RECORD):
         return repr(value)
-    return {"object": value.name, "module": value.module, "cloudpickle": base64.b64encode(value.blob()).decode()}
+    return {"object": value.name, "module": value.module,
+            "cloudpickle": base64.b64encode(value.blob()).decode()}
 
 
 # A job's callable: 'module:function' (YAML or Python), or a Python object (Python only).

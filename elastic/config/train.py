@@ -41,8 +41,9 @@ def _check_object(ref, field: str, what: str) -> None:
     obj = ref.get()
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
-        raise ValueError(f"{field}: got a model ({ref}), not {what}: elastic calls it on every worker (under "
-                         f"train.meta_init on the meta device); pass the function or class that builds it")
+        raise ValueError(f"{field}: got a model ({ref}), not {what}: elastic calls it on every "
+                         f"worker (under train.meta_init on the meta device); pass the function or "
+                         f"class that builds it")
     if not callable(obj):
         raise ValueError(f"{field}: expected {what}, got {ref}, which cannot be called")
 
@@ -179,8 +180,9 @@ class TrainSpec(Strict):
     cloudpickle (docs/getting-started.md#objects-instead-of-names)."""
 
     model: Ref = Field(description="module:function() -> torch.nn.Module")
-    dataset: Ref | None = Field(None, description="module:function() -> map-style dataset (len, getitem); from "
-                                                   "Python, the dataset itself too")
+    dataset: Ref | None = Field(
+        None, description="module:function() -> map-style dataset (len, getitem); from Python, "
+                          "the dataset itself too")
     data: DataSpec | None = Field(None, description="A built-in dataset ({format: parquet, uri, columns}) instead of "
                                                     "train.dataset.")
     loss: Ref | None = Field(None, description="module:function(model, batch) -> scalar loss, mean over the batch "
@@ -269,7 +271,8 @@ class TrainSpec(Strict):
         if self.init is not None and not self.meta_init:
             raise ValueError("train.init is set but train.meta_init is false: set train.meta_init: true (an eager "
                              "build initialises the model in its own constructor)")
-        for field, what in (("model", "a function that builds the model"), ("loss", "a function(model, batch)"),
+        for field, what in (("model", "a function that builds the model"),
+                            ("loss", "a function(model, batch)"),
                             ("optimizer", "a function(params) -> optimizer"),
                             ("scheduler", "a function(optimizer) -> scheduler"),
                             ("init", "a function(name, module)")):
