@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import ray
 
+from elastic.checkpoint import pretrained
 from elastic.checkpoint.layout import checkpoints_root, committed_checkpoints, latest_committed
 from elastic.config import ConfigError, JobConfig, load_job, parse_job
 from elastic.config.secrets import named_secrets
@@ -85,6 +86,8 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if fns["scheduler"] is not None:
             _check_scheduler(fns["scheduler"], job.train.scheduler)
+        if job.train.init_from and pretrained.kind_of(job.train.init_from) == "safetensors":
+            pretrained.safetensors_module()  # a missing extra, said before storage is touched
         self._builders = (fns["model"], fns["optimizer"])  # the copies' memory estimate, once Ray is up
         # A filesystem whose package is missing fails to open, an unreachable one to write; the URI
         # is made absolute, so every node agrees on file:// paths.
@@ -96,6 +99,10 @@ class Trainer:
             raise ConfigError(f"checkpoint.storage_uri: {e}") from None
         self.job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"storage_uri": uri})})
         _check_resume(storage, self.job, num_samples, fingerprint)
+        try:  # train.init_from resolved and checked against the model (a fresh start only)
+            self.job = pretrained.prepare(self.job, fns["model"], storage)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def fit(self, progress: bool = True, on_event: Callable[[dict], None] | None = None) -> Result:
         """Run the job to its end. `progress` draws a bar on the driver; `on_event`, if given, is

@@ -32,7 +32,7 @@ def rendezvous_port() -> int:
 
 
 def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None, probe=None,
-               peer=None):
+               peer=None, start_probe=None):
     os.environ.update(env)
     from elastic.runtime.actor import import_worker
     Worker = import_worker()  # as a Ray worker does it (the collector off while torch's modules import)
@@ -56,6 +56,7 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
             w.join("127.0.0.1", port, rank, world, generation=2, pp=pp)
             out = w.restore_from_peer(peer["sources"][0], peer["sources"])
         restored_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the build's peak
+        started = _probe(start_probe, w.model)  # what the restore (or the fresh start) left
         res = w.run(steps, [])
     except Exception as e:  # noqa: BLE001 - reported (a memory cap that is too low fails here)
         q.put((rank, "error", f"{type(e).__name__}: {e}", None, None, None,
@@ -64,10 +65,11 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
     q.put((rank, res.status, res.digest or res.error, w._progress["loss"], out.source, out.step,
            {"grad_norm": w._progress.get("grad_norm"), "skipped": list(w.runner.skipped), "step": w.step,
             "lr": w.optimizer.param_groups[0]["lr"],
+            "frozen_in_optim": _frozen_in(w.optimizer),
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "restored_rss_mb": restored_rss,
             "vmdata_mb": _vm_data_mb(), "mesh": w.mesh.mesh_dim_names,
             "placements": str(getattr(next(w.model.parameters()), "placements", None)),
-            "probe": _probe(probe, w.model)}))
+            "probe": _probe(probe, w.model), "start_probe": started}))
     w.leave()
 
 
@@ -79,6 +81,12 @@ def _probe(ref: str | None, model):
     mod, fn = ref.split(":")
     got = getattr(importlib.import_module(mod), fn)(model)
     return frozenset(got) if isinstance(got, set) else got
+
+
+def _frozen_in(optimizer) -> int:
+    """Parameters with requires_grad=False that `optimizer` holds, in a param group or a state."""
+    held = [*(p for g in optimizer.param_groups for p in g["params"]), *optimizer.state]
+    return sum(not p.requires_grad for p in held)
 
 
 def _vm_data_mb() -> float:
@@ -93,11 +101,13 @@ def _vm_data_mb() -> float:
 def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expect="done",
               data_limit_mb: int | None = None, probe: str | None = None,
               peer_sources: list[int] | None = None, peer_at: int | None = None,
-              renumber: dict[int, int] | None = None) -> list[tuple]:
+              renumber: dict[int, int] | None = None,
+              start_probe: str | None = None) -> list[tuple]:
     """Every rank of `job` as its own process, trained to `steps` (default run.num_steps).
     Returns per rank (rank, status, digest or error, loss, restore source, restored step, extra).
     `data_limit_mb`: each rank's RLIMIT_DATA, set before it builds anything. `probe`:
-    module:function(model) whose answer at the end is extra["probe"]. `peer_sources` (one rank
+    module:function(model) whose answer at the end is extra["probe"]; `start_probe`'s, right
+    after the first restore, is extra["start_probe"]. `peer_sources` (one rank
     per slot) and `peer_at`: a fault after step `peer_at` replaces every other rank with a new
     Worker (nothing built); the group forms again and restores from the sources' memory
     (`restore_from_peer`), as after a failure, then trains on. With `renumber` (old rank -> new
@@ -115,7 +125,8 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     peer = None if peer_sources is None else {"sources": list(peer_sources), "at": peer_at, "mapping": renumber}
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   jc.run.num_steps if steps is None else steps, env or {}, q,
-                                                  data_limit_mb, probe, peer)) for r in range(world)]
+                                                  data_limit_mb, probe, peer, start_probe))
+             for r in range(world)]
     for p in procs:
         p.start()
     out = sorted((q.get(timeout=600) for _ in procs), key=lambda o: o[0])

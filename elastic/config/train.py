@@ -210,6 +210,20 @@ class TrainSpec(Strict):
         None, description="With train.meta_init: module:function(name, module) that initialises one module's own "
                           "parameters and buffers in place (a full-size copy on the CPU, its children not included), "
                           "instead of module.reset_parameters(). Seeded per module: draw from torch's global RNG.")
+    init_from: str | None = Field(
+        None, description="Pretrained weights, loaded over the built model when the run starts "
+                          "fresh (a resumed run restores its own checkpoint): a torch state dict "
+                          "(.pt, .pth, .bin), a safetensors file (.safetensors; pip install "
+                          "'elastic-trainer[safetensors]') or another run's checkpoint (its run "
+                          "folder, or one step folder); a path or URI, read with "
+                          "checkpoint.storage_options. Names are the model's own "
+                          "(model.state_dict()'s); any layout. Each rank reads only its part where "
+                          "the source allows (docs/models.md).")
+    init_strict: bool = Field(
+        True, description="With train.init_from: the source's names and the model's must be the "
+                          "same, else the run is refused before it starts, naming them. false: load "
+                          "what matches; the rest keeps its init (both lists are logged by name). "
+                          "Shapes must match either way.")
     activation_checkpointing: list[str] | None = Field(
         None, description="Class names of the blocks whose activations are recomputed in backward instead of kept "
                           "(torch.utils.checkpoint, non-reentrant, one block at a time; e.g. [Block]). Checked on "
@@ -280,8 +294,11 @@ class TrainSpec(Strict):
         if isinstance(self.dataset, UserObject) and self.dataset.local:
             ds = self.dataset.get()
             if not callable(ds) and not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
-                raise ValueError(f"train.dataset: expected a map-style dataset (len, getitem) or a function that "
-                                 f"returns one, got {self.dataset}")
+                raise ValueError(f"train.dataset: expected a map-style dataset (len, getitem) or a "
+                                 f"function that returns one, got {self.dataset}")
+        if not self.init_strict and self.init_from is None:
+            raise ValueError("train.init_strict is set but train.init_from is not: it says how "
+                             "init_from loads")
         if self.prefetch and self.data_workers:
             raise ValueError(f"train.prefetch (a thread) and train.data_workers={self.data_workers} (processes) both "
                              "read ahead: set one of them")

@@ -80,6 +80,8 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
         # Every rank builds the same init from the seed; broadcasting rank 0's copy makes that
         # an invariant rather than an assumption about the user's factory.
         state.build(w, sync_init=True)
+        if w.job.train.init_from:  # a fine-tune's fresh start: the pretrained weights over the init
+            state.load_pretrained(w)
     start_checkpointer(w)
     return RestoreResult(step=w.step, source="storage" if loaded else "init", restore_s=time.monotonic() - t0,
                          uri=loaded, skipped=tuple(skipped))

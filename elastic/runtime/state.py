@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,12 +21,23 @@ from elastic.runtime.step import LOSS_SCALE_INIT
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
 
+log = logging.getLogger(__name__)
+
 META = ("meta",)  # `built_for` of a spare's model kept on the meta device: built again on joining
 
 
 def default_optimizer(params):
     """The optimizer of a job that names none (train.optimizer)."""
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+def trainable_only(make_opt):
+    """The job's optimizer factory, given only the parameters that train: one with
+    requires_grad=False (a frozen backbone, an adapter's base) is in no param group and gets no
+    optimizer state, under every strategy."""
+    def make(params):
+        return make_opt([p for p in params if p.requires_grad])
+    return make
 
 
 def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
@@ -58,7 +70,7 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
         model, template = w.fns["model"](), None
     else:
         model, template = w.fns["model"]().to(w.device), None
-    make_opt = w.fns["optimizer"] or default_optimizer
+    make_opt = trainable_only(w.fns["optimizer"] or default_optimizer)
     if w.strategy:
         w.strategy.note_optimizer(model, make_opt)
         # A meta model needs no broadcast: every rank computes the same values from the seed.
@@ -75,6 +87,26 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
     if w.job.train.precision == "fp16":
         w.amp = {"good_steps": torch.zeros((), dtype=torch.int64, device=w.device),
                  "scale": torch.full((), LOSS_SCALE_INIT, device=w.device)}
+
+
+def load_pretrained(w: Worker) -> None:
+    """train.init_from over a fresh build (elastic/checkpoint/pretrained.py), written into the
+    model's own tensors: each rank reads its part of each (a DTensor's local shard, a localized
+    tp parameter's slice); the optimizer's state is not made for it (no memory beyond the
+    model's part and one tensor's slice at a time)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from elastic.checkpoint import pretrained
+    from elastic.parallel.tensor import as_dtensors
+    tr = w.job.train
+    held = as_dtensors(w.model, {"model": get_model_state_dict(w.model), "optim": {"state": {}}})
+    # A pipeline rank holds a stage: the whole model's names tell its unexpected ones.
+    whole = pretrained.model_shapes(w.fns["model"]) if w.strategy.name == "pipeline" else None
+    missing, unexpected = pretrained.load_into(held["model"], tr.init_from, w.storage.options,
+                                               tr.init_strict, w.ckpt_pg, whole)
+    if missing or unexpected:
+        log.warning("train.init_from %s: missing from it %s; not in the model %s", tr.init_from,
+                    missing, unexpected)
 
 
 def _meta_for_load(w: Worker):
