@@ -5,6 +5,7 @@ and the event log readers. The benchmarks run from a checkout: `python -m benchm
     elastic config show JOB [--set ...] | defaults | schema
     elastic status RUN [--json] [--storage-option KEY=VALUE ...]
     elastic timeline RUN [--out PNG] [--trace JSON] [--storage-option KEY=VALUE ...]
+    elastic export RUN [--step N] --to model.safetensors|model.pt [--storage-option ...]
 
 Exit codes: 0 done, 1 training failed, 2 bad input (a bad setting or argument, storage that does
 not answer, a run folder with no readable log, a missing extra), as one line saying what to fix;
@@ -77,6 +78,19 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
     st.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
                     help=STORAGE_OPTION_HELP)
+    ex = sub.add_parser("export", help="write a run's model as a plain state dict (weights only, "
+                                       "the model's own names, any layout merged): .safetensors "
+                                       "or .pt")
+    ex.add_argument("run", help="the run folder as a path or URI (s3://...), its checkpoints "
+                                "folder, or a committed step folder")
+    ex.add_argument("--step", type=int, default=None, metavar="N",
+                    help="the committed checkpoint of step N (default: the newest)")
+    ex.add_argument("--to", required=True, metavar="FILE",
+                    help="the file to write, a path or URI: FILE.safetensors (needs the "
+                         "safetensors extra, elastic-trainer[safetensors]) or FILE.pt "
+                         "(torch.save); load it with model.load_state_dict")
+    ex.add_argument("--storage-option", dest="storage_options", action="append", default=[],
+                    metavar="KEY=VALUE", help=STORAGE_OPTION_HELP)
     for _, sp in subparsers(p):
         sp.add_debug()
     return p
@@ -90,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     from elastic.config.loading import ConfigError
     try:
-        return {"train": _train, "config": _config, "timeline": _timeline, "status": _status}[args.cmd](args)
+        return {"train": _train, "config": _config, "timeline": _timeline, "status": _status,
+                "export": _export}[args.cmd](args)
     except ConfigError as e:  # every user error: settings, storage, a run's log, a missing extra
         if getattr(args, "debug", False):
             traceback.print_exc()
@@ -148,6 +163,15 @@ def _timeline(args) -> int:
 def _status(args) -> int:
     from elastic.observability.status import run_status
     return run_status(args.run, as_json=args.json, storage_options=_storage_options(args))
+
+
+def _export(args) -> int:
+    from elastic.checkpoint.export import export
+    out = export(args.run, args.to, args.step, _storage_options(args))
+    print(f"wrote {out['to']}: {out['tensors']} tensors, {out['numel']:,} parameters and buffers, "
+          f"{out['bytes'] / 2 ** 20:.1f} MiB, from the checkpoint of step {out['step']} "
+          f"({out['checkpoint']})")
+    return 0
 
 
 def _train(args) -> int:

@@ -138,6 +138,15 @@ ERRORS = [
     ("a missing extra (`timeline --out` without matplotlib)",
      "elastic: drawing a timeline as a PNG needs matplotlib: pip install "
      "'elastic-trainer[plot]' ..."),
+    ("a missing extra (`export --to model.safetensors`, or a `train.init_from` of one, without "
+     "safetensors)",
+     "elastic: writing a .safetensors file needs the safetensors package: pip install "
+     "'elastic-trainer[safetensors]' ..."),
+    ("`export` of a folder without a committed checkpoint, of a step that has none, or to a file "
+     "of no known format ([models](models.md#the-model-out-elastic-export))",
+     "elastic: RUN holds no committed checkpoint ...`, `elastic: RUN has no committed "
+     "checkpoint of step 2 (...); committed: steps [3]`, `elastic: --to m.txt: name a "
+     ".safetensors or a .pt (.pth, .bin) file"),
     ("a `--set` or `--storage-option` that is not `KEY=VALUE`",
      "elastic: --storage-option 'endpoint_url': expected KEY=VALUE (e.g. --storage-option "
      "endpoint_url=http://127.0.0.1:8333)"),
