@@ -194,3 +194,46 @@ def overflowing_loss(model, batch):
     """The workload's loss, large enough that its gradients overflow fp16 at the first scales."""
     from elastic.workload import loss_fn
     return loss_fn(model, batch) * 64.0
+
+
+def _hooks_rank(port, cap, q):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic.parallel import ddp
+    from tests.test_ddp_strategy import Net, batch, loss_fn
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if cap:
+        ddp.BUCKET_BYTES = cap
+    strat = ddp.DataParallel(init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+    model, ref = Net(), Net()
+    loss_fn(ref, batch(0)).backward()
+    strat.train_step(model, [0], lambda ids: batch(ids[0]), loss_fn, micro=1)
+    strat.reduce_gradients(model)
+    same = all(torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters())
+               if r.grad is not None)
+    unused = [p.grad for n, p in model.named_parameters() if n.startswith("unused")]
+    q.put((len(model.elastic_grad_hooks), [len(b) for b in strat._buckets], same,
+           all(g is not None and not g.any() for g in unused)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cap,hooks", [(None, 0), (4096, 5)])
+def test_the_last_gradient_bucket_is_launched_after_backward_without_hooks(cap, hooks):
+    """Buckets are launched in order, so the last waits for every gradient whatever hooks it
+    has: its parameters get none, and a model of one bucket runs no Python per parameter during
+    backward. The gradients are the same, an unused parameter's zeros included."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.spawn_ranks", "tests.support.rank_preload"])
+    q = ctx.Queue()
+    p = ctx.Process(target=_hooks_rank, args=(port, cap, q))
+    p.start()
+    n_hooks, buckets, same, unused_zero = q.get(timeout=120)
+    p.join(timeout=60)
+    # Net's 6 parameters: one bucket at 25 MiB; three at 4096 bytes, the last a.weight alone.
+    assert n_hooks == hooks and buckets == ([6] if cap is None else [4, 1, 1]), (n_hooks, buckets)
+    assert same and unused_zero

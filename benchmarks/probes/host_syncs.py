@@ -142,8 +142,8 @@ class HostReads(TorchDispatchMode):
         elif func is aten.copy_.default:
             dst, src = args[0], args[1]
             non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
-            if non_blocking and not self.gpu:
-                self.host(dst)  # a copy out to pinned memory, read later
+            if non_blocking:
+                self.host(dst)  # a copy out to pinned memory, read later (on a CPU: marked host)
             elif self.on_device(src) and not self.on_device(dst):
                 self.read("copy_ to the host")
         elif func is aten._to_copy.default and self.gpu:

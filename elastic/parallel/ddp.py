@@ -18,7 +18,11 @@ join the same group's queue after the last bucket (see `reduce_gradients`),
 after the broadcast of the model's buffers from the first rank where it has
 any (elastic/parallel/buffers.py: torch DDP's `broadcast_buffers`, in effect).
 With gradient accumulation only the last micro-batch's backward launches
-anything (`set_gradient_sync`).
+anything (`set_gradient_sync`). The last bucket's parameters have no hook: it
+is launched last whatever happens, so not before backward has produced every
+gradient, and `reduce_gradients` launches it then (a model of one bucket runs
+no Python per parameter during backward; on a GPU each hook's Python, run from
+the autograd thread, cost about as much as the copies it launched).
 """
 from __future__ import annotations
 
@@ -122,8 +126,10 @@ class DataParallel(Strategy):
         # a reshape of each gradient every step cost an operator per parameter.
         self._into = [self._slices[i].view(local(p).shape) for i, p in enumerate(self._params)]
         index = {id(p): i for i, p in enumerate(self._params)}
+        last = set(self._buckets[-1])  # launched by reduce_gradients: see the module's docstring
         model.elastic_grad_hooks = [p.register_post_accumulate_grad_hook(
-            lambda p, i=index[id(p)]: self._grad_ready(i)) for p in self._params]
+            lambda p, i=index[id(p)]: self._grad_ready(i)) for i, p in enumerate(self._params)
+            if i not in last]
         self._scale = 1.0 / dist.get_world_size(self.mesh.get_group("dp"))
         self._hooked = model
         self._begin_step()
@@ -175,7 +181,7 @@ class DataParallel(Strategy):
         if not self.overlap or self._hooked is not model:  # backward ran outside train_step: no buckets
             self._reduce_flat(model)
             return None
-        while self._next < len(self._buckets):  # buckets with a parameter that got no gradient
+        while self._next < len(self._buckets):  # the last, and any with a gradient missing
             self._launch(self._next)
             self._next += 1
         group = self.mesh.get_group("dp")

@@ -108,7 +108,12 @@ class StepRunner(StepReports):
                 # failure; a rollback does not: the step is kept as skipped, and the recovery
                 # resumes the survivors there with their bad run forgotten, which trains the
                 # same steps the same way as the rollback would.
-                self.settle(may_roll_back=False)
+                try:
+                    self.settle(may_roll_back=False)
+                except BadStep:
+                    raise
+                except Exception:  # noqa: BLE001 - this step's own failure is the one to report
+                    pass
             raise
 
     def _found_inf_taken(self) -> bool:
@@ -161,7 +166,8 @@ class StepRunner(StepReports):
         try:
             with torch.autocast(w.device.type, dtype=_AUTOCAST[tr.precision], enabled=tr.precision != "fp32"):
                 local_loss = w.strategy.train_step(w.model, idx, self.data.load, loss_fn, micro)
-            local_loss = local_loss.float().to(w.device)
+            # Without waiting: a pipeline's middle stage returns a host zero.
+            local_loss = local_loss.float().to(w.device, non_blocking=True)
         except Exception as e:
             if is_collective_failure(e):
                 raise CollectiveError(f"{type(e).__name__}: {e}") from e
