@@ -60,6 +60,7 @@ PEER = "torch-ddp"
 TARGET = 0.97  # issue 9: at least this fraction of torch DDP's steps/s at every size
 LARGE_PARAMS = 50_000_000  # from here on: a shorter warm-up and `--reps-large` repetitions
 STEP_LOG_ENV = "ELASTIC_BENCH_STEP_LOG"  # file that global rank 0 appends one line per optimizer step to
+OPTIMIZER_ENV = "ELASTIC_BENCH_OPTIMIZER"  # adamw (the default) or adamw-fused, for every system
 MODES = ("off", f"every {CKPT_EVERY}", "whole run")
 
 
@@ -72,9 +73,19 @@ def num_params(hidden: int) -> int:
 
 def timed_optimizer(params):
     """The common workload's AdamW, with the step clock when ELASTIC_BENCH_STEP_LOG is set.
-    elastic's job names it as `train.optimizer`; the peers call it directly."""
+    elastic's job names it as `train.optimizer`; the peers call it directly. With
+    ELASTIC_BENCH_OPTIMIZER=adamw-fused (benchmarks/gpu_check.sh), torch's fused AdamW in every
+    system: the kernel whose found_inf lets elastic's step decide its update on the device."""
+    import torch
+
     from elastic import workload
-    optimizer = workload.build_optimizer(params)
+    chosen = os.environ.get(OPTIMIZER_ENV, "adamw")
+    if chosen not in ("adamw", "adamw-fused"):
+        raise ValueError(f"{OPTIMIZER_ENV}={chosen!r}: give adamw or adamw-fused")
+    if chosen == "adamw-fused":
+        optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    else:
+        optimizer = workload.build_optimizer(params)
     path = os.environ.get(STEP_LOG_ENV)
     if path:
         optimizer.register_step_post_hook(StepClock(path))
@@ -451,7 +462,10 @@ def main(args) -> int:
         for hidden in widths:
             p = plan(hidden, args.reps, gpu, getattr(args, "reps_large", 1))
             params = num_params(hidden)
-            connect_with_env(cluster, {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log})
+            env = {HIDDEN_ENV: str(hidden), STEP_LOG_ENV: step_log}
+            if OPTIMIZER_ENV in os.environ:  # every actor of the job trains with the same optimizer
+                env[OPTIMIZER_ENV] = os.environ[OPTIMIZER_ENV]
+            connect_with_env(cluster, env)
             if niceness is None:
                 niceness = ray_worker_niceness()
             for rep in range(p["reps"]):
