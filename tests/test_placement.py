@@ -117,6 +117,8 @@ def test_a_refill_goes_where_it_can_gather_a_split_tp_group():
     members = {0: "A", 1: "C", 2: "B", 3: "B"}
     assert regroup_nodes(members, 2, {"A": 0.5, "B": 0.0, "C": 0.5, "D": 1.0}, 0.5) == ["A"]  # name order on a tie
     assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.5, "D": 1.0}, 0.5) == ["C"]  # A is full
+    # A tie between the group's nodes goes to the one its rank was taken from (a straggler's slot).
+    assert regroup_nodes(members, 2, {"A": 0.5, "C": 0.5}, 0.5, prefer={"C"}) == ["C"]
     # Neither node of its own has room, nor another for all of it.
     assert regroup_nodes(members, 2, {"A": 0.0, "C": 0.0, "D": 0.5}, 0.5) == []
     assert regroup_nodes({0: "A", 1: "A", 2: "B", 3: "B"}, 2, {"A": 1.0}, 0.5) == []  # nothing split

@@ -61,6 +61,16 @@ def test_the_first_replacement_of_a_process_kill_starts_in_the_slot_it_left():
     assert started == [None] and p.meant == {}
 
 
+def test_workers_started_at_a_node_loss_start_together(monkeypatch):
+    """A node lost (no dead process's slot to name): the workers started at the first signal go
+    a tp group's worth to a node, so the group lost whole finds them together, not one per node
+    by Ray's SPREAD, each a third worker beside the two its group's home then starts."""
+    p, started = pool(monkeypatch=monkeypatch)
+    monkeypatch.setattr(p, "_free_cpus", lambda: {"A": 0.0, "C": 1.0, "D": 1.0})
+    p.add_spares(2, on_demand=True)
+    assert started == ["C", "C"], started
+
+
 def test_workers_start_on_their_home_once_per_rank_no_worker_there_covers(monkeypatch):
     p, started = pool(monkeypatch=monkeypatch)
     p.add_spares(1, on_demand=True, at=("C",))  # one already starting on C
@@ -93,3 +103,18 @@ def test_a_split_group_gets_spares_where_the_whole_of_it_fits_without_a_pool(mon
     p.members[1] = member(1, "A")  # gathered: nothing to start
     started.clear()
     assert p.start_regroup_spares() == 0 and started == []
+
+
+def test_a_split_group_with_a_spare_on_one_of_its_nodes_gets_no_second_one(monkeypatch):
+    """A straggler's rank 1 was swapped from C onto A; the refill starts on C, in the slot it
+    left (name order would say A). Once that spare holds C's slot, no second one starts on A
+    (room there too): two would race, and rank 0 could be moved to A instead of rank 1 back
+    beside it (the tp straggler drill, after c7dc096)."""
+    p, started = pool(monkeypatch=monkeypatch)
+    p.members.update({0: member(0, "C"), 1: member(1, "A"), 2: member(2, "B"), 3: member(3, "B")})
+    p.vacated[1] = "C"
+    free = {"A": 0.5, "B": 0.0, "C": 0.5}
+    monkeypatch.setattr(p, "_free_cpus", lambda: dict(free))
+    assert p.start_regroup_spares() == 1 and started == ["C"]  # the slot rank 1 was taken from
+    free["C"] = 0.0  # the spare holds it now
+    assert p.start_regroup_spares() == 0 and started == ["C"]  # none on A

@@ -226,11 +226,6 @@ def test_every_replacement_of_a_tp_rank_goes_beside_its_group(cluster, tmp_path)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.xfail(reason="since c7dc096 (replacements beside their tp group; regroup spares on a node with "
-                          "room for the whole group) the regroup after this swap differs: in the CI simulation "
-                          "of 2026-12-07 ddp made no Regroup and fsdp moved rank 0 to rank 1's node instead of "
-                          "rank 1 back; both ended bit-identical. Which is right is not re-checked yet (issue 55)",
-                   strict=False)
 def test_a_tp_straggler_is_swapped_not_its_tp_peer_and_its_group_is_gathered_again(cluster, tmp_path, strategy):
     """dp 2 x tp 2, rank 1 computes 3x slower from step 3, inside its forward and backward: its tp
     peer (rank 0) waits for it in every layer's all-reduce, so by the wall clock both are slow.

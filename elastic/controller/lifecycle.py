@@ -179,7 +179,8 @@ def tend(ctl: Controller) -> None:
     num_ready, news = group.prestarted_news()
     for node, pid in news:
         ctl.events.emit("prestarted_ready", node=node, pid=pid, num_ready=num_ready)
-    group.start_regroup_spares()  # tp: a split group is mended at the first chance, spares kept or not
+    if ctl.shape.swappable(ctl.layout):  # one replica: no rank can move onto a spare (regroup.py)
+        group.start_regroup_spares()  # tp: a split group is mended at the first chance, spares kept or not
     if ctl.job.scaling.num_spares == 0:
         return
     lost = group.refresh_spares() + group.check_spares(ctl.job.failure.ping_timeout_s)

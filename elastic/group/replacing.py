@@ -109,19 +109,25 @@ class Replacing(PrestartedClaims):
         """With tensor parallelism and train.tp.regroup, spares started where they can gather a tp
         group split over nodes (`regroup_nodes`: a free slot on a node holding part of it, or a
         node with room for all of it, one that joined), beyond the pool's own: so a split is mended
-        at the first chance even with `scaling.num_spares: 0`. Spares already there or starting
-        there count. Returns how many were started."""
+        at the first chance even with `scaling.num_spares: 0`. A group with a spare, ready or
+        starting, on one of its nodes (or a tp group's worth on another) gets none: a second one
+        would race the first, and the group could be gathered on either node. Returns how many
+        were started."""
         tp = self.job.train.tp.size
         if tp == 1 or not self.job.train.tp.regroup:
             return 0
         nodes = {r: m.node_id for r, m in self.members.items()}
-        if not split_groups(nodes, tp):
+        split = split_groups(nodes, tp)
+        if not split:
             return 0
-        have = Counter([m.node_id for m in self.ready_spares] + list(self._pending_nodes().values()))
-        at: list[str] = []
-        for node, k in sorted(Counter(regroup_nodes(nodes, tp, self._free_cpus(),
-                                                    self.job.scaling.cpus_per_worker)).items()):
-            at += [node] * max(0, k - have[node])
+        have = Counter([m.node_id for m in self.ready_spares] + [n for n in self._pending_nodes().values() if n])
+        unserved: dict[int, str] = {}
+        for first in split:
+            ranks = {r: nodes[r] for r in range(first, first + tp) if r in nodes}
+            if not any(have[n] for n in ranks.values()) and not any(k >= len(ranks) for k in have.values()):
+                unserved.update(ranks)
+        at = regroup_nodes(unserved, tp, self._free_cpus(), self.job.scaling.cpus_per_worker,
+                           prefer=set(self.vacated.values())) if unserved else []
         if at:
             self.add_spares(len(at), background=True, at=tuple(at))
         return len(at)
@@ -158,7 +164,7 @@ class Replacing(PrestartedClaims):
             gather = dict(free)
             for m in set(self.vacated.values()) & set(gather):
                 gather[m] = max(gather[m], cpus)
-            first = regroup_nodes(nodes, tp, gather, cpus)[:n]
+            first = regroup_nodes(nodes, tp, gather, cpus, prefer=set(self.vacated.values()))[:n]
         for m in first:
             free[m] = free.get(m, 0.0) - cpus
         return tuple(first) + tuple(spare_homes(n - len(first), tp, free, cpus,

@@ -165,12 +165,13 @@ class SparePool(Replacing):
         lives). With tensor parallelism and no `at`, processes started on demand go to the `near`
         nodes: a dead process's slot is its tp group's (placed by SPREAD, the first replacement of
         a process kill landed on another node and took the rank before the one started beside the
-        group: 1 of 2 runs in issue 55)."""
+        group: 1 of 2 runs in issue 55); with no `near` either (a node lost), a tp group's worth to
+        a node (`spare_homes`), so a group lost whole finds them together."""
         if on_demand:
             got = self._take_prestarted(n, near or at)
             n -= got
-            if not at and self.job.train.tp.size > 1:
-                at = near[got:]  # pre-started ones claim the `near` slots first
+            if not at and n > 0 and self.job.train.tp.size > 1:
+                at = near[got:] or self.spare_homes(n)  # pre-started ones claim the `near` slots first
         low = background and not on_demand and self.job.scaling.low_priority_refills
         calibrate = not on_demand if calibrate is None else calibrate
         for i in range(max(0, n)):

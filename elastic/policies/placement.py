@@ -200,9 +200,10 @@ def _majority_node(group: int, tp: int, member_nodes: dict[int, str], without) -
     return _most(on, on) if on else None
 
 
-def _most(on: list[str], among) -> str:
-    """Of the nodes `among`, the one most entries of `on` are (name order breaks ties)."""
-    return max(sorted(set(among)), key=on.count)
+def _most(on: list[str], among, prefer=frozenset()) -> str:
+    """Of the nodes `among`, the one most entries of `on` are; on a tie one in `prefer`, then
+    name order."""
+    return max(sorted(set(among)), key=lambda n: (on.count(n), n in prefer))
 
 
 def _slots(free_cpus: dict[str, float], cpus_per_worker: float) -> dict[str, int]:
@@ -229,10 +230,11 @@ def pick_spare(spares: list[tuple[str, float | None]], max_calib_s: float, home:
 
 
 def regroup_nodes(member_nodes: dict[int, str], tp: int, free_cpus: dict[str, float],
-                  cpus_per_worker: float) -> list[str]:
+                  cpus_per_worker: float, prefer: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Where spares belong so that each tp group whose ranks span nodes can be gathered on one:
     for each such group (rank order), the node holding the most of it that has a free worker
-    slot (name order breaks ties), once per rank of the group off that node. Where no node of its
+    slot (on a tie one in `prefer`: where the group's rank was taken from, a straggler's slot;
+    then name order), once per rank of the group off that node. Where no node of its
     own has a free slot, a node with room for all of it (one that joined, or freed up), once per
     rank: the whole group moves there. A node's room is taken once; a group that neither can
     take is left out."""
@@ -246,7 +248,7 @@ def regroup_nodes(member_nodes: dict[int, str], tp: int, free_cpus: dict[str, fl
                 out += [whole] * len(on)
                 room[whole] -= len(on)
             continue
-        home = _most(on, fits)
+        home = _most(on, fits, prefer)
         for _ in range(min(room[home], len(on) - on.count(home))):
             out.append(home)
             room[home] -= 1
