@@ -107,9 +107,20 @@ def _release_hung(key: Hashable) -> None:
 
 
 def _purpose_of(fn: Callable) -> Hashable:
+    """The call site (`fn`'s code) and what it calls on: a bound method's instance, a closure's
+    captured objects (a lambda over `ctl` is one purpose per controller). One run's hung calls
+    must not refuse another run's in the same process (a notebook, a test session) a store.
+    Identities stay unique while the key is held: the hung call keeps these objects alive."""
     owner = getattr(fn, "__self__", None)
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    return (code if code is not None else type(fn), id(owner) if owner is not None else None)
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    captured = []
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            captured.append(id(cell.cell_contents))
+        except ValueError:  # a cell not yet filled
+            captured.append(None)
+    return (code if code is not None else type(fn), id(owner) if owner is not None else None, tuple(captured))
 
 
 def normalize_uri(uri: str) -> str:

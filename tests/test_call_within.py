@@ -70,3 +70,23 @@ def test_the_purpose_is_the_call_site_and_a_bound_method_s_instance_by_default()
     finally:
         a.release.set()
         b.release.set()
+
+
+def test_a_closure_is_one_purpose_per_object_it_closes_over():
+    """The controller's storage calls are lambdas over `ctl`: one run's hung calls (an outage
+    that never answered) refused the next run in the same process its own store, so its lease
+    was never released and the resubmission behind it failed. The same code over another object
+    is another purpose."""
+    def reader(mount: _Mount):
+        return lambda: mount.read()
+
+    a, b = _Mount(), _Mount()
+    try:
+        answers = [call_within(reader(a), 0.05) for _ in range(4)] + [call_within(reader(b), 0.05)]
+        assert all(x == (False, None, None) for x in answers), answers
+        assert (a.reads, b.reads) == (HUNG_PER_PURPOSE, 1)
+        b.release.set()
+        assert call_within(reader(b), 5) == (True, "read", None)
+    finally:
+        a.release.set()
+        b.release.set()
