@@ -63,6 +63,32 @@ def test_a_folder_is_uploaded_by_a_child_process_kept_for_the_next_upload(tmp_pa
 
 
 @pytest.mark.timeout(60)
+def test_an_upload_from_a_process_past_1024_fds_is_waited_on(tmp_path):
+    """CI's test session had passed 1,024 open fds by the time it got here: select() refused
+    the child's pipe ("filedescriptor out of range") and every upload failed. A driver or a
+    worker that lives long does the same."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} fds per process")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        _no_children()
+        src = _folder(tmp_path / "src", {"a.distcp": b"x" * 1000})
+        _started(f"file://{tmp_path}")
+        (child,) = uploader._idle
+        assert child.proc.stdout.fileno() > 1024
+        assert uploader.put(src, f"file://{tmp_path}/dst", {})
+        assert (tmp_path / "dst" / "a.distcp").read_bytes() == b"x" * 1000
+    finally:
+        _no_children()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(60)
 def test_the_childs_error_is_raised_in_the_worker_as_the_same_exception(tmp_path):
     src = _folder(tmp_path / "src", {"a": b"x"})
     (tmp_path / "blocker").write_bytes(b"a file where the upload wants a folder")

@@ -213,7 +213,9 @@ def put(src: str, url: str, storage_options: dict, cancel: threading.Event | Non
         on_cuttable()
     out = child.proc.stdout
     t0 = time.monotonic()
-    while not select.select([out], [], [], poll_s)[0]:
+    ready = select.poll()  # not select(): a long-lived process (a driver, a test session) passes 1,024 fds
+    ready.register(out, select.POLLIN)
+    while not ready.poll(poll_s * 1000):
         if cancel is not None and cancel.is_set():
             child.kill()
             raise UploadCut(f"upload of {url} cut short")

@@ -136,8 +136,9 @@ class Sidecar:
             [sys.executable, "-I", "-S", "-c", _SIDECAR, "6" if _family(ip) == socket.AF_INET6 else "4", ip,
              *map(str, pids)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout_s)
-        line = self.proc.stdout.readline() if ready else b""
+        ready = select.poll()  # not select(): the agent's fds may be past 1,024
+        ready.register(self.proc.stdout, select.POLLIN)
+        line = self.proc.stdout.readline() if ready.poll(start_timeout_s * 1000) else b""
         if not line.strip().isdigit():
             self.close()
             raise RuntimeError(f"heartbeat sidecar did not start within {start_timeout_s:.0f}s "
