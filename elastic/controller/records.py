@@ -51,6 +51,8 @@ class RecoveryRecord:
     detected_t: float
     fault_step: int
     resumed_step: int = 0  # set once the group restored
+    restored_t: float | None = None  # wall clock once the state was in place on every rank
+    moved: dict = field(default_factory=dict)  # what the restore moved (restoring.moved_state)
 
 
 @dataclass
@@ -67,6 +69,8 @@ class ResizeRecord:
     source: str | None = None
     resumed_step: int | None = None
     reached_step: int | None = None
+    restored_t: float | None = None  # wall clock once the state was in place at the new size
+    moved: dict = field(default_factory=dict)  # what the restore moved (restoring.moved_state)
 
 
 STEP_TIMES_KEPT = 100_000  # step records kept for steps.json, over all ranks (the newest per rank)

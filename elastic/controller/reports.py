@@ -139,7 +139,9 @@ def resized(ctl: Controller, answers: dict[int, PollReport]) -> None:
     ctl.events.emit("resize_completed", old_world_size=rz.old_world_size, new_world_size=len(ctl.group.members),
                     path=rz.path, source=rz.source, resize_s=first_step_t - rz.decided_t, restore_s=rz.restore_s,
                     first_step_t=first_step_t, reached_step=rz.reached_step, resumed_step=rz.resumed_step,
-                    lost_steps=max(0, (rz.reached_step or 0) - (rz.resumed_step or 0)), reason=rz.reason)
+                    lost_steps=max(0, (rz.reached_step or 0) - (rz.resumed_step or 0)), reason=rz.reason,
+                    state_in_place_s=rz.restored_t - rz.decided_t if rz.restored_t is not None else None,
+                    **rz.moved)
 
 
 def recovered(ctl: Controller, answers: dict[int, PollReport]) -> None:
@@ -152,4 +154,6 @@ def recovered(ctl: Controller, answers: dict[int, PollReport]) -> None:
                     detect_s=rec.detected_t - rec.fault_t if rec.fault_t is not None else None,
                     measured_from="fault" if rec.fault_t is not None else "detection",
                     resumed_step=rec.resumed_step, fault_step=rec.fault_step,
-                    lost_steps=max(0, rec.fault_step - rec.resumed_step), world_size=len(ctl.group.members))
+                    lost_steps=max(0, rec.fault_step - rec.resumed_step), world_size=len(ctl.group.members),
+                    state_in_place_s=rec.restored_t - start_t if rec.restored_t is not None else None,
+                    **rec.moved)

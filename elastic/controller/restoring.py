@@ -156,14 +156,17 @@ def restored(ctl: Controller, out: dict[int, RestoreResult]) -> State:
     restore_s = slowest.restore_s
     extra = {"phases": slowest.phases} if slowest.phases is not None else {}  # the slowest rank's, where timed
     extra.update(transfer_stats(out))
+    moved = moved_state(out)
     ctl.events.emit("restored", step=r0.step, source=r0.source, uri=r0.uri, restore_s=restore_s,
-                    world_size=len(out), **extra)
+                    world_size=len(out), **extra, **moved)
     if ctl.resize is not None:
         ctl.resize.restore_s, ctl.resize.source, ctl.resize.resumed_step = restore_s, r0.source, r0.step
+        ctl.resize.moved, ctl.resize.restored_t = moved, ctl.wall()
         if ctl.resize.reached_step is None:
             ctl.resize.reached_step = reached
     if ctl.recovery is not None:
         ctl.recovery.resumed_step = r0.step
+        ctl.recovery.moved, ctl.recovery.restored_t = moved, ctl.wall()
     ctl.compute_log = {}
     ctl.stragglers.clear()
     ctl.next_straggler_step = r0.step + 1
@@ -203,3 +206,24 @@ def transfer_stats(out: dict[int, RestoreResult]) -> dict:
         last = max(took, key=lambda o: o.phases["transfer"])
         stats["transfer_gb_per_s"] = round(last.received_bytes / last.phases["transfer"] / 1e9, 3)
     return stats
+
+
+def moved_state(out: dict[int, RestoreResult]) -> dict:
+    """The state this restore moved rank to rank, the same two fields whatever the path, so a
+    recovery, a resize and a swap can be read against the link's raw speed
+    (benchmarks/probes/link_speed.py): `moved_bytes`, summed over the ranks that received (a
+    broadcast: every rank but the source), and `moved_gb_per_s`, those bytes over the slowest
+    rank's seconds in the move (a copy from a peer: `transfer`; a re-shard: `assemble`), which
+    every rank of the group spends at once. A restore from storage or the seed moves nothing
+    rank to rank: no fields. Parts a re-shard reads through Ray's object store are its `fetch`."""
+    spans = [(o.phases or {}).get("transfer", (o.phases or {}).get("assemble")) for o in out.values()]
+    if not any(s is not None for s in spans):
+        return {}
+    broadcast = all(o.senders is None and o.received_bytes is None and o.state_bytes for o in out.values())
+    if broadcast:
+        moved = max(o.state_bytes or 0 for o in out.values()) * (len(out) - 1)
+    else:
+        moved = sum(o.received_bytes or 0 for o in out.values())
+    seconds = max(s for s in spans if s is not None)
+    return {"moved_bytes": moved,
+            "moved_gb_per_s": round(moved / seconds / 1e9, 3) if moved and seconds > 0 else None}

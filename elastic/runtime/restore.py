@@ -102,6 +102,7 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None, h
         state.build(w, fill=False)  # every tensor of the state comes from the source next
     elif (w.strategy.tp > 1 or w.strategy.sharded) and w.built_generation != w.generation:
         state.rebind(w)  # its DTensors (HSDP: its FSDP groups) are bound to the old group's mesh
+    t_build = time.monotonic()
     step = torch.tensor([w.step], dtype=torch.int64, device=w.device)
     dist.broadcast(step, src=src_rank)
     w.step = int(step.item())
@@ -110,13 +111,18 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None, h
     moved = w.strategy.broadcast_state(w.model, w.optimizer, src, holds=held and own_step == w.step)
     if w.amp:
         broadcast_tensors([w.amp[k] for k in sorted(w.amp)], src, w.mesh.get_group("dp"))
-    transfer_s = time.monotonic() - t_move
+    t_moved = time.monotonic()
     start_checkpointer(w)
+    # Where a restore's seconds go besides the copy: the build (a spare's model on meta made
+    # real), the step's broadcast (the first collective: the new group's connections), the
+    # checkpointer and data workers started again.
+    phases = {"build": round(t_build - t0, 3), "agree_step": round(t_move - t_build, 3),
+              "transfer": t_moved - t_move, "start_checkpointer": round(time.monotonic() - t_moved, 3)}
     p2p = {} if moved is None else dict(senders=len(moved.holders), receivers=len(moved.receivers),
                                          received_bytes=moved.received_bytes)
     return RestoreResult(step=w.step, restore_s=time.monotonic() - t0,
                          source=f"peer rank {src}" if not slot_sources else f"slot replicas {list(slot_sources)}",
-                         phases={"transfer": transfer_s}, state_bytes=state.local_bytes(w), **p2p)
+                         phases=phases, state_bytes=state.local_bytes(w), **p2p)
 
 
 def offer(w: Worker, publish: bool = True) -> dict:

@@ -14,7 +14,7 @@ with the same typed messages (tests/test_protocol.py checks the two agree).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elastic.group.member import SurvivorsLost
 from elastic.group.worker_group import GroupError
@@ -108,6 +108,10 @@ class FakeGroup:
     heartbeats: bool = False  # each rank's node has a heartbeat sidecar (else the controller judges by polls alone)
     ranks_per_node: int = 1  # ranks started on one node (each node's agent takes one aggregated poll)
     late_returns: dict = field(default_factory=dict)  # rank -> waits its run() outlasts after an abort it answered
+    # A restore from a peer reports a copy of this many bytes of state per rank, into each rank
+    # that held none (or an older step), in `transfer_s` (None: it reports no copy, as before).
+    state_bytes: int | None = None
+    transfer_s: float = 0.5
     late_polls: dict = field(default_factory=dict)  # rank -> blocking polls it leaves unanswered (a loaded machine)
     freeze_on_restore: dict = field(default_factory=dict)  # rank -> how it freezes as the next restore starts
     die_on_restore: list = field(default_factory=list)  # ranks whose process dies as the next restore starts
@@ -363,7 +367,15 @@ class FakeGroup:
         self.calls.append(("restore_from_peer", src_rank) if not slot_sources else
                           ("restore_from_peer", (src_rank, tuple(slot_sources))))
         self._blocked("restore_from_peer", timeout_s, watch)
-        return self._restored(self.members[src_rank].step, f"peer rank {src_rank}")
+        at = self.members[src_rank].step
+        lacking = {r for r, m in self.members.items() if not m.holds_state or m.step != at}
+        out = self._restored(at, f"peer rank {src_rank}")
+        if self.state_bytes is None:
+            return out
+        self.clock.advance(self.transfer_s)
+        return {r: replace(o, phases={"transfer": self.transfer_s}, state_bytes=self.state_bytes,
+                           senders=len(out) - len(lacking), receivers=len(lacking),
+                           received_bytes=self.state_bytes if r in lacking else 0) for r, o in out.items()}
 
     def restore_from_shards(self, offers, old_world, timeout_s, old_pp: int = 1,
                             copies_step: int | None = None, watch=None, faults=None) -> dict[int, RestoreResult]:
