@@ -159,7 +159,10 @@ def recovery_timeline(result) -> dict:
     def first(kind):
         return next((round(e["t"] - fault["t"], 2) for e in after if e["kind"] == kind), None)
     restored = next((e for e in after if e["kind"] == "restored"), {})
+    recovered = next((e for e in after if e["kind"] == "recovered"), {})
     return {"t_detected": first("failure_detected"), "t_replaced": first("workers_replaced"),
             "t_formed": first("group_formed"), "t_restored": first("restored"),
             "restore_s": restored.get("restore_s"), "transfer_gb_per_s": restored.get("transfer_gb_per_s"),
-            "senders": restored.get("senders"), "receivers": restored.get("receivers")}
+            "senders": restored.get("senders"), "receivers": restored.get("receivers"),
+            "restore_phases": restored.get("phases"), "state_in_place_s": recovered.get("state_in_place_s"),
+            "moved_bytes": recovered.get("moved_bytes"), "moved_gb_per_s": recovered.get("moved_gb_per_s")}

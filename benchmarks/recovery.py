@@ -36,7 +36,9 @@ TP_GLOBAL_BATCH = 32  # --tp: examples/gpt.py's sequences (examples/gpt_3d.yaml'
 # The fault lands at a different offset from the last checkpoint (step 20) in each repetition, so
 # that no peer's report lag at one offset alone decides lost_steps.
 FAULT_STEPS = (25, 22, 28)
-METRICS = ["recover_s", "lost_steps", "detect_s"]
+# state_in_place_s: fault -> the state restored on every rank (the `recovered` event's), and the
+# rate its copy crossed at against the backend's raw rate for one buffer of that size, same run.
+METRICS = ["recover_s", "state_in_place_s", "lost_steps", "detect_s", "moved_gb_per_s", "link_gb_per_s"]
 LARGE_PARAMS = 50_000_000
 STATE_BYTES_PER_PARAM = 12  # fp32 parameter + AdamW's two moments, as every system checkpoints them
 
@@ -280,6 +282,7 @@ def main(args) -> int:
             if tp > 1:  # every process of every system builds this examples/gpt.py
                 params = gpt_params
                 connect_with_env(cluster, gpt)
+            link = link_speed(params * STATE_BYTES_PER_PARAM, gpu)
             # From LARGE_PARAMS on a step takes seconds here and a checkpoint a gigabyte: --reps-large (1).
             for rep in range(getattr(args, "reps_large", 1) if params >= LARGE_PARAMS else args.reps):
                 at_step = fault_step(rep)
@@ -297,7 +300,7 @@ def main(args) -> int:
                                "storage": args.storage}
                         rec["backend"] = "nccl" if gpu else "gloo"
                         rec.update(rep=rep, params=params, state_MB=params * STATE_BYTES_PER_PARAM / 1e6,
-                                   fault_offset=at_step % CKPT_EVERY)
+                                   fault_offset=at_step % CKPT_EVERY, link_gb_per_s=link)
                         records.append(rec)
                         emit(rec)
     if TORCHFT in systems:  # after the shared cluster is gone: one cluster at a time
@@ -351,6 +354,25 @@ def main(args) -> int:
     if args.out and len(sizes) > 1:
         plot_by_size(os.path.join(args.out, "recovery-by-size.png"), records)
     return 0
+
+
+def link_speed(nbytes: int, gpu: bool) -> float | None:
+    """The backend's raw rate (GB/s) for one buffer of the state's size between two ranks of this
+    machine (benchmarks/probes/link_speed.py), measured in this run; None where it cannot run
+    (NCCL with fewer than 2 GPUs) or failed (said on stderr: the recovery figures stand alone)."""
+    import torch
+
+    from benchmarks.probes.link_speed import measure
+    if gpu and torch.cuda.device_count() < 2:
+        return None
+    try:
+        out = measure(nbytes, "nccl" if gpu else "gloo", reps=3)
+    except Exception as e:  # noqa: BLE001 - a reference figure, not the benchmark's own
+        print(f"python -m benchmarks recovery: the link probe failed: {e}", file=sys.stderr)
+        return None
+    print(f"link: {nbytes / 1e6:.0f} MB sent rank to rank at {out['gb_per_s']} GB/s ({out['backend']}, "
+          f"{out['s']} s)", file=sys.stderr)
+    return out["gb_per_s"]
 
 
 def run_torchft_all(sizes: list[int | None], faults: list[str], reps: int, work: str,
