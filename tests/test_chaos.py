@@ -124,6 +124,11 @@ def test_node_kill_with_a_warm_spare_takes_no_storage_round_trip(cluster, baseli
     (replaced,) = result.events_of("workers_replaced")
     assert replaced["how"] == {"1": "warm spare"}
     assert result.events_of("restore_plan")[0]["source"] == "FromPeer"
+    # The state moved: the spare alone received, the whole of one replica's state, at a rate.
+    (restored,), (rec,) = result.events_of("restored")[-1:], result.events_of("recovered")
+    assert rec["moved_bytes"] == restored["moved_bytes"] == restored["state_bytes"] > 0, restored
+    assert rec["moved_gb_per_s"] > 0, rec
+    assert rec["detect_s"] <= rec["state_in_place_s"] <= rec["recover_s"], rec
     # The spare ran on a node other than the active workers'.
     started = result.events_of("workers_started")[0]["nodes"]
     assert replaced["nodes"]["1"] not in started.values()

@@ -28,7 +28,8 @@ def test_the_buffer_is_the_state_of_the_named_size_or_the_bytes_given():
     (["--backend", "mpi"], "--backend: invalid choice"),
 ])
 def test_a_bad_argument_is_refused_naming_the_flag(argv, says, capsys, monkeypatch):
-    monkeypatch.setattr(link_speed, "measure", lambda *a: pytest.fail("measured despite a bad argument"))
+    monkeypatch.setattr(link_speed, "measure",
+                        lambda *a: pytest.fail("measured despite a bad argument"))
     with pytest.raises(SystemExit) as e:
         link_speed.main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
@@ -39,11 +40,13 @@ def test_nccl_without_two_gpus_is_refused_before_any_process_starts(capsys, monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit) as e:
         link_speed.parse_args(["--backend", "nccl"])
-    assert e.value.code == 2 and "--backend nccl: needs 2 GPUs here, this machine has 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--backend nccl: needs 2 GPUs here, this machine has 1" in err
 
 
 def test_one_buffer_crosses_from_rank_0_to_rank_1_and_its_rate_is_printed(capsys):
     assert link_speed.main(["--bytes", "65536", "--reps", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["probe"], out["backend"], out["bytes"], out["reps"]) == ("link_speed", "gloo", 65536, 2)
+    got = (out["probe"], out["backend"], out["bytes"], out["reps"])
+    assert got == ("link_speed", "gloo", 65536, 2)
     assert len(out["s"]) == 2 and out["gb_per_s"] > 0  # the receiver checked every byte arrived

@@ -32,7 +32,8 @@ def test_a_recovery_from_a_peer_reports_the_state_it_moved_and_when_it_was_in_pl
 
 
 def test_a_grow_from_a_peer_reports_one_state_per_rank_that_joined():
-    c, g, clock = make(num_steps=4000, scaling={"num_workers": 2, "max_workers": 4, "grow_check_s": 1},
+    c, g, clock = make(num_steps=4000,
+                       scaling={"num_workers": 2, "max_workers": 4, "grow_check_s": 1},
                        state_bytes=STATE, transfer_s=2.0)
     drive(c, lambda c: kinds(c, "resize_completed"))
     (done,) = kinds(c, "resize_completed")
@@ -43,22 +44,25 @@ def test_a_grow_from_a_peer_reports_one_state_per_rank_that_joined():
 
 
 def test_a_restore_without_a_copy_reports_none_and_one_where_all_held_it_reports_zero():
-    c, g, clock = make(num_steps=20)  # the fake reports no copy: state from the seed, then none moved
+    c, g, clock = make(num_steps=20)  # the fake reports no copy: state from the seed
     drive(c)
     assert all("moved_bytes" not in e for e in kinds(c, "restored"))
     stored = {r: RestoreResult(step=20, source="storage", restore_s=1.0, uri="u") for r in range(3)}
     assert moved_state(stored) == {}
     held = {r: RestoreResult(step=5, source="peer rank 0", restore_s=0.1, phases={"transfer": 0.01},
-                             state_bytes=STATE, senders=3, receivers=0, received_bytes=0) for r in range(3)}
+                             state_bytes=STATE, senders=3, receivers=0, received_bytes=0)
+            for r in range(3)}
     assert moved_state(held) == {"moved_bytes": 0, "moved_gb_per_s": None}
 
 
 def test_a_broadcast_counts_every_rank_but_the_source_and_a_reshard_its_rows_sent():
-    bcast = {r: RestoreResult(step=5, source="peer rank 0", restore_s=1.0, phases={"transfer": 0.8 + r / 10},
-                              state_bytes=STATE) for r in range(3)}
-    assert moved_state(bcast) == {"moved_bytes": 2 * STATE, "moved_gb_per_s": round(2 * STATE / 1.0 / 1e9, 3)}
-    shards = {0: RestoreResult(step=5, source="re-sharded", restore_s=1.0, phases={"assemble": 0.25},
-                               received_bytes=300),
+    bcast = {r: RestoreResult(step=5, source="peer rank 0", restore_s=1.0,
+                              phases={"transfer": 0.8 + r / 10}, state_bytes=STATE)
+             for r in range(3)}
+    assert moved_state(bcast) == {"moved_bytes": 2 * STATE,
+                                  "moved_gb_per_s": round(2 * STATE / 1.0 / 1e9, 3)}
+    shards = {0: RestoreResult(step=5, source="re-sharded", restore_s=1.0,
+                               phases={"assemble": 0.25}, received_bytes=300),
               1: RestoreResult(step=5, source="re-sharded", restore_s=1.0, phases={"assemble": 0.5},
                                received_bytes=None)}
     assert moved_state(shards) == {"moved_bytes": 300, "moved_gb_per_s": round(300 / 0.5 / 1e9, 3)}

@@ -7,7 +7,8 @@ message first, so the figure is the link's, not the connection's set-up). What t
 gloo runs the two ranks on this host's loopback (as the benchmarks' local cluster does); nccl
 puts them on two GPUs of this machine (NCCL refuses two ranks on one GPU).
 
-    python -m benchmarks.probes.link_speed [--params 90M | --bytes N] [--backend gloo|nccl] [--reps 3]
+    python -m benchmarks.probes.link_speed [--params 90M | --bytes N] [--backend gloo|nccl]
+                                           [--reps 3]
 
 Prints one JSON line: `bytes`, `backend`, `s` (each repetition's seconds on the receiver),
 `gb_per_s` (the median's rate, 1 GB = 1e9 bytes).
@@ -26,14 +27,16 @@ PROG = "python -m benchmarks.probes.link_speed"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The probe's arguments, checked: exits 2 naming the flag on a bad one, before any process starts."""
+    """The probe's arguments, checked: exits 2 naming the flag on a bad one, before any process
+    starts."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--params", help="a model size (K, M, G suffixes, e.g. 90M): its state is 12 bytes a "
-                                       "parameter (default 90M: 1.08 GB)")
+    size.add_argument("--params", help="a model size (K, M, G suffixes, e.g. 90M): its state is "
+                                       "12 bytes a parameter (default 90M: 1.08 GB)")
     size.add_argument("--bytes", type=int, help="the buffer's size in bytes")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--reps", type=int, default=3, help="repetitions over the same group (median reported)")
+    p.add_argument("--reps", type=int, default=3,
+                   help="repetitions over the same group (median reported)")
     args = p.parse_args(argv)
     if args.bytes is None:
         from benchmarks.recovery import parse_params
@@ -51,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.backend == "nccl":
         import torch
         if torch.cuda.device_count() < 2:
-            p.error(f"--backend nccl: needs 2 GPUs here, this machine has {torch.cuda.device_count()}")
+            p.error(f"--backend nccl: needs 2 GPUs here, this machine has "
+                    f"{torch.cuda.device_count()}")
     return args
 
 

@@ -18,23 +18,31 @@ import time
 ROUNDS = 3
 
 
-def main(hidden: int = 9354) -> dict:
+def bench_worker(hidden: int, name: str, num_workers: int):
+    """One Worker in this process (not joined) on the benchmarks' MLP at `hidden` width, one
+    compute thread, checkpoints in a fresh folder: (the worker, its storage URI, its root)."""
     os.environ["ELASTIC_BENCH_HIDDEN"] = str(hidden)
     import torch
 
     from elastic.checkpoint.layout import checkpoints_root
     from elastic.config import JobConfig
-    from elastic.runtime import state
     from elastic.runtime.worker import Worker
 
     torch.set_num_threads(1)
-    uri = f"file://{tempfile.mkdtemp(prefix='warm-build-')}"
+    uri = f"file://{tempfile.mkdtemp(prefix=f'{name}-')}"
     job = JobConfig.model_validate({
-        "run": {"name": "warm", "num_steps": 1, "seed": 1}, "scaling": {"num_workers": 3},
+        "run": {"name": name, "num_steps": 1, "seed": 1}, "scaling": {"num_workers": num_workers},
         "checkpoint": {"storage_uri": uri},
         "train": {"model": "elastic.workload:build_model", "dataset": "elastic.workload:build_dataset",
                   "loss": "elastic.workload:loss_fn", "global_batch_size": 96}})
-    w = Worker(job.model_dump_json(), checkpoints_root(uri, "warm"))
+    root = checkpoints_root(uri, name)
+    return Worker(job.model_dump_json(), root), uri, root
+
+
+def main(hidden: int = 9354) -> dict:
+    from elastic.runtime import state
+
+    w, _, _ = bench_worker(hidden, "warm", 3)
     state.build(w, fill=False)
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(ROUNDS):

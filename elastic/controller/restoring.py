@@ -216,10 +216,12 @@ def moved_state(out: dict[int, RestoreResult]) -> dict:
     rank's seconds in the move (a copy from a peer: `transfer`; a re-shard: `assemble`), which
     every rank of the group spends at once. A restore from storage or the seed moves nothing
     rank to rank: no fields. Parts a re-shard reads through Ray's object store are its `fetch`."""
-    spans = [(o.phases or {}).get("transfer", (o.phases or {}).get("assemble")) for o in out.values()]
+    phases = [o.phases or {} for o in out.values()]
+    spans = [p.get("transfer", p.get("assemble")) for p in phases]
     if not any(s is not None for s in spans):
         return {}
-    broadcast = all(o.senders is None and o.received_bytes is None and o.state_bytes for o in out.values())
+    broadcast = all(o.senders is None and o.received_bytes is None and o.state_bytes
+                    for o in out.values())
     if broadcast:
         moved = max(o.state_bytes or 0 for o in out.values()) * (len(out) - 1)
     else:

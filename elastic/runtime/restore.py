@@ -99,7 +99,7 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None, h
     own_step = w.step
     if w.model is None or w.built_for != w.strategy.layout_key:
         held = False
-        state.build(w, fill=False)  # every tensor of the state comes from the source next
+        state.build(w, fill=False, copied=True)  # every tensor comes from the source next
     elif (w.strategy.tp > 1 or w.strategy.sharded) and w.built_generation != w.generation:
         state.rebind(w)  # its DTensors (HSDP: its FSDP groups) are bound to the old group's mesh
     t_build = time.monotonic()

@@ -40,12 +40,13 @@ def trainable_only(make_opt):
     return make
 
 
-def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
+def build(w: Worker, sync_init: bool = False, fill: bool = True, copied: bool = False) -> None:
     """Model and optimizer from the seed; once in a group, prepared for the strategy (FSDP
     shards it over the current mesh, so every world size gets a fresh build). `fill=False`: a
     state is loaded over it next, so train.meta_init allocates this rank's part without
     initialising it (meta_init.materialize), and a sharded strategy's model builds the same way
-    where it can (`_meta_for_load`)."""
+    where it can (`_meta_for_load`); `copied`: that state is a peer's copy of every tensor, so a
+    replicated strategy's model builds that way too."""
     if w.model is not None:
         # The model being replaced is freed before its successor is built (one model's memory,
         # not two, at the peak); its gradient hooks would otherwise keep it alive for good.
@@ -60,7 +61,7 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
         if w.strategy is None:  # a spare: stays on meta (no memory) until it joins and knows its part
             w.model, w.optimizer, w.built_for = model, None, META
             return
-    elif not fill and (model := _meta_for_load(w)) is not None:
+    elif not fill and (model := _meta_for_load(w, copied)) is not None:
         template = copy.deepcopy(model)
     elif _builds_on_host(tr):
         # FSDP's CPU offload: fully_shard moves one block at a time to the device, shards it and
@@ -89,6 +90,20 @@ def build(w: Worker, sync_init: bool = False, fill: bool = True) -> None:
                  "scale": torch.full((), LOSS_SCALE_INIT, device=w.device)}
 
 
+def ready_for_a_copy(w: Worker) -> None:
+    """A calibrated spare of a layout whose ranks each hold the whole model (DDP at tp 1) joins
+    with the model it built, so its optimizer's state is made now, off the critical path: a
+    restore's copy then lands in memory already touched (AdamW's 720 MB at 90 M: 0.31-0.54 s
+    here, most of it the pages' first touch, which the copy paid;
+    benchmarks/probes/copy_ready.py). Other layouts build again as they join: nothing to make
+    early."""
+    from elastic.parallel.optim_state import prime_optimizer_state
+    from elastic.parallel.shape import shape_for
+    shape = shape_for(w.job)
+    if w.optimizer is not None and shape.unit == 1 and not shape.sharded:
+        prime_optimizer_state(w.optimizer)
+
+
 def load_pretrained(w: Worker) -> None:
     """train.init_from over a fresh build (elastic/checkpoint/pretrained.py), written into the
     model's own tensors: each rank reads its part of each (a DTensor's local shard, a localized
@@ -109,7 +124,7 @@ def load_pretrained(w: Worker) -> None:
                     missing, unexpected)
 
 
-def _meta_for_load(w: Worker):
+def _meta_for_load(w: Worker, copied: bool = False):
     """A model for a restore, which loads every tensor of the state over it: built on the meta
     device, so that each rank then allocates only its part and runs none of the model's init (at
     90 M parameters and 3 ranks on 2 cores the eager build took 5.9 s of a re-shard's 10.3). For
@@ -118,8 +133,12 @@ def _meta_for_load(w: Worker):
     build at 90 M here, benchmarks/probes/warm_build.py, was thrown away). None where the eager build is needed: a replicated strategy's rank (a
     restore from storage builds it again anyway), a model with non-persistent buffers (no state
     carries their values; the model function computes them), one that cannot be built on meta,
-    and CPU offload (its build stays in host memory)."""
-    if (w.strategy is not None and not w.strategy.sharded) or _builds_on_host(w.job.train):
+    and CPU offload (its build stays in host memory). `copied`: the state comes whole from a peer's
+    memory (runtime/restore.py's from_peer), so a replicated rank builds on meta too: its init was
+    written over by the copy (the DDP build at 90 M here: 0.64-0.83 s eager, 0.23-0.54 on meta,
+    benchmarks/probes/copy_ready.py)."""
+    replicated = w.strategy is not None and not w.strategy.sharded
+    if (replicated and not copied) or _builds_on_host(w.job.train):
         return None
     try:
         with torch.device("meta"):

@@ -143,7 +143,10 @@ class Worker(GroupMembership):
         # calibrates and later trains at the priority it had.
         low = priority.restore()
         info = self.info()
-        return replace(info, calib_s=self.calibrate() if calibrate else None, started_low=low)
+        calib_s = self.calibrate() if calibrate else None
+        if calibrate:  # a spare: ready for a copy before it is needed (a worker started on demand
+            state.ready_for_a_copy(self)  # is needed now: the copy may as well touch its pages)
+        return replace(info, calib_s=calib_s, started_low=low)
 
     def restore_priority(self) -> bool:
         """A spare still warming at low priority is wanted by a recovery: finish at full priority."""
