@@ -8,6 +8,7 @@ import pytest
 
 from elastic.controller.restoring import moved_state
 from elastic.controller.states import Finished
+from elastic.observability.report import describe_event
 from elastic.protocol import RestoreResult
 from tests.test_controller import _release_leases, drive, kinds, make  # noqa: F401 - the fixture
 
@@ -29,6 +30,9 @@ def test_a_recovery_from_a_peer_reports_the_state_it_moved_and_when_it_was_in_pl
     assert restored["moved_bytes"] == rec["moved_bytes"] == STATE
     assert restored["moved_gb_per_s"] == rec["moved_gb_per_s"] == round(STATE / 0.5 / 1e9, 3)
     assert rec["detect_s"] + 0.5 <= rec["state_in_place_s"] <= rec["recover_s"], rec
+    # The driver's line says it too.
+    assert describe_event(rec).endswith(
+        f"; state in place after {rec['state_in_place_s']:.2f}s, 1.08 GB moved at 2.16 GB/s")
 
 
 def test_a_grow_from_a_peer_reports_one_state_per_rank_that_joined():

@@ -4,6 +4,16 @@ from __future__ import annotations
 from elastic.observability.events import event_log_uri
 
 
+def _moved(ev: dict) -> str:
+    """Where the restore moved state rank to rank: when it was in place, how much, how fast."""
+    if ev.get("state_in_place_s") is None:
+        return ""
+    rate = ev.get("moved_gb_per_s")
+    moved = (f", {ev['moved_bytes'] / 1e9:.2f} GB moved" + (f" at {rate} GB/s" if rate else "")
+             if ev.get("moved_bytes") is not None else "")
+    return f"; state in place after {ev['state_in_place_s']:.2f}s{moved}"
+
+
 def describe_event(ev: dict) -> str:
     k = ev["kind"]
     if k == "fault_injected":
@@ -16,10 +26,10 @@ def describe_event(ev: dict) -> str:
         return f"DECIDE {ev['decision']}: {ev['reason']}"
     if k == "resize_completed":
         return (f"RESIZED {ev['old_world_size']} -> {ev['new_world_size']} ranks via {ev['path']}: first step "
-                f"{ev['resize_s']:.2f}s after the decision")
+                f"{ev['resize_s']:.2f}s after the decision{_moved(ev)}")
     if k == "recovered":
         return (f"RECOVERED in {ev['recover_s']:.2f}s: resumed at step {ev['resumed_step']}, "
-                f"{ev['lost_steps']} step(s) redone, world size {ev['world_size']}")
+                f"{ev['lost_steps']} step(s) redone, world size {ev['world_size']}{_moved(ev)}")
     if k == "checkpoint_skipped":
         return f"SKIP checkpoint {ev['uri']}: {ev['reason']}"
     if k == "hang_detected":
