@@ -61,8 +61,8 @@ def test_a_restore_without_a_copy_reports_none_and_one_where_all_held_it_reports
 
 def test_a_broadcast_counts_every_rank_but_the_source_and_a_reshard_its_rows_sent():
     bcast = {r: RestoreResult(step=5, source="peer rank 0", restore_s=1.0,
-                              phases={"transfer": 0.8 + r / 10}, state_bytes=STATE)
-             for r in range(3)}
+                              phases={"transfer": 0.8 + r / 10}, state_bytes=STATE,
+                              received_bytes=STATE if r else 0) for r in range(3)}
     assert moved_state(bcast) == {"moved_bytes": 2 * STATE,
                                   "moved_gb_per_s": round(2 * STATE / 1.0 / 1e9, 3)}
     shards = {0: RestoreResult(step=5, source="re-sharded", restore_s=1.0,

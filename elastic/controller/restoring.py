@@ -212,7 +212,7 @@ def moved_state(out: dict[int, RestoreResult]) -> dict:
     """The state this restore moved rank to rank, the same two fields whatever the path, so a
     recovery, a resize and a swap can be read against the link's raw speed
     (benchmarks/probes/link_speed.py): `moved_bytes`, summed over the ranks that received (a
-    broadcast: every rank but the source), and `moved_gb_per_s`, those bytes over the slowest
+    broadcast: every rank but its slot's source), and `moved_gb_per_s`, those bytes over the slowest
     rank's seconds in the move (a copy from a peer: `transfer`; a re-shard: `assemble`), which
     every rank of the group spends at once. A restore from storage or the seed moves nothing
     rank to rank: no fields. Parts a re-shard reads through Ray's object store are its `fetch`."""
@@ -220,12 +220,7 @@ def moved_state(out: dict[int, RestoreResult]) -> dict:
     spans = [p.get("transfer", p.get("assemble")) for p in phases]
     if not any(s is not None for s in spans):
         return {}
-    broadcast = all(o.senders is None and o.received_bytes is None and o.state_bytes
-                    for o in out.values())
-    if broadcast:
-        moved = max(o.state_bytes or 0 for o in out.values()) * (len(out) - 1)
-    else:
-        moved = sum(o.received_bytes or 0 for o in out.values())
+    moved = sum(o.received_bytes or 0 for o in out.values())
     seconds = max(s for s in spans if s is not None)
     return {"moved_bytes": moved,
             "moved_gb_per_s": round(moved / seconds / 1e9, 3) if moved and seconds > 0 else None}

@@ -118,8 +118,10 @@ def from_peer(w: Worker, src_rank: int, slot_sources: list[int] | None = None, h
     # checkpointer and data workers started again.
     phases = {"build": round(t_build - t0, 3), "agree_step": round(t_move - t_build, 3),
               "transfer": t_moved - t_move, "start_checkpointer": round(time.monotonic() - t_moved, 3)}
-    p2p = {} if moved is None else dict(senders=len(moved.holders), receivers=len(moved.receivers),
-                                         received_bytes=moved.received_bytes)
+    # A broadcast (on GPU) reaches every rank of the slot's group but its source, held or not.
+    p2p = (dict(received_bytes=0 if w.rank == src else state.local_bytes(w)) if moved is None else
+           dict(senders=len(moved.holders), receivers=len(moved.receivers),
+                received_bytes=moved.received_bytes))
     return RestoreResult(step=w.step, restore_s=time.monotonic() - t0,
                          source=f"peer rank {src}" if not slot_sources else f"slot replicas {list(slot_sources)}",
                          phases=phases, state_bytes=state.local_bytes(w), **p2p)
