@@ -32,7 +32,7 @@ def rendezvous_port() -> int:
 
 
 def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q, data_limit_mb=None, probe=None,
-               peer=None, start_probe=None):
+               peer=None, start_probe=None, ring=False):
     os.environ.update(env)
     from elastic.runtime.actor import import_worker
     Worker = import_worker()  # as a Ray worker does it (the collector off while torch's modules import)
@@ -57,7 +57,9 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
             out = w.restore_from_peer(peer["sources"][0], peer["sources"])
         restored_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the build's peak
         started = _probe(start_probe, w.model)  # what the restore (or the fresh start) left
-        res = w.run(steps, [])
+        ring_args = ({"buddy": ((rank + 1) % world, None), "holds_for": ((rank - 1) % world,)}
+                     if ring else {})
+        res = w.run(steps, [], **ring_args)
     except Exception as e:  # noqa: BLE001 - reported (a memory cap that is too low fails here)
         q.put((rank, "error", f"{type(e).__name__}: {e}", None, None, None,
                {"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
@@ -69,7 +71,8 @@ def _rank_main(rank, world, pp, job_json, root, port, candidates, steps, env, q,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "restored_rss_mb": restored_rss,
             "vmdata_mb": _vm_data_mb(), "mesh": w.mesh.mesh_dim_names,
             "placements": str(getattr(next(w.model.parameters()), "placements", None)),
-            "probe": _probe(probe, w.model), "start_probe": started}))
+            "probe": _probe(probe, w.model), "start_probe": started,
+            "snapshot_is_the_copy": getattr(w.ckpt, "shares_copies", None)}))
     w.leave()
 
 
@@ -102,7 +105,7 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
               data_limit_mb: int | None = None, probe: str | None = None,
               peer_sources: list[int] | None = None, peer_at: int | None = None,
               renumber: dict[int, int] | None = None,
-              start_probe: str | None = None) -> list[tuple]:
+              start_probe: str | None = None, ring: bool = False) -> list[tuple]:
     """Every rank of `job` as its own process, trained to `steps` (default run.num_steps).
     Returns per rank (rank, status, digest or error, loss, restore source, restored step, extra).
     `data_limit_mb`: each rank's RLIMIT_DATA, set before it builds anything. `probe`:
@@ -112,7 +115,8 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     Worker (nothing built); the group forms again and restores from the sources' memory
     (`restore_from_peer`), as after a failure, then trains on. With `renumber` (old rank -> new
     rank) no rank is replaced: each forms the new group under its new number with the state it
-    holds, as after a trade (elastic/controller/regroup.py), and reports under it."""
+    holds, as after a trade (elastic/controller/regroup.py), and reports under it. `ring`: each
+    rank's buddy for checkpoint.memory_sync's copies is the next rank."""
     jc = JobConfig.model_validate(job)
     world = jc.scaling.num_workers
     ctx = torch.multiprocessing.get_context("forkserver")
@@ -125,15 +129,22 @@ def run_ranks(job: dict, pp: int = 1, candidates=(), steps=None, env=None, expec
     peer = None if peer_sources is None else {"sources": list(peer_sources), "at": peer_at, "mapping": renumber}
     procs = [ctx.Process(target=_rank_main, args=(r, world, pp, jc.model_dump_json(), root, port, list(candidates),
                                                   jc.run.num_steps if steps is None else steps, env or {}, q,
-                                                  data_limit_mb, probe, peer, start_probe))
+                                                  data_limit_mb, probe, peer, start_probe, ring))
              for r in range(world)]
-    for p in procs:
-        p.start()
-    out = sorted((q.get(timeout=600) for _ in procs), key=lambda o: o[0])
-    for p in procs:
-        p.join(timeout=60)
+    out = gather_ranks(procs, q)
     if expect is not None:
         assert all(o[1] == expect for o in out), out
+    return out
+
+
+def gather_ranks(procs, q, timeout_s: float = 600) -> list[tuple]:
+    """Start `procs` (one per rank), then what each put on `q`: tuples sorted by their first
+    item (the rank)."""
+    for p in procs:
+        p.start()
+    out = sorted((q.get(timeout=timeout_s) for _ in procs), key=lambda o: o[0])
+    for p in procs:
+        p.join(timeout=60)
     return out
 
 

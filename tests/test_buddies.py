@@ -2,6 +2,8 @@
 copies a restore can use (pure), and what a rank keeps (elastic/runtime/memory_copies.py)."""
 from __future__ import annotations
 
+import pytest
+
 from elastic.policies.buddies import choose_buddies, choose_copies
 from elastic.runtime.memory_copies import MemoryCopies
 
@@ -172,3 +174,92 @@ def test_which_jobs_take_copies_and_at_what_world_size(tmp_path):
     # ... until the run shrinks to one group, where HSDP's shards are held once.
     assert world({"num_workers": 4, "min_workers": 2}, fsdp={"replicate": 2}) == 2
     assert world({"num_workers": 4}, strategy="ddp") is None
+
+
+def test_a_copy_is_its_steps_checkpoint_snapshot_and_restores_bit_exact(tmp_path):
+    """memory_sync's copy of a checkpoint step is that checkpoint's snapshot (no staging copy of
+    the same bytes): saved from it, FSDP's model and AdamW state load back bit for bit; the
+    copy's memory is not reused for a later copy while the persist reads it."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from elastic.checkpoint.dcp_io import save_shards
+    from elastic.parallel.resharding import flatten, offer
+    from elastic.runtime.memory_copies import as_snapshot
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        torch.manual_seed(0)
+
+        def build():
+            m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+            fully_shard(m, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+            return m, torch.optim.AdamW(m.parameters(), lr=0.1)
+        model, opt = build()
+        model(torch.randn(3, 8)).square().sum().backward()
+        opt.step()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tree = {"model": model_sd, "optim": optim_sd}
+        part = offer(tree, 0, 1, 1)
+        snap = as_snapshot(tree, part)
+        assert snap is not None  # AdamW's betas (a tuple) and plain values pass through
+        shard = snap["model"]["0.weight"]
+        rows = part["sharded"][("model", "0.weight")]
+        assert shard.to_local().data_ptr() == rows.data_ptr()  # no copy
+        expected = {p: v.to_local().clone() if hasattr(v, "to_local") else v
+                    for p, v in flatten(tree)}
+        save_shards(snap, f"file://{tmp_path}/ckpt", {}, None)
+        model2, opt2 = build()
+        model2(torch.randn(3, 8)).sum().backward()
+        opt2.step()  # AdamW's state made, other values than the saved ones
+        back_model, back_optim = get_state_dict(model2, opt2)
+        back = {"model": back_model, "optim": back_optim}
+        dcp.load(back, checkpoint_id=str(tmp_path / "ckpt"))
+        for p, v in flatten(back):
+            want = expected[p]
+            got = v.to_local() if hasattr(v, "to_local") else v
+            assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, p
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_copy_a_persist_reads_is_not_reused_for_the_next():
+    class Ckpt:
+        reading = None
+
+        def reads(self, owner):
+            return owner is not None and owner is self.reading
+    c = MemoryCopies(every_steps=1, sync=True)
+    c.own = {1: {"step": 1}, 2: {"step": 2}}
+    ckpt = Ckpt()
+    ckpt.reading = c.own[1]
+    assert c._evict_oldest(c.own, ckpt) is None  # its memory left alone ...
+    assert list(c.own) == [2]  # ... and dropped from the parts kept
+    c.own[3] = {"step": 3}
+    assert c._evict_oldest(c.own, ckpt) == {"step": 2}  # not read: reused
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_saved_from_the_steps_copy_restores_the_run_bit_exact(tmp_path):
+    """FSDP on 2 real ranks with memory_sync and a checkpoint every step: each checkpoint is saved
+    from the step's in-memory copy (no staging copy), and a restore from the last one holds the
+    state the run ended with, bit for bit."""
+    from tests.spawn_ranks import run_ranks
+    from tests.test_tensor_parallel import gpt_job
+    job = gpt_job(tmp_path, "fsdp", workers=2, tp=1, steps=3, name="share", meta_init=True)
+    job["checkpoint"].update(every_steps=1, memory_every_steps=1, memory_sync=True)
+    ran = run_ranks(job, ring=True, env={"GPT_LAYERS": "2", "GPT_DIM": "64"})
+    assert all(o[6]["snapshot_is_the_copy"] is True for o in ran), [o[6] for o in ran]
+    last = sorted((tmp_path / "share" / "checkpoints").glob("step_*"))[-1]
+    assert last.name.endswith("3")
+    back = run_ranks(job, candidates=[f"file://{last}"], steps=3,
+                     env={"GPT_LAYERS": "2", "GPT_DIM": "64"})
+    assert all((o[4], o[5]) == ("storage", 3) for o in back)
+    assert [o[2] for o in back] == [o[2] for o in ran]

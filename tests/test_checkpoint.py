@@ -1050,3 +1050,36 @@ def test_a_checkpoint_whose_manifest_has_no_digests_still_loads(tmp_path):
 
 
 join_ = join
+
+
+def test_shard_snapshots_reuse_their_buffers_and_restore_bit_exact(one_rank_group, tmp_path):
+    """FSDP's state is DTensors: a checkpoint's snapshot copies into the last one's shards (and
+    the prestaged buffers) rather than allocating a second copy beside it, and what it saves
+    loads back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from elastic.checkpoint.dcp_io import save_shards, snapshot, staging_for
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    live = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    state = {"model": {"w": live}, "optim": {"state": {"w": {"exp_avg": live * 3, "step": torch.tensor(2.0)}}}}
+    prestaged = staging_for(state)
+    assert isinstance(prestaged["model"]["w"], type(live))  # a buffer to stage into, not None
+    first = snapshot(state, prestaged)
+    assert first["model"]["w"].to_local().data_ptr() == prestaged["model"]["w"].to_local().data_ptr()
+    live.to_local().mul_(0.5)  # training goes on
+    second = snapshot(state, first)
+    assert second["model"]["w"].to_local().data_ptr() == first["model"]["w"].to_local().data_ptr()
+    assert second["model"]["w"].to_local().data_ptr() != live.to_local().data_ptr()  # still a private copy
+    assert torch.equal(second["model"]["w"].to_local(), live.to_local())
+    assert second["model"]["w"].placements == live.placements and second["model"]["w"].shape == live.shape
+    save_shards(second, f"file://{tmp_path}/ckpt", {}, None)
+    back = {"model": {"w": distribute_tensor(torch.full((6, 4), float("nan")), mesh, [Shard(0)])},
+            "optim": {"state": {"w": {"exp_avg": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]),
+                                      "step": torch.tensor(0.0)}}}}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ckpt"))
+    assert torch.equal(back["model"]["w"].to_local(), live.to_local())
+    saved_avg = state["optim"]["state"]["w"]["exp_avg"].to_local()
+    assert torch.equal(back["optim"]["state"]["w"]["exp_avg"].to_local(), saved_avg)
+    assert back["optim"]["state"]["w"]["step"].item() == 2.0

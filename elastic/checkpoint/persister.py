@@ -106,6 +106,11 @@ class AsyncCheckpointer(PersistAgreement):
         self._staged = staged  # the last snapshot: its buffers are reused once its persist is done
         self._prestage: threading.Thread | None = None
         self._prestaged = None
+        # A copy of the state that already exists (memory_sync's in-memory copy of a step) may
+        # serve as a checkpoint's snapshot: (step, snapshot, its owner), see `share`.
+        self._shared: tuple[int, Any, Any] | None = None
+        self._reading: Any = None  # the owner of the shared snapshot the persist last started reads
+        self.shares_copies = False  # every checkpoint step has such a copy: no staging buffers made
         self._after = list(after)
         self._wait_timeout_s = wait_timeout_s
         self.step_in_flight: int | None = None  # the step of the persist last started
@@ -177,8 +182,21 @@ class AsyncCheckpointer(PersistAgreement):
         return self._abort.is_set() and self.cuttable.is_set() and self.in_flight()
 
     def needs_staging(self) -> bool:
-        """No staging buffers yet, and none being made: `prestage` would make them."""
-        return self._staged is None and self._prestage is None
+        """No staging buffers yet, and none being made: `prestage` would make them. Never while
+        every checkpoint step's snapshot is an in-memory copy's (`shares_copies`)."""
+        return self._staged is None and self._prestage is None and not self.shares_copies
+
+    def share(self, step: int, snap: Any, owner: Any) -> None:
+        """`snap`, a private copy of the state at `step` whose tensors are `owner`'s (an in-memory
+        copy, elastic/runtime/memory_copies.py), is the snapshot of a checkpoint at that step:
+        no second copy of the same bytes. The owner must not change them while `reads(owner)`."""
+        self._shared = None if snap is None else (step, snap, owner)
+
+    def reads(self, owner: Any) -> bool:
+        """Whether the persist in flight reads the tensors of `owner` (shared with `share`)."""
+        if self._reading is not None and not self.in_flight():
+            self._reading = None  # done with: its owner's memory is no longer held here
+        return owner is not None and self._reading is owner
 
     def prestage(self, state: dict) -> None:
         """Make the staging buffers of `state` (`staging_for`) in a background thread, ahead of
@@ -214,7 +232,13 @@ class AsyncCheckpointer(PersistAgreement):
         if self._prestage is not None and self._staged is None:
             self._prestage.join()
             self._staged, self._prestaged = self._prestaged, None
-        snap = self._staged = snapshot(state, self._staged)
+        shared, self._shared = self._shared, None
+        if shared is not None and shared[0] == step:
+            # Its buffers stay the owner's: never staged into by a later snapshot.
+            snap, self._reading = shared[1], shared[2]
+        else:
+            snap, self._reading = snapshot(state, self._staged), None
+            self._staged = snap
         stall_s = time.monotonic() - t0
         self.step_in_flight = step
         self.writing = threading.Event()

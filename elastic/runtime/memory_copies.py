@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import ray
 import torch
+from torch.distributed.tensor import DTensor
 
 from elastic.parallel.resharding import map_leaves
 from elastic.runtime.copy_exchange import exchange_parts
@@ -73,6 +74,36 @@ def to_wire(part: dict) -> dict:
 
 def from_wire(part: dict) -> dict:
     return map_leaves(part, lambda v: v.tensor() if isinstance(v, _Array) else v)
+
+
+def as_snapshot(tree, part: dict, path: tuple = ()):
+    """`tree` (the state the offer `part` was taken from, at the same step in the same group) with
+    every tensor replaced by the part's copy of it, as a checkpoint's snapshot: a shard as a
+    DTensor over the part's rows (its mesh, placements and global shape), any other tensor as
+    the part's copy. None where some tensor has no copy of the same shape (no snapshot then)."""
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out[k] = as_snapshot(v, part, path + (k,))
+            if out[k] is None and v is not None:
+                return None
+        return out
+    if isinstance(tree, list):
+        out = [as_snapshot(v, part, path + (i,)) for i, v in enumerate(tree)]
+        return None if any(o is None and v is not None for o, v in zip(out, tree)) else out
+    if isinstance(tree, DTensor):
+        rows = part["sharded"].get(path)
+        if rows is None or rows.shape != tree.to_local().shape or rows.dtype != tree.dtype:
+            return None
+        return DTensor.from_local(rows, tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    if isinstance(tree, torch.Tensor):
+        copy = part["other"].get(path)
+        ok = isinstance(copy, torch.Tensor) and copy.shape == tree.shape
+        return copy if ok and copy.dtype == tree.dtype else None
+    if isinstance(tree, (tuple, set)) and any(isinstance(v, torch.Tensor) for v in tree):
+        return None  # tensors the offer kept by reference, not copied
+    return tree
 
 
 class MemoryCopies:
@@ -165,8 +196,10 @@ class MemoryCopies:
         t0 = time.perf_counter()
         # memory_sync: the oldest part kept (never needed again once this one is in) is reused
         # as this one's memory, here and at the buddies (a send in the background may still read it).
-        into = self._evict_oldest(self.own) if self.sync else None
-        part = w.strategy.offer(state.state_dict(w), w.rank, w.world_size, w.step, into=into)
+        ckpt = getattr(w, "ckpt", None)
+        into = self._evict_oldest(self.own, ckpt) if self.sync else None
+        tree = state.state_dict(w)
+        part = w.strategy.offer(tree, w.rank, w.world_size, w.step, into=into)
         self.cost_s = time.perf_counter() - t0  # on the training thread; the send's share follows (note_step)
         self._extra_s = 0.0
         self.last_step = w.step
@@ -174,6 +207,8 @@ class MemoryCopies:
             self.own[w.step] = part
             for old in sorted(self.own)[:-KEEP]:
                 del self.own[old]
+        if self.sync and ckpt is not None:
+            self._share_with_checkpoint(w, ckpt, tree, part)
         _, handle = self.buddy
         gen = self.generation
         delay_s = self.delay_s
@@ -205,11 +240,22 @@ class MemoryCopies:
         self._sender_gen = gen
         self._sender.start()
 
-    def _evict_oldest(self, parts: dict[int, dict]) -> dict | None:
+    def _evict_oldest(self, parts: dict[int, dict], ckpt=None) -> dict | None:
         """Remove and return the oldest of `parts` (step -> part) when KEEP are kept: the newer
-        one is complete everywhere, so the oldest is never needed again once the next is in."""
+        one is complete everywhere, so the oldest is never needed again once the next is in.
+        None (its memory not reused) while `ckpt`'s persist reads it as its snapshot."""
         with self._lock:
-            return parts.pop(min(parts)) if len(parts) >= KEEP else None
+            old = parts.pop(min(parts)) if len(parts) >= KEEP else None
+        return None if ckpt is not None and ckpt.reads(old) else old
+
+    def _share_with_checkpoint(self, w: Worker, ckpt, tree: dict, part: dict | None) -> None:
+        """memory_sync takes a copy at every due step: a checkpoint at that step takes the copy as
+        its snapshot (the same bytes), so while every checkpoint step is a copy step the
+        checkpointer keeps no staging copy of its own (weights and optimizer moments: 0.75 x
+        state/N less per rank)."""
+        flat = part is not None and "sharded" in part  # (a pipeline stage's part: by name)
+        ckpt.shares_copies = flat and w.job.checkpoint.every_steps % self.every == 0
+        ckpt.share(w.step, as_snapshot(tree, part) if flat else None, part)
 
     # ---------------------------------------------------------------- as a buddy
     def hold(self, rank: int, generation: int, part: dict) -> bool:
