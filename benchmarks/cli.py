@@ -91,6 +91,10 @@ OPTIONS = (
          used_by=("parallel",)),
     _opt("--gpt-sizes", default=None, help="with --memory: model sizes as LAYERS,DIM,CONTEXT separated by ';' "
                                            "(default: --gpt)", used_by=("parallel",)),
+    _opt("--world-sizes", default=None,
+         help="with --memory: ranks per run, comma-separated (e.g. 2,4,8): per-rank peak memory over the "
+              "interpreter's baseline against the 1/N bound, FSDP with meta init, copies and staging off and on",
+         used_by=("parallel",)),
     _opt("--layouts", default=None,
          help="STRATEGY:dpDxtpT[+sp] layouts, comma-separated; +sp: sequence parallelism (default "
               "ddp:dp2xtp2,fsdp:dp2xtp2,ddp:dp4,fsdp:dp4; with --memory fsdp:dp4)",

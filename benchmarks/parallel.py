@@ -21,6 +21,9 @@ real gloo ranks in spawned processes, no Ray), per model size (`--gpt` sizes sep
 eager build against `train.meta_init`, and activation checkpointing off and on: the peak after
 the build and the peak over MEMORY_STEPS steps (one asynchronous checkpoint's staging included).
 
+With `--world-sizes 2,4,8` instead: whether each rank's memory falls as 1/N, FSDP with meta init
+with the in-memory copies and checkpoint staging off and on (`benchmarks.memory_per_rank`).
+
 Pipeline x tp is measured by `python -m benchmarks pipeline --tp 2`, a lost tp group by
 `python -m benchmarks recovery --tp 2`, CPU offload's GPU memory by
 `python -m benchmarks.probes.gpu_step_profile --memory`.
@@ -163,6 +166,17 @@ def run_memory(sizes: list[str], layouts: list[tuple], out: str | None) -> int:
 def main(args) -> int:
     from elastic.local_cluster import local_cluster
 
+    if getattr(args, "memory", False) and getattr(args, "world_sizes", None) is not None:
+        from benchmarks import memory_per_rank
+        try:
+            world_sizes = memory_per_rank.parse_world_sizes(args.world_sizes)
+            sizes = (args.gpt_sizes or args.gpt).split(";")
+            for size in sizes:
+                gpt_env(size)
+        except ValueError as e:
+            print(f"python -m benchmarks parallel: {e}", file=sys.stderr)
+            return 2
+        return memory_per_rank.run(sizes, world_sizes, args.reps, args.out)
     if getattr(args, "memory", False):
         try:
             layouts = [parse_layout(x) for x in (args.layouts or MEMORY_LAYOUTS).split(",")]
