@@ -10,6 +10,7 @@ from typing import Any, Callable, Literal
 from pydantic import Field, model_validator
 
 from elastic.config.base import Strict
+from elastic.config.compression import GradCompressionSpec, check_applies
 from elastic.config.objects import Ref, UserObject
 
 
@@ -200,6 +201,10 @@ class TrainSpec(Strict):
     pipeline: PipelineSpec | None = Field(None, description="Required when strategy is pipeline.")
     tp: TensorParallelSpec = Field(default_factory=TensorParallelSpec,
                                    description="Tensor parallelism, with any strategy (docs/large-models.md).")
+    grad_compression: GradCompressionSpec = Field(
+        default_factory=GradCompressionSpec,
+        description="Compress ddp's gradient all-reduce: none | bf16 | powersgd | topk, or a "
+                    "mapping with its settings (docs/grad-compression.md).")
     meta_init: bool = Field(
         False, description="Build the model on the meta device (no memory); each rank then allocates and initialises "
                            "only its own part (stage, tensor slice, FSDP shard), one module at a time from the run's "
@@ -282,6 +287,7 @@ class TrainSpec(Strict):
             raise ValueError(f"train.loss is required with train.strategy={self.strategy}")
         if self.strategy == "pipeline" and self.micro_batch_size is not None:
             raise ValueError("train.micro_batch_size is not used by a pipeline: set train.pipeline.microbatches")
+        check_applies(self.grad_compression, self.strategy, self.tp.size)
         if self.init is not None and not self.meta_init:
             raise ValueError("train.init is set but train.meta_init is false: set train.meta_init: true (an eager "
                              "build initialises the model in its own constructor)")

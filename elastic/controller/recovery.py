@@ -98,7 +98,8 @@ def on_recovering(ctl: Controller, st: Recovering) -> State:
     # Only a member that holds state is a source: a replacement that never restored (its group
     # failed to form) reports step 0, and taking it would start the run over.
     ctl.survivor_steps = {r: a.step for r, a in answers.items() if a.holds_state}
-    ctl.restore_plan, why = choose_restore(ctl.survivor_steps, cfg, ctl.shape.sharded, ctl.layout)
+    ctl.restore_plan, why = choose_restore(ctl.survivor_steps, cfg, ctl.shape.sharded, ctl.layout,
+                                             ctl.shape.private)
     lay = ctl.layout
     if (isinstance(ctl.restore_plan, FromStorage) and cfg.peer_restore
             and has_copies(ctl.job.checkpoint.memory_every_steps, ctl.shape.sharded, lay.pp, lay.dp, lay.tp,

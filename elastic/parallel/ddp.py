@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.parallel import tensor
+from elastic.parallel import compression, tensor
 from elastic.parallel.base import Strategy, copy_from_replica
 from elastic.parallel.tensor import like, local
 
@@ -68,10 +68,12 @@ class DataParallel(Strategy):
     name = "ddp"
     overlap = True  # bucketed all-reduce during backward; False: one flat all-reduce after it
 
-    def __init__(self, mesh, spec=None):
+    def __init__(self, mesh, spec=None, seed: int = 0):
         super().__init__(mesh, spec)
         self._hooked = None  # the model whose gradient hooks feed this strategy's buckets
         self._sync = True
+        # train.grad_compression (elastic/parallel/compression.py); None: fp32 all-reduces
+        self.compressor = compression.make(getattr(spec, "grad_compression", None), seed)
 
     @property
     def whole_grads_everywhere(self) -> bool:
@@ -87,10 +89,25 @@ class DataParallel(Strategy):
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         state = super().state_dict(model, optimizer)
+        if self.compressor is not None and self.overlap:
+            self._hook(model)  # the compressor's state is shaped by the buckets
+            if shared := self.compressor.shared_state():  # equal on every replica: travels as the model does
+                state["compression"] = shared
         return tensor.as_dtensors(model, state) if self.tp > 1 else state
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         super().load_state_dict(model, optimizer, tensor.as_locals(state) if self.tp > 1 else state)
+        if "compression" in state:
+            self._hook(model)
+            compression.load(self.compressor, state["compression"], None)
+
+    def own_state(self, model: nn.Module) -> dict:
+        """State of this rank alone (error feedback), for checkpoints only: a replica's copy of it
+        would be another rank's (elastic/parallel/compression.py)."""
+        if self.compressor is None or not self.overlap:
+            return {}
+        self._hook(model)
+        return self.compressor.own_state()
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, src_rank: int,
                         holds: bool = False):
@@ -131,6 +148,9 @@ class DataParallel(Strategy):
             lambda p, i=index[id(p)]: self._grad_ready(i)) for i, p in enumerate(self._params)
             if i not in last]
         self._scale = 1.0 / dist.get_world_size(self.mesh.get_group("dp"))
+        if self.compressor is not None:
+            self.compressor.setup(self._bufs, [[local(self._params[i]).shape for i in b] for b in self._buckets],
+                                  self.mesh.get_group("dp"))
         self._hooked = model
         self._begin_step()
 
@@ -138,6 +158,8 @@ class DataParallel(Strategy):
         self._missing = [len(b) for b in self._buckets]
         self._next = 0
         self._works: list = []
+        if self.compressor is not None:
+            self.compressor.discard()  # a step cut short by a lost peer left its updates uncommitted
 
     def _grad_ready(self, i: int) -> None:
         if not self._sync:
@@ -161,6 +183,9 @@ class DataParallel(Strategy):
                 self._slices[i].zero_()
             else:
                 torch.mul(local(grad), scale, out=self._into[i])
+        if self.compressor is not None:
+            self._works.append(self.compressor.launch(k))
+            return
         self._works.append(dist.all_reduce(self._bufs[k], op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"),
                                            async_op=True))
 
@@ -193,10 +218,15 @@ class DataParallel(Strategy):
             extra = None
         extra_work = dist.all_reduce(extra, group=group, async_op=True) if extra is not None else None
         for k, work in enumerate(self._works):
-            work.wait()
+            if self.compressor is not None:
+                self.compressor.finish(k, work)
+            else:
+                work.wait()
             for i in self._buckets[k]:
                 self._params[i].grad = self._grads[i]
         self._works = []
+        if self.compressor is not None:
+            self.compressor.commit()
         if buffers is not None:
             buffer_sync.finish(buffers)
         if extra_work is None:

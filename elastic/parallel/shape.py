@@ -30,6 +30,9 @@ class Shape:
     staged: bool = False  # resizes walk the topology's chain of whole layouts
     tp: int = 1  # tensor-parallel ranks per stage (fixed for the run)
     shards: int = 1  # HSDP: ranks per replica group (fixed for the run)
+    # Each rank holds state no other rank has (train.grad_compression's error feedback): a rank
+    # lost to a fault is restored from storage, never from a replica's memory.
+    private: bool = False
 
     def __post_init__(self):
         if self.tp > 1 or self.shards > 1:
@@ -90,4 +93,5 @@ def shape_for(job) -> Shape:
         return Shape(stages=tr.pipeline.stages, staged=True, tp=tr.tp.size)
     if tr.strategy == "fsdp" and job.hsdp_shards > 1:
         return Shape(shards=job.hsdp_shards, tp=tr.tp.size)
-    return Shape(sharded=tr.strategy == "fsdp", tp=tr.tp.size)
+    return Shape(sharded=tr.strategy == "fsdp", tp=tr.tp.size,
+                 private=tr.grad_compression.error_feedback)

@@ -11,9 +11,12 @@ STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel, "fsdp": FullyShard
                                          "pipeline": Pipeline}
 
 
-def make_strategy(spec, mesh, layout, rank: int) -> Strategy:
-    """`spec`: the job's TrainSpec (its `strategy` picks the class); `layout`: the rank's mesh."""
+def make_strategy(spec, mesh, layout, rank: int, seed: int = 0) -> Strategy:
+    """`spec`: the job's TrainSpec (its `strategy` picks the class); `layout`: the rank's mesh;
+    `seed`: the run's (PowerSGD's first factors are drawn from it)."""
     if spec.strategy == "pipeline":
         return Pipeline(mesh, spec, layout, rank)
+    if spec.strategy == "ddp":
+        return DataParallel(mesh, spec, seed)
     return STRATEGIES[spec.strategy](mesh, spec)
 

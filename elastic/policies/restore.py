@@ -42,17 +42,23 @@ RestoreSource = FromPeer | FromStorage | FromShards
 
 
 def choose_restore(survivor_steps: dict[int, int], cfg: FailureConfig,
-                   sharded: bool = False, layout: Layout | None = None) -> tuple[RestoreSource, str]:
+                   sharded: bool = False, layout: Layout | None = None,
+                   private: bool = False) -> tuple[RestoreSource, str]:
     """Memory first: a surviving replica that finished the newest step holds exact state (its
     gradient all-reduce completed, so it includes every rank's contribution). Storage when no
     replica survived, when the state is sharded (a lost rank's shards existed only in its
-    memory), or when the user asked for storage. A layout of several slots (pipeline stages,
+    memory), when each rank holds state of its own (`private`: gradient compression's error
+    feedback), or when the user asked for storage. A layout of several slots (pipeline stages,
     tensor slices, HSDP's shards) needs a surviving replica of every slot at that step."""
     if not cfg.peer_restore:
         return FromStorage(), "failure.peer_restore is off: restore from the latest committed checkpoint"
     if sharded:
         return FromStorage(), ("fully sharded state: the lost rank's shards existed only in its memory; "
                                "restore from the latest committed checkpoint, re-sharded on load")
+    if private:
+        return FromStorage(), ("train.grad_compression keeps each rank's error feedback in that rank's "
+                               "memory alone: every rank restores the latest committed checkpoint, "
+                               "which holds every rank's")
     if not survivor_steps:
         return FromStorage(), "no surviving replica holds state in memory: restore from the latest committed checkpoint"
     step = max(survivor_steps.values())

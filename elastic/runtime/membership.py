@@ -78,7 +78,7 @@ class GroupMembership:
             self._joining = None
         self._join_phase = ("sharing its transports for an abort", time.monotonic())
         self._abort = collectives.capture(before, self.ckpt_pg, nccl=self.job.scaling.use_gpu, store_port=port)
-        self.strategy = make_strategy(self.job.train, self.mesh, self.layout, rank)
+        self.strategy = make_strategy(self.job.train, self.mesh, self.layout, rank, self.job.run.seed)
         self.forget_old_meshes()
         self._join_phase = None
         self.set_progress(status=RankStatus.JOINED)

@@ -62,6 +62,8 @@ def from_storage(w: Worker, candidates: list[str]) -> RestoreResult:
             continue
         state.build(w, fill=False)  # DCP's load is strict: every tensor of the state dict is read
         st = state.state_dict(w)
+        if manifest.world_size != w.world_size:  # rank-private state of another layout: starts at zero
+            st.pop("compression_own", None)
         try:
             # DCP reads each saved shard into the current layout: a checkpoint saved at any
             # world size loads at this one.

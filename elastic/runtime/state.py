@@ -183,13 +183,26 @@ def state_dict(w: Worker) -> dict:
     state = w.strategy.state_dict(w.model, w.optimizer)
     if w.amp:
         state["amp"] = w.amp
+    if own := own_state(w):
+        # Keyed by rank: each rank writes and reads its own (train.grad_compression's error
+        # feedback), so a restore from storage brings every rank's back, a lost one's included.
+        state["compression_own"] = {f"rank{w.rank}": own}
     return state
+
+
+def own_state(w: Worker) -> dict:
+    """The strategy's state of this rank alone (elastic/parallel/compression.py), or {}."""
+    return w.strategy.own_state(w.model) if hasattr(w.strategy, "own_state") else {}
 
 
 def load_state(w: Worker, state: dict) -> None:
     w.strategy.load_state_dict(w.model, w.optimizer, state)
     if w.amp:
         w.amp = state["amp"]
+    own = own_state(w)
+    for key, t in state.get("compression_own", {}).get(f"rank{w.rank}", {}).items():
+        if own[key] is not t:
+            own[key].copy_(t)
 
 
 def replay_schedule(w: Worker) -> None:
