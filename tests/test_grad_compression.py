@@ -210,3 +210,24 @@ def test_orthogonalize_leaves_orthonormal_columns():
     orthogonalize(p)
     torch.testing.assert_close(p.T @ p, torch.eye(3), atol=1e-5, rtol=0)
     assert PowerSgd.MIN_COMPRESSION_RATE == 2
+
+
+@pytest.mark.parametrize("mode", ["topk", "powersgd"])
+def test_a_run_resumed_from_a_checkpoint_ends_bit_identical_with_its_compression(tmp_path, mode):
+    """Real Workers, one process per rank, no Ray: the checkpoint of step 6 holds PowerSGD's
+    factors and step count and every rank's error feedback (each under its own rank), and a run
+    restored from it ends as the uninterrupted one. Not vacuous: the compression changes the
+    result (an uncompressed run ends elsewhere)."""
+    from tests.spawn_ranks import run_ranks
+    from tests.test_training_features import mlp_job
+
+    comp = {"mode": mode, "powersgd_start_step": 3, "topk_ratio": 0.05}
+    env = {"ELASTIC_BENCH_HIDDEN": "64"}
+    whole = run_ranks(mlp_job(tmp_path / "a", grad_compression=comp), env=env)
+    run_ranks(mlp_job(tmp_path / "b", grad_compression=comp), steps=6, env=env)  # its step-6 checkpoint
+    resumed = run_ranks(mlp_job(tmp_path / "c", grad_compression=comp), env=env,
+                        candidates=[f"file://{tmp_path}/b/f/checkpoints/step_000000006"])
+    assert resumed[0][4] == "storage" and resumed[0][5] == 6
+    assert [o[2] for o in resumed] == [o[2] for o in whole]
+    plain = run_ranks(mlp_job(tmp_path / "d"), env=env)
+    assert plain[0][2] != whole[0][2]
