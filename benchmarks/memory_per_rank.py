@@ -101,12 +101,23 @@ class _SavedBytes:
         self.seen: dict[int, int] = {}
 
     def pack(self, t):
-        if t.device.type != "meta":
-            s = t.untyped_storage()
-            weights = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-            if s.data_ptr() not in weights:
-                self.seen[s.data_ptr()] = s.nbytes()
+        ptr = _storage(t)
+        weights = {_storage(p, (0, 0))[0] for p in self.model.parameters()}
+        if ptr is not None and ptr[0] not in weights:
+            self.seen[ptr[0]] = ptr[1]
         return t
+
+
+def _storage(t: torch.Tensor, default=None) -> tuple[int, int] | None:
+    """(address, bytes) of a plain tensor's storage; `default` for a DTensor (a shard, not
+    gathered) or a storage FSDP has freed."""
+    if hasattr(t, "to_local"):
+        return default
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except RuntimeError:
+        return default
 
 
 def _as_before() -> None:
