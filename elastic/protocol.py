@@ -56,6 +56,16 @@ class LostCause(StrEnum):
 
 
 @dataclass(frozen=True)
+class EvalResult:
+    """One evaluation of the model after `step` (train.eval_dataset), the same on every rank."""
+
+    step: int
+    metrics: dict[str, float]  # name -> total over the evaluation set / its number of samples (or counts)
+    num_samples: int
+    seconds: float  # wall time of the evaluation on the reporting rank
+
+
+@dataclass(frozen=True)
 class RunResult:
     status: RunStatus
     step: int
@@ -192,13 +202,15 @@ class PollReport:
     memory_steps: tuple[int, ...] = ()  # steps of this rank's own in-memory parts (memory_every_steps)
     copies_held: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> steps of its parts held here
     memory: MemorySample | None = None  # its memory now (at most a second old)
+    evaluations: tuple[EvalResult, ...] = ()  # train.eval_dataset: evaluations done (rank 0 reports)
     # Whether it carries anything besides progress (a persist, steps, the ledger, ...): worked out
     # once, where the answer is made, so the controller need not look into each of 100,000.
     news: bool = field(init=False, default=False)
 
     def __post_init__(self):
         object.__setattr__(self, "news", bool(self.compute_log or self.ledger or self.persists or self.skipped
-                                              or self.abandoned or self.retried or self.deferred))
+                                              or self.abandoned or self.retried or self.deferred
+                                              or self.evaluations))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class Result:
     digests: dict[int, str] = field(default_factory=dict)
     error: str | None = None
     losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss (also metrics.json)
+    # step -> {name: value} of each evaluation (train.eval_dataset; also metrics.json)
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def events_of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
@@ -155,7 +157,8 @@ class Trainer:
             metrics={"loss": out["loss"], "step": out["step"], "strategy": self.job.train.strategy},
             checkpoint=out["checkpoint"], run_dir=out["run_dir"], events=out["events"],
             digests={int(k): v for k, v in out["digests"].items()}, error=out["error"],
-            losses={int(k): v for k, v in out["losses"].items()})
+            losses={int(k): v for k, v in out["losses"].items()},
+            evaluations={int(k): v for k, v in out.get("evaluations", {}).items()})
         if out["status"] != "finished":
             raise TrainingFailed(out["error"], result)
         return result

@@ -792,3 +792,24 @@ def test_parquet_and_checkpoints_on_s3_stay_exact_once_through_a_node_kill(clust
     ledger.write_bytes(Storage(storage_uri, s3_server.storage_options).read_bytes(
         join(storage_uri, j["run"]["name"], "ledger.json")))
     assert_exact_once(ledger, NUM_STEPS, 48, n, seed=7, lost_rank_upto=(1, fault_step))
+
+
+def test_a_node_killed_mid_evaluation_recovers_and_evaluates_as_the_uninterrupted_run(  # noqa: F811
+        cluster, baseline, tmp_path):
+    """Rank 1's node dies after its first batch of step 15's evaluation: the survivors' evaluation
+    fails in its all-reduce, the group recovers from memory, and step 15 is evaluated again from
+    the same weights. Every evaluation equals the uninterrupted run's, bit for bit, each said once;
+    training ends as the baseline (which evaluates nothing)."""
+    from tests.test_evaluation import uninterrupted_evaluations
+    ev = {"eval_dataset": "tests.test_evaluation:eval_set", "eval_every_steps": 5,
+          "eval_batch_size": 5, "eval_metrics": "tests.test_evaluation:eval_metrics"}
+    kill = [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP, "during_eval": True}]
+    result = Trainer(job(tmp_path, kill, train=ev)).fit(progress=False)
+    assert_recovered_bit_identical(result, baseline, "kill_node")
+    want = uninterrupted_evaluations(job(tmp_path / "spawned", train=ev))
+    assert sorted(want) == list(range(5, NUM_STEPS + 1, 5))
+    assert result.evaluations == want
+    evaluated = result.events_of("evaluated")
+    assert [e["step"] for e in evaluated] == sorted(want)  # each once
+    (fault,) = result.events_of("fault_injected")
+    assert next(e for e in evaluated if e["step"] == FAULT_STEP)["t"] > fault["t"]  # done after it

@@ -47,6 +47,10 @@ class ChaosFault(Strict):
                            "before it joins the restore's collectives, in the first such restore once the run "
                            "reached at_step: the drill for a machine lost mid-restore (kill_process, kill_node, "
                            "freeze_node, freeze_process)")
+    during_eval: bool = Field(
+        False, description="at at_step, a step train.eval_every_steps evaluates: fire after the rank's "
+                           "first evaluation batch, mid-evaluation (the evaluation is redone after the "
+                           "recovery); at a step with no evaluation it fires as without this flag")
     after_persist: bool = Field(
         False, description="at at_step, first wait until this rank's checkpoint persist in flight has ended, then "
                            "fire: the drill for a machine lost just after a checkpoint, whose restore from storage "
@@ -60,6 +64,9 @@ class ChaosFault(Strict):
         if self.during_restore and self.action not in ("kill_process", "kill_node", "freeze_node", "freeze_process"):
             raise ValueError(f"during_restore takes kill_process, kill_node, freeze_node or freeze_process, "
                              f"not {self.action}")
+        if self.during_eval and (self.during_upload or self.after_persist or self.during_restore):
+            raise ValueError("during_eval fires inside an evaluation: leave out during_upload, "
+                             "after_persist and during_restore")
         if self.during_upload and self.after_persist:
             raise ValueError("during_upload and after_persist exclude each other: fire during a checkpoint's "
                              "upload, or after its persist")

@@ -9,6 +9,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import Field, model_validator
 
+from elastic.config import evaluation
 from elastic.config.base import Strict
 from elastic.config.compression import GradCompressionSpec, check_applies
 from elastic.config.objects import Ref, UserObject
@@ -49,10 +50,10 @@ def _check_object(ref, field: str, what: str) -> None:
         raise ValueError(f"{field}: expected {what}, got {ref}, which cannot be called")
 
 
-def _dataset_factory(ref: str | UserObject) -> Callable:
+def _dataset_factory(ref: str | UserObject, field: str = "train.dataset") -> Callable:
     """train.dataset as a function: one given as the dataset itself (map-style: len, getitem)
     is returned by a function."""
-    got = resolve_ref(ref, "train.dataset")
+    got = resolve_ref(ref, field)
     if not callable(got) and hasattr(got, "__len__") and hasattr(got, "__getitem__"):
         return functools.partial(_same, got)
     return got
@@ -273,6 +274,10 @@ class TrainSpec(Strict):
                                   "Ray's docs advise inside Ray workers; a dataset that does not pickle is refused "
                                   "before any worker starts); fork copies the rank's process.")
     bad_step_limit: int = Field(3, ge=1, description="Bad steps in a row that end a skip (error) or trigger a rollback.")
+    eval_dataset: Ref | None = evaluation.EVAL_DATASET
+    eval_every_steps: int | None = evaluation.EVAL_EVERY_STEPS
+    eval_batch_size: int | None = evaluation.EVAL_BATCH_SIZE
+    eval_metrics: Ref | None = evaluation.EVAL_METRICS
 
     @model_validator(mode="after")
     def _check_strategy(self) -> "TrainSpec":
@@ -295,13 +300,15 @@ class TrainSpec(Strict):
                             ("loss", "a function(model, batch)"),
                             ("optimizer", "a function(params) -> optimizer"),
                             ("scheduler", "a function(optimizer) -> scheduler"),
-                            ("init", "a function(name, module)")):
+                            ("init", "a function(name, module)"),
+                            ("eval_metrics", "a function(model, batch) -> {name: sum}")):
             _check_object(getattr(self, field), f"train.{field}", what)
         if isinstance(self.dataset, UserObject) and self.dataset.local:
             ds = self.dataset.get()
             if not callable(ds) and not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
                 raise ValueError(f"train.dataset: expected a map-style dataset (len, getitem) or a "
                                  f"function that returns one, got {self.dataset}")
+        evaluation.check(self)
         if not self.init_strict and self.init_from is None:
             raise ValueError("train.init_strict is set but train.init_from is not: it says how "
                              "init_from loads")
@@ -326,4 +333,5 @@ class TrainSpec(Strict):
             "init": resolve_ref(self.init, "train.init") if self.init else None,
             "scheduler": resolve_ref(self.scheduler, "train.scheduler") if self.scheduler else None,
             "optimizer": resolve_ref(self.optimizer, "train.optimizer") if self.optimizer else None,
+            **evaluation.resolve(self, resolve_ref, _dataset_factory),
         }

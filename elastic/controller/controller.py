@@ -180,6 +180,7 @@ class Controller:
                 "error": scrub(getattr(st, "error", None), self.secrets), "step": self.step, "loss": self.loss,
                 "checkpoint": self.last_committed, "digests": getattr(st, "digests", {}),
                 "losses": {s: x for s, (x, _) in sorted(self.run_log.loss_curve.items())},
+                "evaluations": {s: ev.metrics for s, ev in sorted(self.run_log.evaluations.items())},
                 "events": self.events.events, "run_dir": self.run_dir}
 
     @property

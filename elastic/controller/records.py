@@ -93,6 +93,7 @@ class RunLog:
     skip_steps: set = field(default_factory=set)  # steps whose batches a rollback skips (no update)
     # (step a group restored, its data world), in order: the group that trained each later step
     eras: list = field(default_factory=list)
+    evaluations: dict = field(default_factory=dict)  # step -> EvalResult (controller/evaluations.py)
 
     def write_metrics(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]]) -> None:
         """metrics.json: the loss of every step and the world size it ran at (redone steps: the
@@ -103,6 +104,8 @@ class RunLog:
             log.warning("metrics.json not written: this controller no longer holds the run (%s)", why)
             return
         body = {str(s): {"loss": x, "world_size": w} for s, (x, w) in sorted(self.loss_curve.items())}
+        for s, ev in sorted(self.evaluations.items()):  # train.eval_dataset: {"eval": {name: value}}
+            body.setdefault(str(s), {})["eval"] = ev.metrics
         try:
             storage.write_bytes(join(run_dir, "metrics.json"), json.dumps(body).encode())
         except Exception as e:  # noqa: BLE001 - metrics are best effort; the run's outcome is not

@@ -9,6 +9,7 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
+from elastic.controller import evaluations
 from elastic.protocol import PollReport
 
 if TYPE_CHECKING:
@@ -100,8 +101,10 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
             if entry is None or entry[0] != e.world or e.replica in entry[1]:  # a new attempt at this step
                 entry = log.ledger[e.step] = (e.world, {})
             entry[1][e.replica] = list(e.sample_ids)
+    evaluations.absorb(ctl, answers)
     if ctl.loggers.enabled:  # a committed checkpoint's steps: no restore or rollback redoes them
-        ctl.loggers.advance(max(ctl.checkpoints.committed_steps, default=0), log, ctl.wall)
+        committed = max(ctl.checkpoints.committed_steps, default=0)
+        ctl.loggers.advance(evaluations.logged_through(ctl, committed), log, ctl.wall)
 
 
 def absorb_progress(ctl: Controller, answers: dict[int, PollReport]) -> None:

@@ -41,7 +41,8 @@ def on_running(ctl: Controller, st: Running) -> State:
     if st.watch is None:
         with ctl.fault_lock:  # those that fire as a group restores are handed out by restoring.py
             faults = [f for f in ctl.pending_faults if not f.get("during_restore")]
-        ctl.run_refs = ctl.group.run(ctl.job.run.num_steps, faults, sorted(ctl.run_log.skip_steps), buddies(ctl))
+        ctl.run_refs = ctl.group.run(ctl.job.run.num_steps, faults, sorted(ctl.run_log.skip_steps), buddies(ctl),
+                                     max(ctl.run_log.evaluations, default=0))
         ctl.training.reports = {}
         ctl.training.last_progress_at = ctl.now()
         return Running(RunWatch(dict(ctl.run_refs)))

@@ -261,14 +261,17 @@ class WorkerGroup(SparePool):
         return results, died
 
     def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = (),
-            buddies: dict[int, int] | None = None) -> dict[int, "ray.ObjectRef"]:
-        """Every member's run(); `buddies` (rank -> the rank that keeps its in-memory copies)."""
+            buddies: dict[int, int] | None = None, evaluated_through: int = 0
+            ) -> dict[int, "ray.ObjectRef"]:
+        """Every member's run(); `buddies` (rank -> the rank that keeps its in-memory copies);
+        `evaluated_through`: the last step whose evaluation the controller has."""
         self._polls.clear()  # an answer to a poll sent before a recovery describes the old group
         self.agents.new_epoch()
         buddies = buddies or {}
         return {r: m.handle.run.remote(num_steps, faults, list(skip_steps),
                                        (buddies[r], self.members[buddies[r]].handle) if r in buddies else None,
-                                       tuple(q for q, b in sorted(buddies.items()) if b == r))
+                                       tuple(q for q, b in sorted(buddies.items()) if b == r),
+                                       evaluated_through)
                 for r, m in self.members.items()}
 
     def memory_parts(self, sources: dict[int, int], step: int) -> dict[int, "ray.ObjectRef"]:

@@ -39,6 +39,7 @@ from elastic.observability.timeline import MissingExtra
 log = logging.getLogger(__name__)
 
 LOSS, WORLD_SIZE = "train/loss", "train/world_size"  # the tags (TensorBoard) and keys (MLflow)
+EVAL_PREFIX = "eval/"  # eval/<name>: an evaluation's metrics, at the step it evaluated
 RUN_NAME_TAG = "elastic.run_name"  # the MLflow run's tag a resubmitted run finds it by
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # extra -> the module it installs
 
@@ -301,7 +302,10 @@ def rows_between(run_log, after: int, through: int, wall: Callable[[], float]) -
         got = run_log.loss_curve.get(step)
         if got is not None:
             loss, world = got
-            out.append(Row(step, ends.get(step) or wall(), {LOSS: loss, WORLD_SIZE: world}))
+            scalars = {LOSS: loss, WORLD_SIZE: world}
+            ev = run_log.evaluations.get(step)  # train.eval_dataset: held back until it arrived
+            scalars.update({EVAL_PREFIX + k: v for k, v in (ev.metrics if ev else {}).items()})
+            out.append(Row(step, ends.get(step) or wall(), scalars))
     return out
 
 

@@ -105,6 +105,8 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                 s["loss"], s["loss_step"] = e["loss"], e.get("step")
         elif k == "checkpoint_failed":
             s["num_checkpoint_failures"] += 1
+        elif k == "evaluated":  # train.eval_dataset: the newest evaluation
+            s["evaluation"] = {"step": e.get("step"), "metrics": e.get("metrics") or {}}
         elif k == "checkpoint_deferred":
             s["num_checkpoints_deferred"] += 1
         elif k == "final_state":
@@ -198,6 +200,10 @@ def format_status(s: dict) -> str:
         step += " (the last the log shows)"
     loss = f"{_loss(s['loss'])} (step {s['loss_step']})" if s["loss"] is not None else "-"
     lines.append(f"  {step}   world size {_v(s['world_size'])}   loss {loss}")
+    if s.get("evaluation"):
+        ev = s["evaluation"]
+        shown = ", ".join(f"{k} {_loss(v)}" for k, v in sorted(ev["metrics"].items()))
+        lines.append(f"  evaluation (step {ev['step']}): {shown or '-'}")
     c = s["checkpoint"]
     lines.append("  last committed checkpoint: "
                  + (f"step {_v(c['step'])}, {c['uri']}" if c else "none"))

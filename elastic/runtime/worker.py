@@ -27,6 +27,7 @@ import torch
 from elastic.runtime import collectives, determinism, priority, restore, state
 from elastic.checkpoint.persister import AsyncCheckpointer
 from elastic.runtime.checkpoint_book import CheckpointBook
+from elastic.runtime.evaluation import Evaluator
 from elastic.runtime.faults import fire_fault
 from elastic.runtime.memory_copies import MemoryCopies
 from elastic.runtime.memory_watch import MemoryWatch
@@ -84,6 +85,7 @@ class Worker(GroupMembership):
                                 "ckpt_stall_s": None, "holds_state": False}
         self.book = CheckpointBook(self._lock, self.job.checkpoint.persist_retry_backoff_s)
         self.runner = StepRunner(self, self._lock)
+        self.evals = Evaluator(self, self._lock)  # train.eval_dataset (elastic/runtime/evaluation.py)
         self.slow_factor = 1.0  # set by the "slow" chaos fault: this process computes slower from then on
         self.stop_requested = False  # a planned stop (straggler swap), agreed on through the next all-reduce
         # Agreed through the last step's all-reduce (StepStats), so every rank acts on them at the
@@ -215,14 +217,16 @@ class Worker(GroupMembership):
 
     # ---------------------------------------------------------------- training
     def run(self, num_steps: int, faults: list[dict], skip_steps: list[int] = (), buddy=None,
-            holds_for: tuple[int, ...] = ()) -> RunResult:
+            holds_for: tuple[int, ...] = (), evaluated_through: int = 0) -> RunResult:
         """Train until `num_steps` steps are done. Returns how it ended (`RunStatus`: done,
         stopped, aborted, user_error, rollback); a collective failure aborts (the controller
         decides what next). `skip_steps`: steps trained without an update (the batches a
         rollback skips). `buddy`: (rank, handle) that keeps this rank's in-memory copies;
-        `holds_for`: the ranks whose copies this rank keeps."""
+        `holds_for`: the ranks whose copies this rank keeps. `evaluated_through`: the last step
+        whose evaluation the controller has (one after it that is due is done, or done again)."""
         tr = self.job.train
         self.copies.start(self.generation, buddy, holds_for)
+        self.evals.start(evaluated_through)
         self.runner.start_run(skip_steps)
         # A pipeline splits each replica's share into train.pipeline.microbatches itself.
         micro = self.runner.data.micro = self.runner.data.micro_batch()
@@ -244,9 +248,12 @@ class Worker(GroupMembership):
                     self.stop_requested = self._stop_agreed = False  # consumed
                     self.set_progress(status=RankStatus.STOPPED)
                     return RunResult(RunStatus.STOPPED, self.step, generation)
-                for f in faults:
-                    if f["rank"] == self.rank and f["at_step"] == self.step:
-                        fire_fault(self, f)
+                now = [f for f in faults if f["rank"] == self.rank and f["at_step"] == self.step]
+                if self.evals.due(self.step, num_steps):  # the step's weights, before any fault
+                    self.evals.evaluate([f for f in now if f.get("during_eval")])  # fired inside
+                    now = [f for f in now if not f.get("during_eval")]
+                for f in now:
+                    fire_fault(self, f)
                 self.ckpt.expire()  # a persist past checkpoint.persist_timeout_s is given up: never waited on forever
                 agreed = self.runner.train_step(micro)
                 if self.runner.unsettled and self._acts_now(agreed, num_steps):
@@ -273,6 +280,8 @@ class Worker(GroupMembership):
                     # skips this checkpoint together, rather than block training on storage.
                     self.book.note_deferred(self.step)
                 self.book.collect(self.ckpt)
+            if self.evals.due(self.step, num_steps):  # the last step's
+                self.evals.evaluate()
             self._wait_persist()
             self.book.collect(self.ckpt)
         except RollBack as e:
@@ -375,4 +384,5 @@ class Worker(GroupMembership):
                               persisting=self.ckpt is not None and self.ckpt.in_flight(), persists=persists,
                               compute_log=compute_log, ledger=ledger, skipped=skipped, abandoned=abandoned,
                               retried=retried, deferred=deferred, memory_steps=memory_steps,
-                              copies_held=copies_held, memory=self.memory_watch.sample())
+                              copies_held=copies_held, memory=self.memory_watch.sample(),
+                              evaluations=self.evals.take())

@@ -409,7 +409,8 @@ class FakeGroup:
         return {r: m.step for r, m in self.members.items()}
 
     # ---------------------------------------------------------------- run and poll
-    def run(self, num_steps: int, faults, skip_steps=(), buddies=None) -> dict[int, object]:
+    def run(self, num_steps: int, faults, skip_steps=(), buddies=None,
+            evaluated_through: int = 0) -> dict[int, object]:
         self.calls.append(("run", num_steps))
         self.buddies = dict(buddies or {})
         self._num_steps = num_steps
