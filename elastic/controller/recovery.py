@@ -212,7 +212,13 @@ def merge_overlapping(ctl: Controller) -> State:
     pings, says its process is stopped, or is silent too): a busy survivor, whose node says it
     runs, is never taken for a lost one."""
     cfg = ctl.job.failure
+    t0 = ctl.now()
     answers, silent = reports.collect(ctl, cfg.ping_timeout_s, progress=False)
+    # A silent rank answered neither the polls drained nor the fresh one: its wait is at least
+    # the collect's. (Its blocking poll is not in `unanswered_s`: judged by a default of
+    # ping_timeout_s, a stopped machine never passed `formation_silent` here, and was found by
+    # the formation after: churn seed 2, a freeze found 9.3 s after it.)
+    polled_s = ctl.now() - t0
     gone = {r: (cause_of(w), w) for r, w in silent.items()
             if cause_of(w) in (LostCause.PROCESS_DIED, LostCause.NODE_DIED, LostCause.UNREACHABLE)}
     quiet = [r for r, w in silent.items() if r not in gone and cause_of(w) == LostCause.UNRESPONSIVE]
@@ -220,7 +226,7 @@ def merge_overlapping(ctl: Controller) -> State:
         beats, waits = ctl.group.beats(), ctl.group.unanswered_s()
         for r in quiet:
             beat = beats.get(r)
-            if formation_silent(waits.get(r, cfg.ping_timeout_s), beat, cfg.ping_timeout_s):
+            if formation_silent(max(waits.get(r, 0.0), polled_s), beat, cfg.ping_timeout_s):
                 gone[r] = (LostCause.UNRESPONSIVE, f"it answered no poll while the replacements started, and "
                                                    f"its node's heartbeat says {beat_said(beat)}")
     if not gone:
