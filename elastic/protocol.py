@@ -139,6 +139,7 @@ class StepRecord:
     loss: float
     t_end: float = 0.0  # wall clock (time.time()) at the step's end, on the rank's node
     step_s: float = 0.0
+    metrics: dict[str, float] | None = None  # the loss function's own, averaged as the loss is
 
 
 STEP_FIELDS = ("step", "t_end", "step_s", "compute_s")  # a row of steps.json: a StepRecord's times

@@ -54,6 +54,8 @@ class Result:
     losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss (also metrics.json)
     # step -> {name: value} of each evaluation (train.eval_dataset; also metrics.json)
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
+    # step -> {name: global mean} of what the loss function returned beside the loss (metrics.json)
+    user_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def events_of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["kind"] == kind]
@@ -158,6 +160,7 @@ class Trainer:
             checkpoint=out["checkpoint"], run_dir=out["run_dir"], events=out["events"],
             digests={int(k): v for k, v in out["digests"].items()}, error=out["error"],
             losses={int(k): v for k, v in out["losses"].items()},
+            user_metrics={int(k): v for k, v in out.get("user_metrics", {}).items()},
             evaluations={int(k): v for k, v in out.get("evaluations", {}).items()})
         if out["status"] != "finished":
             raise TrainingFailed(out["error"], result)

@@ -761,6 +761,44 @@ def test_loggers_hold_every_step_once_through_a_node_kill_and_a_resubmitted_run(
     assert_curve(sorted((m.step, m.value) for m in history), expected)
 
 
+def test_user_metrics_are_the_same_at_world_sizes_1_and_2_and_logged_once_per_step(  # noqa: F811
+        cluster, tmp_path):  # noqa: F811
+    """The loss function returns its own metrics (tests/test_user_metrics.py: the loss's copy and
+    the accuracy). On a real cluster at world size 2, every step's are what the same job's one
+    rank computes (forked without Ray; the learning rate is 0, so both see the same weights), and
+    metrics.json, the Result, the checkpoints and the TensorBoard file hold each step's once."""
+    from elastic.observability.status import format_status, summarize
+    from tests.test_loggers import assert_curve, tensorboard_curve
+    from tests.test_step_on_device import run_counted
+    from tests.test_user_metrics import _rank
+    name, steps = f"metrics-{uuid.uuid4().hex[:6]}", 10
+    train = {"loss": "tests.test_user_metrics:loss_with_metrics",
+             "optimizer": "tests.test_user_metrics:still_adamw"}
+    j = job(tmp_path, name=name, train=train, scaling={"num_workers": 2},
+            loggers={"tensorboard_dir": str(tmp_path / "tb")}, run={"num_steps": steps})
+    result = Trainer(j).fit(progress=False)
+    ref_job = job(tmp_path / "one", name=name, train=train, scaling={"num_workers": 1},
+                  run={"num_steps": steps})
+    ((_, status, one, _, _),) = run_counted(ref_job, target=_rank)
+    assert status == "done" and [s for s, _, _ in one] == list(range(1, steps + 1))
+    got = result.user_metrics
+    assert sorted(got) == list(range(1, steps + 1)), got
+    for s, _, m in one:
+        assert set(got[s]) == {"accuracy", "loss_copy"}
+        # a count over the 48 samples, the same at both sizes
+        assert round(got[s]["accuracy"] * 48) == round(m["accuracy"] * 48)
+        assert got[s]["accuracy"] == pytest.approx(m["accuracy"], rel=1e-6)  # in float32
+        assert got[s]["loss_copy"] == pytest.approx(m["loss_copy"], rel=1e-5)
+        assert got[s]["loss_copy"] == pytest.approx(result.losses[s], rel=1e-6)
+    rows = json.loads((tmp_path / "runs" / name / "metrics.json").read_text())
+    assert {int(s): {k: r[k] for k in ("accuracy", "loss_copy")} for s, r in rows.items()} == got
+    assert_curve(tensorboard_curve(tmp_path / "tb" / name, "train/accuracy"),
+                 {s: m["accuracy"] for s, m in got.items()})
+    commits = result.events_of("checkpoint_committed")
+    assert commits and all(e["metrics"] == pytest.approx(got[e["step"]]) for e in commits), commits
+    assert f"  metrics (step {steps}): accuracy" in format_status(summarize(result.events))
+
+
 @pytest.mark.s3
 def test_parquet_and_checkpoints_on_s3_stay_exact_once_through_a_node_kill(cluster, tmp_path, s3_server):  # noqa: F811
     """Everything in S3 (SeaweedFS over HTTP): the Parquet shards the run reads and its checkpoints.

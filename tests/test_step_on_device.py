@@ -20,13 +20,9 @@ pytestmark = pytest.mark.timeout(300)
 OPT = "tests.support.optimizers:"
 
 
-def _rank(rank, world, pp, job_json, root, port, steps, env, q):
-    os.environ.update(env)
+def count_reads(w) -> list[int]:
+    """From now on, each of the worker's train_step calls appends its host reads to the list."""
     from benchmarks.probes.host_syncs import HostReads
-    from elastic.runtime.actor import import_worker
-    w = import_worker()(job_json, root)
-    w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
-    w.restore([])
     reads: list[int] = []
     step = w.runner.train_step
     mode = HostReads()  # one for the run: what it learns is host memory (a copy out) stays so
@@ -42,6 +38,16 @@ def _rank(rank, world, pp, job_json, root, port, steps, env, q):
             reads.append(mode.num_reads - before)
 
     w.runner.train_step = counted
+    return reads
+
+
+def _rank(rank, world, pp, job_json, root, port, steps, env, q):
+    os.environ.update(env)
+    from elastic.runtime.actor import import_worker
+    w = import_worker()(job_json, root)
+    w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
+    w.restore([])
+    reads = count_reads(w)
     res = w.run(steps, [])
     q.put((rank, res.status, res.digest or res.error, w._progress["loss"], w._progress["grad_norm"],
            [s for s, _ in w.runner.skipped], reads, w.optimizer.param_groups[0]["lr"]))

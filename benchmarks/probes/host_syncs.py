@@ -18,6 +18,7 @@ the training thread (and autograd's) dispatches, views included.
 
     python -m benchmarks.probes.host_syncs [--optimizer adamw-fused] [--hidden 1024] [--steps 8]
     python -m benchmarks.probes.host_syncs --device cuda --sync-debug error     # on a GPU
+    python -m benchmarks.probes.host_syncs --metrics    # the loss returns (loss, {name: tensor})
 
 Prints one JSON line: `host_reads_per_step` (elastic's), `ops_ratio` (elastic's aten operators per
 step / torch DDP's), the same figures of each side, and where elastic's reads and extra operators
@@ -74,6 +75,14 @@ def adam(params):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.002, momentum=0.9)
+
+
+def loss_with_metrics(model, batch):
+    """The workload's loss, and two metrics beside it as a user returns them (--metrics)."""
+    x, y = batch
+    logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits, y)
+    return loss, {"accuracy": (logits.argmax(1) == y).float().mean(), "loss_copy": loss.detach()}
 
 
 class HostReads(TorchDispatchMode):
@@ -259,6 +268,8 @@ def elastic_worker(args, gpu: bool):
     job = elastic_job(args.hidden, 10 ** 7, "file://" + work, num_workers=1, gpu=gpu)
     job["checkpoint"]["every_steps"] = 10 ** 7
     job["train"]["optimizer"] = f"benchmarks.probes.host_syncs:{OPTIMIZERS[args.optimizer]}"
+    if args.metrics:
+        job["train"]["loss"] = "benchmarks.probes.host_syncs:loss_with_metrics"
     job_json, root, store = prepare(job)
     w = start_rank(job_json, root, store.address()[1])
     w.restore([])
@@ -346,6 +357,7 @@ def measure(args) -> dict:
     w.leave()
     return {"probe": "host_syncs", "device": args.device, "sync_debug": args.sync_debug,
             "torch": torch.__version__, "optimizer": args.optimizer, "hidden": args.hidden,
+            "metrics": args.metrics,
             "params": num_params(args.hidden), "steps": args.steps, "warmup": args.warmup,
             "host_reads_per_step": e_reads, "ops_ratio": round(e_ops / d_ops, 4) if d_ops else None,
             "elastic_ops_per_step": e_ops, "torch_ddp_ops_per_step": d_ops,
@@ -364,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--sync-debug", choices=("warn", "error"), default=None,
                    help="with --device cuda: torch.cuda.set_sync_debug_mode during every counted step")
+    p.add_argument("--metrics", action="store_true",
+                   help="elastic's loss function returns two metrics beside the loss")
     args = p.parse_args(argv)
     if args.hidden < 1 or args.steps < 1 or args.warmup < 1:
         p.error("--hidden, --steps and --warmup must be >= 1")

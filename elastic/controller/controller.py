@@ -181,6 +181,7 @@ class Controller:
                 "checkpoint": self.last_committed, "digests": getattr(st, "digests", {}),
                 "losses": {s: x for s, (x, _) in sorted(self.run_log.loss_curve.items())},
                 "evaluations": {s: ev.metrics for s, ev in sorted(self.run_log.evaluations.items())},
+                "user_metrics": dict(sorted(self.run_log.user_metrics.items())),
                 "events": self.events.events, "run_dir": self.run_dir}
 
     @property

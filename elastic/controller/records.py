@@ -84,6 +84,8 @@ class RunLog:
     starts, finish.py writes)."""
 
     loss_curve: dict = field(default_factory=dict)  # step -> (global mean loss, world size)
+    # step -> {name: global mean} of the loss function's own metrics
+    user_metrics: dict = field(default_factory=dict)
     # rank -> its newest (step, t_end, step_s, compute_s), at most STEP_TIMES_KEPT / world size each
     step_times: dict = field(default_factory=dict)
     # step -> (world size, {rank: sample ids}); a redone step replaces what the lost attempt wrote
@@ -96,14 +98,16 @@ class RunLog:
     evaluations: dict = field(default_factory=dict)  # step -> EvalResult (controller/evaluations.py)
 
     def write_metrics(self, storage: Storage, run_dir: str, holds: Callable[[], tuple[bool, str]]) -> None:
-        """metrics.json: the loss of every step and the world size it ran at (redone steps: the
-        attempt that counted). Only while `holds()` says this controller still holds the run
+        """metrics.json: the loss of every step, the world size it ran at and the loss function's
+        own metrics, if it returns any (redone steps: the attempt that counted). Only while
+        `holds()` says this controller still holds the run
         (`FenceWriter.holds`): one that lost it must not overwrite the new holder's."""
         held, why = holds()
         if not held:
             log.warning("metrics.json not written: this controller no longer holds the run (%s)", why)
             return
-        body = {str(s): {"loss": x, "world_size": w} for s, (x, w) in sorted(self.loss_curve.items())}
+        body = {str(s): {"loss": x, "world_size": w, **self.user_metrics.get(s, {})}
+                for s, (x, w) in sorted(self.loss_curve.items())}
         for s, ev in sorted(self.evaluations.items()):  # train.eval_dataset: {"eval": {name: value}}
             body.setdefault(str(s), {})["eval"] = ev.metrics
         try:

@@ -66,8 +66,10 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
             if p.committed:
                 ctl.checkpoints.last_committed = p.uri
                 ctl.checkpoints.committed_steps.add(p.step)
+                user = {k: v for k, v in p.metrics.items() if k != "loss"}  # the loss fn's own
                 emit("checkpoint_committed", step=p.step, uri=p.uri, persist_s=p.persist_s, stall_s=p.stall_s,
-                     attempts=p.attempts, loss=p.metrics.get("loss"))
+                     attempts=p.attempts, loss=p.metrics.get("loss"),
+                     **({"metrics": user} if user else {}))
             elif p.error:
                 emit("checkpoint_failed", rank=rank, step=p.step, error=p.error[:300])
         for step in a.abandoned:
@@ -93,6 +95,8 @@ def absorb_reports(ctl: Controller, answers: dict[int, PollReport]) -> None:
             if ctl.job.stragglers.enabled:
                 ctl.compute_log.setdefault(rank, {})[rec.step] = rec.compute_s
             log.loss_curve[rec.step] = (rec.loss, ctl.world_size)  # a redone step replaces the lost attempt
+            if rec.metrics:
+                log.user_metrics[rec.step] = rec.metrics
             if rec.t_end:
                 log.record_step(rank, rec.step, rec.t_end, rec.step_s, rec.compute_s, ctl.world_size)
         for e in a.ledger:

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 LOSS, WORLD_SIZE = "train/loss", "train/world_size"  # the tags (TensorBoard) and keys (MLflow)
 EVAL_PREFIX = "eval/"  # eval/<name>: an evaluation's metrics, at the step it evaluated
+USER_PREFIX = "train/"  # train/<name>: the loss function's own metrics (train/accuracy)
 RUN_NAME_TAG = "elastic.run_name"  # the MLflow run's tag a resubmitted run finds it by
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # extra -> the module it installs
 
@@ -303,6 +304,8 @@ def rows_between(run_log, after: int, through: int, wall: Callable[[], float]) -
         if got is not None:
             loss, world = got
             scalars = {LOSS: loss, WORLD_SIZE: world}
+            user = run_log.user_metrics.get(step, {})  # the loss function's own metrics
+            scalars.update({USER_PREFIX + k: v for k, v in user.items()})
             ev = run_log.evaluations.get(step)  # train.eval_dataset: held back until it arrived
             scalars.update({EVAL_PREFIX + k: v for k, v in (ev.metrics if ev else {}).items()})
             out.append(Row(step, ends.get(step) or wall(), scalars))

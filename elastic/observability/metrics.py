@@ -70,6 +70,9 @@ CATALOGUE = (
            "time for fsdp, HSDP and tp on a CPU).",
            ("run", "rank")),
     Metric("elastic_loss", "gauge", "Global mean loss of the last step."),
+    Metric("elastic_user_metric", "gauge",
+           "A metric the loss function returns beside the loss (its global mean), by name, as of "
+           "the last committed checkpoint.", ("run", "metric")),
     Metric("elastic_world_size", "gauge", "Ranks in the training group."),
     Metric("elastic_spares_ready", "gauge", "Warm spare workers ready to take a rank's place."),
     Metric("elastic_start_time_seconds", "gauge",
@@ -281,6 +284,9 @@ class RunMetrics:
 
     def _on_checkpoint_committed(self, ev: dict) -> list[Update]:
         out = [self._u("elastic_checkpoint_step", ev["step"]), self._u("elastic_checkpoints", 1, outcome="committed")]
+        user = sorted((ev.get("metrics") or {}).items())  # the loss function's own
+        out += [self._u("elastic_user_metric", v, metric=k) for k, v in user
+                if v is not None and math.isfinite(v)]
         if ev.get("attempts"):  # 0: a redone step's folder, committed before and not written again
             out += [self._u("elastic_checkpoint_persist_seconds", ev["persist_s"]),
                     self._u("elastic_last_persist_seconds", ev["persist_s"])]

@@ -5,7 +5,8 @@ that is still going, one that finished, and one whose driver is gone).
 step, world size, loss, the last committed checkpoint, and one record per incident (a failure
 and its recovery, a straggler swapped, dropped or reported, a growth, a regroup or trade). `format_status` prints
 it, one line per incident. It reads the fields docs/events.md lists, plus two the controller
-also writes: `loss` on `checkpoint_committed` and `run_dir` on `run_started`.
+also writes: `loss` (and the loss function's own `metrics`) on `checkpoint_committed` and
+`run_dir` on `run_started`.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
          "checkpoint": None, "num_checkpoints": 0, "num_checkpoint_failures": 0, "num_checkpoints_deferred": 0,
          "replicas_identical": None, "first_event_t": t0, "last_event_t": events[-1]["t"],
          "wall_s": events[-1]["t"] - t0, "last_event_age_s": None if now is None else now - events[-1]["t"],
-         "num_events": len(events), "incidents": []}
+         "num_events": len(events), "incidents": [], "metrics": None, "metrics_step": None}
     incidents: list[dict] = s["incidents"]
     cur: dict | None = None  # the incident later events belong to
     ckpt_steps: dict[str, int] = {}
@@ -103,6 +104,8 @@ def summarize(events: list[dict], now: float | None = None) -> dict:
                 s["checkpoint"] = {"step": e.get("step"), "uri": e["uri"]}
             if e.get("loss") is not None:
                 s["loss"], s["loss_step"] = e["loss"], e.get("step")
+            if e.get("metrics"):
+                s["metrics"], s["metrics_step"] = e["metrics"], e.get("step")
         elif k == "checkpoint_failed":
             s["num_checkpoint_failures"] += 1
         elif k == "evaluated":  # train.eval_dataset: the newest evaluation
@@ -200,6 +203,9 @@ def format_status(s: dict) -> str:
         step += " (the last the log shows)"
     loss = f"{_loss(s['loss'])} (step {s['loss_step']})" if s["loss"] is not None else "-"
     lines.append(f"  {step}   world size {_v(s['world_size'])}   loss {loss}")
+    if s.get("metrics"):
+        shown = ", ".join(f"{k} {_loss(v)}" for k, v in sorted(s["metrics"].items()))
+        lines.append(f"  metrics (step {s['metrics_step']}): {shown}")
     if s.get("evaluation"):
         ev = s["evaluation"]
         shown = ", ".join(f"{k} {_loss(v)}" for k, v in sorted(ev["metrics"].items()))

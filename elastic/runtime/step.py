@@ -40,6 +40,7 @@ from elastic.runtime.collectives import GroupAborted
 from elastic.runtime.compute_clock import ComputeClock, cpu_time_counts
 from elastic.runtime.step_report import BadStep, RollBack, StepReports, Unsettled
 from elastic.runtime.step_stats import LOSS_SCALE_INIT, StepStats, StepTensors, update_loss_scale
+from elastic.runtime.user_metrics import UserMetrics, refuse_metrics
 
 # What state.py and worker.py import from here.
 __all__ = ["LOSS_SCALE_INIT", "BadStep", "CollectiveError", "RollBack", "StepRunner", "StepStats"]
@@ -85,6 +86,7 @@ class StepRunner(StepReports):
         self._cpu_time = cpu_time_counts(worker.job)  # how the compute is timed (see compute_clock)
         self._slow = chaos.SlowCompute()  # the "slow" fault, if this process is given one
         self.tensors = StepTensors()
+        self.user = UserMetrics()  # what the loss function returns beside the loss, if anything
         # (the optimizer, weakly; whether it takes found_inf on the device)
         self._found_inf_of: tuple = (lambda: None, False)
 
@@ -157,7 +159,10 @@ class StepRunner(StepReports):
         self.data.prefetch_next(micro)
         stop = bool(w.stop_requested)
         busy = w.ckpt is not None and w.ckpt.in_flight()
-        loss_fn = w.fns["stage_loss"] if tr.strategy == "pipeline" else w.fns["loss"]
+        if tr.strategy == "pipeline":
+            loss_fn = refuse_metrics(w.fns["stage_loss"], "train.pipeline.loss", _PIPELINE_METRICS)
+        else:  # innermost: the wrappers below take the loss alone
+            loss_fn = self.user.wrap(w.fns["loss"])
         scale = w.amp["scale"] if w.amp else None
         if scale is not None:  # fp16: scale the loss so small gradients survive; unscaled below
             loss_fn = _scaled(loss_fn, scale)
@@ -176,6 +181,8 @@ class StepRunner(StepReports):
             self.data.step_done()
         if scale is not None:
             local_loss = local_loss / scale
+        user = (self.user.vector([min(micro, len(idx) - i) for i in range(0, len(idx), micro)],
+                                 w.device) if tr.strategy != "pipeline" else None)
         self._slow.finish(w.slow_factor, t_start,
                           (lambda: torch.cuda.synchronize(w.device)) if w.device.type == "cuda" else None)
         clock.stop()
@@ -189,6 +196,8 @@ class StepRunner(StepReports):
             # the rest rides on the gradients' own reduction. Otherwise the squared norm of this
             # rank's part joins the statistics in one all-reduce after the reduction.
             flags = self.tensors.flags(local_loss, stop, busy, owe, copying)
+            if user is not None:  # the user's metrics ride with the flags: no collective of its own
+                flags = self.tensors.with_user(flags, user)
             ride = w.strategy.whole_grads_everywhere or not check_grads
             carried = w.strategy.reduce_gradients(w.model, flags if ride else None) is not None
             # Only what reads them takes the local views (one per parameter: 54 DTensor to_local calls
@@ -285,12 +294,17 @@ class StepRunner(StepReports):
             clock.start()
             for i in range(0, len(idx), micro):
                 batch = to_device(default_collate([w.dataset[j] for j in idx[i:i + micro]]), w.device)
-                w.fns["loss"](w.model, batch).backward()
+                out = w.fns["loss"](w.model, batch)
+                (out[0] if isinstance(out, tuple) else out).backward()  # metrics beside it: unread
             clock.stop()
             times.append(clock.seconds() * w.slow_factor)
         w.model.zero_grad(set_to_none=True)
         return min(times[1:]) / tr.tp.size  # the first allocates gradients and warms caches: not timed
 
+
+# Why a pipeline's stage loss returns the loss alone (docs/getting-started.md, "Your own metrics").
+_PIPELINE_METRICS = ("metrics beside the loss are taken from train.loss under ddp and fsdp (and "
+                     "with tensor parallelism), not from a pipeline's stage loss")
 
 _AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

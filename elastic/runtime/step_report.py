@@ -17,6 +17,7 @@ import torch
 from elastic.protocol import LedgerEntry, StepRecord
 from elastic.runtime.compute_clock import ComputeClock
 from elastic.runtime.step_stats import StepStats
+from elastic.runtime.user_metrics import UserMetrics
 
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
@@ -61,6 +62,7 @@ class StepReports:
 
     w: Worker
     _lock: threading.Lock
+    user: UserMetrics
 
     def _init_reports(self) -> None:
         self.skip_steps: set[int] = set()  # steps (1-based) a rollback trains without an update
@@ -73,6 +75,7 @@ class StepReports:
         self.held_report = None  # memory_sync: the last step's report, until its copies are in
         self._unsettled: Unsettled | None = None  # the last step, its statistics not read yet
         self._last = StepStats.none()  # the newest statistics read
+        self.last_metrics: dict[str, float] | None = None  # the user's, of the last step reported
 
     def take(self) -> tuple[tuple[StepRecord, ...], tuple[LedgerEntry, ...],
                             tuple[tuple[int, str], ...]]:
@@ -147,14 +150,18 @@ class StepReports:
         checked = tr.clip_grad_norm is not None or w.amp
         w.set_progress(grad_norm=agreed.grad_norm(rec.norm_copies) if checked else None)
         loss = agreed.loss_sum / w.strategy.loss_ranks
+        # The user's metrics, averaged as the loss is (elastic/runtime/user_metrics.py).
+        metrics = ({n: x / w.strategy.loss_ranks for n, x in zip(self.user.names, agreed.user)}
+                   if agreed.user else None)
 
         def report(at: tuple[float, float] | None = None) -> None:
             """Its time counts the wait for the copies where they held the report (`at` None)."""
             now, step_s = at or (time.time(), time.perf_counter() - rec.t_start)
             with self._lock:
-                self.compute_log.append(StepRecord(rec.step, compute_s, loss, now, step_s))
+                self.compute_log.append(StepRecord(rec.step, compute_s, loss, now, step_s, metrics))
                 if rec.ledger is not None:
                     self.ledger.append(rec.ledger)
+            self.last_metrics = metrics  # a checkpoint of this step keeps them beside its loss
             w.set_progress(step=rec.step, loss=loss, step_end=now, step_s=step_s,
                            compute_s=compute_s,
                            first_step_end=w._progress.get("first_step_end") or now)

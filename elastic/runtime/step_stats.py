@@ -36,6 +36,8 @@ class StepStats:
     OWE = 3  # 1 on a rank that owes a checkpoint (a persist failed on storage; its wait is over)
     COPYING = 4  # 1 on a rank whose last in-memory copy is still on its way to its buddy
     GRAD_SUMSQ = 5  # this rank's part of the squared gradient norm (where a step checks gradients)
+    USER = 6  # the loss function's own metrics from here on, in name order
+    # (elastic/runtime/user_metrics.py); GRAD_SUMSQ is 0.0 where such a step checks no gradients
     # A non-finite loss or gradient needs no slot of its own: a sum is finite only if every term
     # is (the squared norms are never negative; +inf and -inf losses sum to NaN), so the summed
     # LOSS and GRAD_SUMSQ tell it. (A sum of finite losses that overflows counts as non-finite:
@@ -49,6 +51,7 @@ class StepStats:
     owe: bool  # some rank owes a checkpoint: every rank saves again after this step
     copying: bool = False  # some rank's in-memory copy is on its way: every rank skips one due now
     grad_sumsq: float = 0.0  # the GRAD_SUMSQ slot as summed
+    user: tuple[float, ...] = ()  # the USER slots as summed (divide by strategy.loss_ranks)
 
     @classmethod
     def read(cls, host: torch.Tensor) -> StepStats:
@@ -57,7 +60,8 @@ class StepStats:
         sumsq = v[cls.GRAD_SUMSQ] if len(v) > cls.GRAD_SUMSQ else 0.0
         return cls(loss_sum=v[cls.LOSS], stop=v[cls.STOP] > 0, persist_busy=v[cls.BUSY] > 0,
                    bad_loss=not math.isfinite(v[cls.LOSS]), bad_grads=not math.isfinite(sumsq),
-                   owe=v[cls.OWE] > 0, copying=v[cls.COPYING] > 0, grad_sumsq=sumsq)
+                   owe=v[cls.OWE] > 0, copying=v[cls.COPYING] > 0, grad_sumsq=sumsq,
+                   user=tuple(v[cls.USER:]))
 
     @classmethod
     def none(cls) -> StepStats:
@@ -95,9 +99,21 @@ class StepTensors:
             self._flags[key] = row
         return torch.cat([loss.reshape(1), row])
 
+    def with_user(self, flags: torch.Tensor, user: torch.Tensor) -> torch.Tensor:
+        """`flags`, a GRAD_SUMSQ slot of 0.0 and the USER slots: all known before the gradients
+        are, so they can ride on the gradients' reduction as the flags do."""
+        zero = self._zeros.get((flags.device, 1))
+        if zero is None:
+            zero = self._zeros[(flags.device, 1)] = torch.zeros(1, device=flags.device)
+        return torch.cat([flags, zero, user])
+
     @staticmethod
     def with_sumsq(flags: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
-        """The statistics of a step that checks its gradients: `flags` and GRAD_SUMSQ."""
+        """The statistics of a step that checks its gradients: `flags` and GRAD_SUMSQ (written
+        into the slot `with_user` left, in place: that tensor is the step's own)."""
+        if flags.numel() > StepStats.GRAD_SUMSQ:
+            flags[StepStats.GRAD_SUMSQ:StepStats.USER].copy_(sumsq.reshape(1))
+            return flags
         return torch.cat([flags, sumsq.reshape(1)])
 
     def found(self, stats: torch.Tensor) -> torch.Tensor:
@@ -105,7 +121,9 @@ class StepTensors:
         as torch's fused optimizers take `found_inf` (a masked update: no step, no state changed).
         Two kernels: a dot with zeros is NaN exactly when a term is not finite (the flags always
         are), then a comparison into a kept float flag. Kept per device: a step's optimizer reads
-        it before the next step writes it, in stream order."""
+        it before the next step writes it, in stream order. The USER slots are not looked at: a
+        metric of the user's that is not finite says nothing about the update."""
+        stats = stats[:StepStats.USER]
         zeros = self._zeros.get((stats.device, stats.numel()))
         if zeros is None:
             zeros = self._zeros[(stats.device, stats.numel())] = torch.zeros_like(stats)

@@ -363,7 +363,8 @@ class Worker(GroupMembership):
             return saved
         stall_s = self.ckpt.save(self.step, cursor_after(self.step, tr.global_batch_size),
                                  state.state_dict(self),
-                                 {"loss": self._progress["loss"]}, self.runner.skip_steps)
+                                 {"loss": self._progress["loss"],
+                                  **(self.runner.last_metrics or {})}, self.runner.skip_steps)
         self.set_progress(ckpt_stall_s=stall_s, status=RankStatus.RUNNING)
         return self.step
 
