@@ -851,3 +851,20 @@ def test_a_node_killed_mid_evaluation_recovers_and_evaluates_as_the_uninterrupte
     assert [e["step"] for e in evaluated] == sorted(want)  # each once
     (fault,) = result.events_of("fault_injected")
     assert next(e for e in evaluated if e["step"] == FAULT_STEP)["t"] > fault["t"]  # done after it
+
+
+@pytest.mark.parametrize("mode", ["bf16", "powersgd", "topk"])
+def test_a_compressed_run_stays_bit_identical_through_a_node_kill(  # noqa: F811
+        cluster, tmp_path, tmp_path_factory, mode):  # noqa: F811
+    """train.grad_compression: bf16 keeps no state, and the replacement takes rank 0's memory;
+    PowerSGD's and top-k's error feedback live in each rank's memory alone, so the recovery
+    restores every rank from the latest checkpoint (which holds every rank's). Either way the
+    run ends as the uninterrupted compressed one (docs/grad-compression.md)."""
+    train = {"grad_compression": {"mode": mode, "topk_ratio": 0.05, "powersgd_start_step": 5}}
+    ref = uninterrupted_digests(job(tmp_path_factory.mktemp(f"compressed-{mode}"), train=train))
+    result = Trainer(job(tmp_path, [{"action": "kill_node", "rank": 1, "at_step": FAULT_STEP}],
+                         train=train)).fit(progress=False)
+    private = mode != "bf16"
+    assert_recovered_bit_identical(result, ref[0], "kill_node", source="storage" if private else "peer")
+    (plan,) = result.events_of("restore_plan")
+    assert (plan["source"] == "FromStorage" and "error feedback" in plan["reason"]) == private

@@ -58,7 +58,8 @@ def _plain(t):
 
 def _state(strat, model) -> tuple[dict, dict]:
     """(shared, own) compressor state, as copies."""
-    shared = strat.state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1)).get("compression", {})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shared = strat.state_dict(model, opt).get("compression", {})
     return _plain(shared), _plain(strat.own_state(model))
 
 
@@ -68,16 +69,18 @@ def _rank(rank, port, mode, q):
     from elastic.parallel import ddp
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
     ddp.BUCKET_BYTES = 2048  # several buckets: a.weight (4 KiB) alone in one
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     strat, model = ddp.DataParallel(mesh, _spec(mode), seed=7), Net()
-    cut, cut_model = ddp.DataParallel(mesh, _spec(mode), seed=7), Net()  # the same, with a step cut short
+    # The same, with a step cut short:
+    cut, cut_model = ddp.DataParallel(mesh, _spec(mode), seed=7), Net()
     out = {"own_grads": [], "grads": [], "state": [], "cut_grads": []}
     names = [n for n, _ in model.named_parameters()]
     for step in range(3):
         model.zero_grad(set_to_none=True)
-        loss_fn(model, batch(rank, step)).backward()  # this rank's own gradient, before any reduction
+        loss_fn(model, batch(rank, step)).backward()  # this rank's own gradient, not reduced
         out["own_grads"].append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})
         out["grads"].append(_plain(_step(strat, model, rank, step)))
         out["state"].append(_state(strat, model))
@@ -141,7 +144,8 @@ def test_every_rank_ends_each_step_with_the_same_gradient(ranks):
 def test_each_mode_reduces_to_its_own_approximation_of_the_mean(ranks):
     mode, results = ranks
     got, buckets = results[0]["grads"], results[0]["buckets"]
-    own = [[{n: torch.from_numpy(a) for n, a in r["own_grads"][s].items()} for r in results] for s in range(3)]
+    own = [[{n: torch.from_numpy(a) for n, a in r["own_grads"][s].items()} for r in results]
+           for s in range(3)]
     if mode == "bf16":  # each half rounded to bfloat16, summed, rounded again
         for name, g in got[0].items():
             ref = (own[0][0][name] * 0.5).bfloat16() + (own[0][1][name] * 0.5).bfloat16()
@@ -160,8 +164,8 @@ def test_each_mode_reduces_to_its_own_approximation_of_the_mean(ranks):
                     total = total + torch.where(keep, acc, 0.0)
                     residual[r][k] = torch.where(keep, 0.0, acc)
                     # What the rank did not send is exactly its residual.
-                    assert torch.equal(torch.from_numpy(results[r]["state"][step][1][f"residual{k}"]),
-                                       residual[r][k])
+                    held = results[r]["state"][step][1][f"residual{k}"]
+                    assert torch.equal(torch.from_numpy(held), residual[r][k])
                 assert torch.equal(_flat(got[step], names), total)
     else:  # step 0 plain (start step 1); step 1: each matrix projected on one direction of the mean
         for name, g in got[0].items():
@@ -171,8 +175,10 @@ def test_each_mode_reduces_to_its_own_approximation_of_the_mean(ranks):
         assert torch.linalg.matrix_rank(approx, rtol=1e-5) == 1  # float32's rounding aside
         u = torch.linalg.svd(approx).U[:, :1]
         torch.testing.assert_close(approx, u @ u.T @ mean.double(), rtol=1e-4, atol=1e-6)
-        assert torch.equal(torch.from_numpy(got[1]["a.bias"]), own[1][0]["a.bias"] * 0.5 + own[1][1]["a.bias"] * 0.5)
-        assert [int(r["state"][s][0]["step"]) for r in results for s in range(3)] == [1, 2, 3] * WORLD
+        bias = own[1][0]["a.bias"] * 0.5 + own[1][1]["a.bias"] * 0.5
+        assert torch.equal(torch.from_numpy(got[1]["a.bias"]), bias)
+        steps = [int(r["state"][s][0]["step"]) for r in results for s in range(3)]
+        assert steps == [1, 2, 3] * WORLD
 
 
 def test_a_step_cut_short_leaves_the_state_as_it_was(ranks):
@@ -224,7 +230,8 @@ def test_a_run_resumed_from_a_checkpoint_ends_bit_identical_with_its_compression
     comp = {"mode": mode, "powersgd_start_step": 3, "topk_ratio": 0.05}
     env = {"ELASTIC_BENCH_HIDDEN": "64"}
     whole = run_ranks(mlp_job(tmp_path / "a", grad_compression=comp), env=env)
-    run_ranks(mlp_job(tmp_path / "b", grad_compression=comp), steps=6, env=env)  # its step-6 checkpoint
+    # Stopped at its step-6 checkpoint:
+    run_ranks(mlp_job(tmp_path / "b", grad_compression=comp), steps=6, env=env)
     resumed = run_ranks(mlp_job(tmp_path / "c", grad_compression=comp), env=env,
                         candidates=[f"file://{tmp_path}/b/f/checkpoints/step_000000006"])
     assert resumed[0][4] == "storage" and resumed[0][5] == 6

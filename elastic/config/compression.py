@@ -53,7 +53,8 @@ def check_applies(spec: GradCompressionSpec, strategy: str, tp_size: int) -> Non
         raise ValueError(f"train.grad_compression={spec.mode} needs train.strategy: ddp ({why}). "
                          f"Set train.grad_compression: none, or train.strategy: ddp")
     if tp_size > 1:
-        raise ValueError(f"train.grad_compression={spec.mode} with train.tp.size={tp_size}: a tensor-"
-                         f"parallel slice's gradients are reduced over its dp group only, which "
+        raise ValueError(f"train.grad_compression={spec.mode} with train.tp.size={tp_size}: a "
+                         f"tensor-parallel slice's gradients are reduced over its dp group "
+                         f"only, which "
                          f"the compressors do not support yet. Set train.tp.size: 1 or "
                          f"train.grad_compression: none")

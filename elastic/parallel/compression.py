@@ -133,7 +133,8 @@ def select(acc: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     return acc[idx], idx.to(torch.int32)
 
 
-def scatter_sum(out: torch.Tensor, all_values: list[torch.Tensor], all_idx: list[torch.Tensor]) -> None:
+def scatter_sum(out: torch.Tensor, all_values: list[torch.Tensor],
+                all_idx: list[torch.Tensor]) -> None:
     """Zeros, then each rank's sparse part added in rank order: the same sum on every rank."""
     out.zero_()
     for values, idx in zip(all_values, all_idx):
@@ -160,7 +161,8 @@ class PowerSgd(_ErrorFeedback):
         self.step = torch.zeros((), dtype=torch.int64)
         self._stepped = False
         self.q: list[torch.Tensor] = []
-        self.plans: list[list[tuple[int, int, int, int] | None]] = []  # per tensor: offset, rows, cols, q offset
+        # Per bucket, per tensor: (offset, rows, cols, offset in Q), or None: sent whole.
+        self.plans: list[list[tuple[int, int, int, int] | None]] = []
         for k, bucket_shapes in enumerate(shapes):
             plan, q_size, offset = [], 0, 0
             for shape in bucket_shapes:
@@ -212,7 +214,7 @@ class PowerSgd(_ErrorFeedback):
     def finish(self, k: int, pending) -> None:
         self._stepped = True
         works, *held = pending
-        if not held[0:1] or held[0] is None:
+        if held[0] is None:  # before start_step: a plain all-reduce
             works.wait()
             return
         acc, p_flat, rest = held
@@ -222,7 +224,7 @@ class PowerSgd(_ErrorFeedback):
         q_new = torch.empty_like(self.q[k])
         offset, mats = 0, []
         for m, q in self._matrices(k, acc, q_new):
-            p = p_flat[offset:offset + q.numel() // q.shape[0] * m.shape[0]].view(m.shape[0], q.shape[1])
+            p = p_flat[offset:offset + m.shape[0] * q.shape[1]].view(m.shape[0], q.shape[1])
             offset += p.numel()
             orthogonalize(p)
             torch.matmul(m.t(), p, out=q)
