@@ -201,3 +201,14 @@ def test_metrics_json_the_loggers_rows_status_and_the_gauge_carry_them():
     updates = RunMetrics("r").event(commit)
     gauge = [(u.value, dict(u.tags)) for u in updates if u.metric == "elastic_user_metric"]
     assert gauge == [(0.5, {"run": "r", "metric": "accuracy"})]
+
+
+def test_where_the_metrics_are_not_wanted_the_loss_alone_is_taken():
+    """An evaluation without train.eval_metrics evaluates train.loss: with metrics beside it too."""
+    from elastic.runtime.evaluation import default_metrics
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    loss, _ = loss_with_metrics(model, batch)
+    got = default_metrics(loss_with_metrics)(model, batch, 8)
+    assert set(got) == {"loss"} and got["loss"].item() == pytest.approx(loss.item() * 8)

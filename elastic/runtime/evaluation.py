@@ -32,6 +32,7 @@ from elastic.protocol import EvalResult
 from elastic.runtime.batches import to_device
 from elastic.runtime.faults import fire_fault
 from elastic.runtime.step import CollectiveError, is_collective_failure
+from elastic.runtime.user_metrics import loss_of
 
 if TYPE_CHECKING:
     from elastic.runtime.worker import Worker
@@ -85,7 +86,7 @@ def combine(table: torch.Tensor, names: list[str]) -> dict[str, float]:
 def default_metrics(loss_fn: Callable) -> Callable:
     """Without train.eval_metrics: the training loss (a mean over the batch) as a sum."""
     def metrics(model, batch, n: int) -> dict:
-        return {"loss": loss_fn(model, batch).double() * n}
+        return {"loss": loss_of(loss_fn(model, batch)).double() * n}  # metrics beside it: unread
     return metrics
 
 

@@ -40,7 +40,7 @@ from elastic.runtime.collectives import GroupAborted
 from elastic.runtime.compute_clock import ComputeClock, cpu_time_counts
 from elastic.runtime.step_report import BadStep, RollBack, StepReports, Unsettled
 from elastic.runtime.step_stats import LOSS_SCALE_INIT, StepStats, StepTensors, update_loss_scale
-from elastic.runtime.user_metrics import UserMetrics, refuse_metrics
+from elastic.runtime.user_metrics import UserMetrics, loss_of, refuse_metrics
 
 # What state.py and worker.py import from here.
 __all__ = ["LOSS_SCALE_INIT", "BadStep", "CollectiveError", "RollBack", "StepRunner", "StepStats"]
@@ -294,8 +294,7 @@ class StepRunner(StepReports):
             clock.start()
             for i in range(0, len(idx), micro):
                 batch = to_device(default_collate([w.dataset[j] for j in idx[i:i + micro]]), w.device)
-                out = w.fns["loss"](w.model, batch)
-                (out[0] if isinstance(out, tuple) else out).backward()  # metrics beside it: unread
+                loss_of(w.fns["loss"](w.model, batch)).backward()  # metrics beside it: unread
             clock.stop()
             times.append(clock.seconds() * w.slow_factor)
         w.model.zero_grad(set_to_none=True)

@@ -114,6 +114,12 @@ class UserMetrics:
         return out.to(device, non_blocking=True)
 
 
+def loss_of(out) -> torch.Tensor:
+    """The loss of what a loss function returned, with or without metrics beside it (a spare's
+    calibration, an evaluation's default metric: where the metrics are not wanted)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def refuse_metrics(loss_fn: Callable, field: str, why: str) -> Callable:
     """`loss_fn` where metrics beside the loss are not taken (a pipeline's stage loss, which
     torch's schedule calls itself): a tuple return fails here, naming `field`, not in torch."""
