@@ -188,7 +188,9 @@ class TrainSpec(Strict):
     data: DataSpec | None = Field(None, description="A built-in dataset ({format: parquet, uri, columns}) instead of "
                                                     "train.dataset.")
     loss: Ref | None = Field(None, description="module:function(model, batch) -> scalar loss, mean over the batch "
-                                              "(ddp, fsdp; a pipeline uses train.pipeline.loss)")
+                                              "(ddp, fsdp; a pipeline uses train.pipeline.loss), or (loss, "
+                                              "{name: scalar tensor}) to log metrics of your own "
+                                              "(docs/getting-started.md#your-own-metrics)")
     optimizer: Ref | None = Field(None, description="module:function(params) -> optimizer; default AdamW(lr=1e-3)")
     global_batch_size: int = Field(ge=1, description="Samples per optimizer step, constant for the run.")
     micro_batch_size: int | None = Field(
