@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.seaweedfs import S3Server, find_weed, seaweedfs_server
-from tests.support.suite_parts import item_marks
+from tests.support.suite_parts import item_marks, refuse_slow_starts
 
 
 @pytest.fixture(scope="session")
@@ -33,32 +33,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(kind)
 
 
-@pytest.fixture(autouse=True)
-def _fast_part_starts_nothing(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
-    """Under `make test-fast` (ELASTIC_FAST_ONLY=1), starting Ray or a process group fails the
-    test naming the marker it lacks, rather than quietly making the fast part slow."""
-    if os.environ.get("ELASTIC_FAST_ONLY") != "1":
-        return
-
-    def refuse(what: str, marker: str):
-        def refused(*args, **kwargs):
-            raise RuntimeError(f"{request.node.nodeid} {what} under make test-fast: mark it "
-                               f"@pytest.mark.{marker} (tests/support/suite_parts.py)")
-        return refused
-
-    import multiprocessing.process
-
-    import torch.distributed
-
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
-                        refuse("starts a worker process", "procs"))
-    monkeypatch.setattr(torch.distributed, "init_process_group",
-                        refuse("forms a process group", "procs"))
-    try:
-        import ray
-    except ImportError:
-        return
-    monkeypatch.setattr(ray, "init", refuse("starts Ray", "ray"))
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("ELASTIC_FAST_ONLY") == "1":  # make test-fast
+        refuse_slow_starts()
 
 
 _sessions: list[pytest.Session] = []

@@ -10,8 +10,8 @@ local cluster (`ray_cluster`, `cluster`, `one_node_ray`, `local_cluster`) or a R
 (`sys.executable`); a `subprocess.run` of a tool (kubectl, promtool) is neither. What syntax
 cannot see (Ray or a process started by `elastic.` code a test calls) is listed in `BY_HAND`.
 `make test-fast` sets `ELASTIC_FAST_ONLY=1`, under which `ray.init`, `init_process_group` and a
-`multiprocessing` start raise (tests/conftest.py), so a test missed here fails there, naming the
-marker, rather than quietly making the fast part slow.
+`multiprocessing` start raise (`refuse_slow_starts`), so a test missed here fails there, naming
+the marker, rather than quietly making the fast part slow.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ SLOW: tuple[str, ...] = ()
 PROCS_MODULES = ("multiprocessing", "torch.multiprocessing")
 ROOT = Path(__file__).resolve().parents[2]
 FOLLOWED = ("tests.", "benchmarks.")
-GUARD = "_fast_part_starts_nothing"  # conftest's autouse guard names what it refuses
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,14 +171,35 @@ def item_kinds(item) -> set[str]:
         kinds |= reached_kinds(inspect.getsourcefile(fn), fn.__name__, cls)
     info = getattr(item, "_fixtureinfo", None)
     for name in (item.fixturenames if info else ()):
-        if name == GUARD:
-            continue
         for fdef in info.name2fixturedefs.get(name, ()):
             func = inspect.unwrap(fdef.func)
             src = inspect.getsourcefile(func)
             if src and Path(src).resolve().is_relative_to(ROOT):
                 kinds |= reached_kinds(src, func.__name__)
     return kinds
+
+
+def refuse_slow_starts() -> None:
+    """For the whole session (module-scoped fixtures start clusters before any test's own
+    fixture could stop them): starting Ray, a process group or a worker process raises, naming
+    the marker the test lacks, rather than quietly making the fast part slow."""
+    import multiprocessing.process
+
+    import torch.distributed
+
+    def refuse(what: str, marker: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"this test {what} under make test-fast: mark it {marker} "
+                               "(BY_HAND in tests/support/suite_parts.py)")
+        return refused
+
+    multiprocessing.process.BaseProcess.start = refuse("starts a worker process", "procs")
+    torch.distributed.init_process_group = refuse("forms a process group", "procs")
+    try:
+        import ray
+    except ImportError:
+        return
+    ray.init = refuse("starts Ray", "ray")
 
 
 def pytest_collection_finish(session) -> None:
