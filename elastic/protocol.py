@@ -25,6 +25,7 @@ class RankStatus(StrEnum):
     RESTORED = "restored"
     RUNNING = "running"
     STORAGE_WAIT = "storage_wait"  # waiting for a checkpoint persist (storage slow or down): not a hang
+    EVALUATING = "evaluating"  # in an evaluation (train.eval_dataset); each forward is progress
     STOPPED = "stopped"  # at an agreed step boundary (a planned change)
     ROLLBACK = "rollback"
     ABORTED = "aborted"
@@ -204,6 +205,7 @@ class PollReport:
     copies_held: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> steps of its parts held here
     memory: MemorySample | None = None  # its memory now (at most a second old)
     evaluations: tuple[EvalResult, ...] = ()  # train.eval_dataset: evaluations done (rank 0 reports)
+    eval_batches: int = 0  # forwards done in the evaluation in progress (status EVALUATING)
     # Whether it carries anything besides progress (a persist, steps, the ledger, ...): worked out
     # once, where the answer is made, so the controller need not look into each of 100,000.
     news: bool = field(init=False, default=False)

@@ -253,6 +253,26 @@ def test_the_loggers_wait_for_an_evaluation_step_s_evaluation():
     assert evaluations.logged_through(resumed, 5) == 5
 
 
+def test_each_evaluation_forward_is_progress_for_the_hang_bound():
+    ctl, _ = _ctl()
+    clock = [5.0]
+    ctl.now = lambda: clock[0]
+    ctl.training = SimpleNamespace(last_progress_at=0.0, eval_seen=None)
+
+    def poll(status, batches, step=4):
+        return {0: PollReport(rank=0, generation=1, status=status, step=step, eval_batches=batches)}
+    evaluations.note_progress(ctl, poll(RankStatus.EVALUATING, 1))
+    assert ctl.training.last_progress_at == 5.0
+    clock[0] = 9.0
+    evaluations.note_progress(ctl, poll(RankStatus.EVALUATING, 1))  # no forward since: no progress
+    assert ctl.training.last_progress_at == 5.0
+    evaluations.note_progress(ctl, poll(RankStatus.EVALUATING, 2))
+    assert ctl.training.last_progress_at == 9.0
+    clock[0] = 12.0
+    evaluations.note_progress(ctl, poll(RankStatus.RUNNING, 0, step=5))  # training: not this one's
+    assert ctl.training.last_progress_at == 9.0
+
+
 def test_evaluations_reach_metrics_json_the_loggers_and_status(tmp_path):
     log = RunLog()
     log.loss_curve = {1: (2.0, 2), 2: (1.5, 2)}

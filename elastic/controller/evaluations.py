@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elastic.protocol import EvalResult, PollReport
+from elastic.protocol import EvalResult, PollReport, RankStatus
 
 if TYPE_CHECKING:
     from elastic.controller.controller import Controller
@@ -26,6 +26,19 @@ def absorb(ctl: Controller, answers: dict[int, PollReport]) -> None:
             got[ev.step] = ev
             ctl.events.emit("evaluated", step=ev.step, metrics=ev.metrics,
                             num_samples=ev.num_samples, seconds=ev.seconds)
+
+
+def note_progress(ctl: Controller, answers: dict[int, PollReport]) -> None:
+    """A forward of an evaluation is progress, as a step is: an evaluation longer than the hang
+    bound (a large set) is not taken for a hang, and one whose forwards stop still is."""
+    if ctl.job.train.eval_dataset is None:
+        return
+    seen = max(((a.step, a.eval_batches) for a in answers.values()
+                if a.status == RankStatus.EVALUATING), default=None)
+    tr = ctl.training
+    if seen is not None and seen != tr.eval_seen:
+        tr.eval_seen = seen
+        tr.last_progress_at = ctl.now()
 
 
 def due_steps(num_steps: int, every: int | None) -> list[int]:

@@ -28,6 +28,7 @@ class Progress:
     loss: float | None = None
     step_times: deque = field(default_factory=lambda: deque(maxlen=50))  # recent step times, for the hang bound
     last_progress_at: float = 0.0
+    eval_seen: tuple | None = None  # (step, forwards) of the newest evaluation progress polled
     # rank -> its newest answer in this run (its RankStatus, whether a persist of its is in flight):
     # one dict update per poll, read only for the ranks a decision asks about
     reports: dict = field(default_factory=dict)

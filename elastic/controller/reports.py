@@ -35,6 +35,7 @@ def absorb(ctl: Controller, answers: dict[int, PollReport]) -> None:
     answers = current(ctl, answers)
     absorb_reports(ctl, answers)
     absorb_progress(ctl, answers)
+    evaluations.note_progress(ctl, answers)
 
 
 def current(ctl: Controller, answers: dict[int, PollReport]) -> dict[int, PollReport]:

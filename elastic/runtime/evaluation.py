@@ -14,8 +14,10 @@ fewer batches run their last batch again, uncounted, so that every rank makes as
 (FSDP gathers its parameters inside forward: a rank that stopped early would hang the others).
 
 The worker's run loop asks `due` after each step and calls `evaluate`; the results wait for the
-next poll (`take`). Which evaluations are done is the controller's record (it passes the last
-step it has an evaluation of to run()): one cut short by a fault is redone after the recovery.
+next poll (`take`). Each forward is reported as progress (status EVALUATING): the hang bound
+times forwards during an evaluation, not the evaluation's length. Which evaluations are done is
+the controller's record (it passes the last step it has an evaluation of to run()): one cut
+short by a fault is redone after the recovery.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from elastic.config.evaluation import batch_size as eval_batch_size
 from elastic.data.prefetch import collate
-from elastic.protocol import EvalResult
+from elastic.protocol import EvalResult, RankStatus
 from elastic.runtime.batches import to_device
 from elastic.runtime.faults import fire_fault
 from elastic.runtime.step import CollectiveError, is_collective_failure
@@ -155,6 +157,7 @@ class Evaluator:
             with torch.no_grad(), torch.autocast(w.device.type, dtype=_AMP.get(tr.precision),
                                                  enabled=tr.precision in _AMP):
                 for i in range(forwards_per_rank(len(bounds), world)):
+                    w.set_progress(status=RankStatus.EVALUATING, eval_batches=i)  # progress
                     k = mine[min(i, len(mine) - 1)] if mine else 0
                     lo, hi = bounds[k]
                     batch = to_device(collate(self.dataset, list(range(lo, hi))), w.device)
@@ -171,6 +174,7 @@ class Evaluator:
                             fire_fault(w, f)
         finally:
             w.model.train(was_training)
+            w.set_progress(status=RankStatus.RUNNING, eval_batches=0)
         if world > 1:
             dist.all_reduce(table)
         return combine(table, names), n
