@@ -17,6 +17,8 @@ BENCHMARKS = {
     "checkpoint": ("what a checkpoint costs training: stall and persist", "benchmarks.checkpoint"),
     "data": ("Parquet on S3: read time hidden behind compute", "benchmarks.data"),
     "parallel": ("tensor, fully sharded and data parallel layouts: throughput, or peak memory", "benchmarks.parallel"),
+    "compression": ("gradient compression modes: bytes per step, steps/s, loss curve (no Ray)",
+                    "benchmarks.compression"),
 }
 
 
@@ -45,7 +47,8 @@ OPTIONS = (
          used_by=("recovery", "overhead")),
     _opt("--out", default=None, help="also write results.jsonl, results.md and a plot here", used_by=ALL),
     _opt("--systems", default=None, help="comma-separated systems (for data: modes) to compare (default: all of them)",
-         used_by=("recovery", "resize", "churn", "pipeline", "overhead", "data", "parallel")),
+         used_by=("recovery", "resize", "churn", "pipeline", "overhead", "data", "parallel",
+                  "compression")),
     _opt("--storage", choices=["file", "s3"], default="file", help="checkpoint storage under test",
          used_by=("recovery", "resize", "pipeline")),
     _opt("--fault", default="kill_node",
@@ -111,7 +114,11 @@ OPTIONS = (
     _opt("--hidden", default=None,
          help="hidden widths of the MLP, one model size each (1024: 1.3 M parameters, 3072: 10.3 M, 10000: "
               "102.7 M; default 1024,3072,10000 for overhead, 3072,10000 for checkpoint, one width for data, "
-              "default 3072)", used_by=("overhead", "checkpoint", "data")),
+              "default 3072; compression: one width, default 1024)",
+         used_by=("overhead", "checkpoint", "data", "compression")),
+    _opt("--workers", type=int, default=2, help="gloo ranks (processes on this machine)",
+         used_by=("compression",)),
+    _opt("--steps", type=int, default=60, help="training steps per mode", used_by=("compression",)),
     _opt("--ranks", default=None, help="simulated ranks, comma-separated (default 1000,10000)",
          used_by=("controller",)),
     _opt("--ranks-per-node", type=int, default=8,
