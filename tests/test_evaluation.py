@@ -144,8 +144,15 @@ def _eval_rank(rank, world, pp, job_json, root, port, steps, env, q):
     w = import_worker()(job_json, root)
     w.join("127.0.0.1", port, rank, world, generation=1, pp=pp)
     w.restore([])
-    got = []
+    got, statuses = [], []
     evaluate = w.evals.evaluate
+    metrics_fn = w.fns["eval_metrics"] or w.fns["loss"]
+
+    def watched(model, batch):
+        statuses.append(w._progress["status"])
+        return metrics_fn(model, batch)
+    if w.fns["eval_metrics"]:
+        w.fns["eval_metrics"] = watched
 
     def kept(*a):
         got.append(evaluate(*a))
@@ -157,7 +164,7 @@ def _eval_rank(rank, world, pp, job_json, root, port, steps, env, q):
         reported = w.evals.take()
     q.put((rank, res.status if res.status != "user_error" else res.error,
            [(e.step, e.metrics, e.num_samples) for e in got], [e.step for e in reported],
-           w.model.training))
+           (w.model.training, sorted(set(statuses)), w._progress["status"])))
     w.leave()
 
 
@@ -182,7 +189,9 @@ def _evaluate(tmp_path, workers, strategy, **train):
     assert all(o[1] == "done" for o in out), out
     assert all(o[2] == out[0][2] for o in out), out  # every rank holds the same numbers
     assert out[0][3] == [2, 4, 5] and all(o[3] == [] for o in out[1:])  # rank 0 reports them
-    assert all(o[4] for o in out)  # back in train mode
+    assert all(o[4][0] and o[4][2] == "done" for o in out)  # back in train mode
+    if "eval_metrics" not in train:  # in every forward a rank says it is evaluating
+        assert all(o[4][1] == ["evaluating"] for o in out), out
     return out[0][2]
 
 
