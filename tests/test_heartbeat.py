@@ -368,6 +368,27 @@ def test_the_pinger_process_pings_and_reads_answers_while_the_caller_does_neithe
     assert hb.proc.poll() is not None
 
 
+def test_a_fresh_snapshot_shows_a_silence_that_began_after_the_last_call(worker):
+    """`beats()` answers with the snapshot the previous call asked for: after a long wait
+    elsewhere (a recovery's blocking poll, 4 s on a loaded machine) that snapshot shows a node
+    stopped during the wait as alive, and the frozen survivor of churn seed 2 went into a
+    formation that could not complete. `fresh_within_s` waits for one taken after the call."""
+    proc, side = worker
+    hb = PingerProcess(AUTH, interval_s=0.05)
+    hb.watch({1: ("127.0.0.1", side.port, proc.pid)})
+    try:
+        until(lambda: 1 in hb.beats() and hb.beats()[1].age_s == 0.0)
+        time.sleep(0.2)  # the answer to that last call's request arrives: a snapshot of a live node
+        os.kill(side.proc.pid, signal.SIGSTOP)  # its node stops
+        time.sleep(1.0)  # the caller waits elsewhere
+        fresh = hb.beats(fresh_within_s=5.0)[1]
+        assert fresh.age_s > 0.0, fresh  # the stale snapshot says 0.0: answered before the stop
+    finally:
+        if side.proc.poll() is None:
+            os.kill(side.proc.pid, signal.SIGCONT)
+        hb.close()
+
+
 def test_the_pinger_works_from_a_process_with_more_than_1024_files_open(worker):
     """A controller in a long-lived process (a test session, a driver with many Ray
     connections) may hand the pinger's pipes file descriptors past 1,024, where select() fails."""

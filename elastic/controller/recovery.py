@@ -143,7 +143,7 @@ def poll_busy_again(ctl: Controller, answers: dict, silent: dict[int, str]
     cfg = ctl.job.failure
     waited, late = cfg.ping_timeout_s, []
     while cfg.heartbeat and silent and waited < FORMATION_SILENCE * cfg.ping_timeout_s:
-        beats = ctl.group.beats()
+        beats = ctl.group.beats(fresh_within_s=cfg.ping_timeout_s)  # not as of before the polls
         busy = [r for r, why in silent.items() if cause_of(why) == LostCause.UNRESPONSIVE and r in beats
                 and not beats[r].refused and node_says_running(beats[r], cfg.ping_timeout_s)]
         if not busy:
@@ -223,7 +223,9 @@ def merge_overlapping(ctl: Controller) -> State:
             if cause_of(w) in (LostCause.PROCESS_DIED, LostCause.NODE_DIED, LostCause.UNREACHABLE)}
     quiet = [r for r, w in silent.items() if r not in gone and cause_of(w) == LostCause.UNRESPONSIVE]
     if quiet and cfg.heartbeat:
-        beats, waits = ctl.group.beats(), ctl.group.unanswered_s()
+        # A fresh snapshot: the last one was asked before the collect's polls (seconds on a
+        # loaded machine) and shows a node stopped since as alive (churn seed 2: 5.95 s).
+        beats, waits = ctl.group.beats(fresh_within_s=cfg.ping_timeout_s), ctl.group.unanswered_s()
         for r in quiet:
             beat = beats.get(r)
             if formation_silent(max(waits.get(r, 0.0), polled_s), beat, cfg.ping_timeout_s):

@@ -350,17 +350,18 @@ class WorkerGroup(SparePool):
         return {"agent_polls": self.agents.rpcs, "direct_polls": self.direct_polls,
                 "heartbeat_pings": self.heartbeats.pings_sent if self.heartbeats else 0}
 
-    def beats(self) -> dict:
+    def beats(self, fresh_within_s: float = 0.0) -> dict:
         """{rank: Beat} from the nodes' heartbeat sidecars (elastic/runtime/heartbeat.py, run by the
         node agents), pinged by a process of its own from the first call (elastic/runtime/pinger.py):
-        its newest snapshot, at most one call old. A rank whose node's sidecar never answered for it
-        is left out."""
+        its newest snapshot, at most one call old, or with `fresh_within_s` one taken after this
+        call (waited for up to that long). A rank whose node's sidecar never answered for it is
+        left out."""
         if self.agents.auth is None:
             return {}  # heartbeat off: no sidecar runs to ask
         if self.heartbeats is None:
             self.heartbeats = PingerProcess(self.agents.auth)
         self.heartbeats.watch(self.agents.heartbeat_targets(self._routable()))
-        return self.heartbeats.beats()
+        return self.heartbeats.beats(fresh_within_s)
 
     def poll(self, timeout_s: float) -> tuple[dict[int, PollReport], dict[int, str]]:
         """(answers by rank, {rank: why not} for those that died or did not answer in time)."""

@@ -129,10 +129,32 @@ class PingerProcess:
         self._targets = targets
         self._send(("watch", targets))
 
-    def beats(self) -> Beats:
-        """The newest snapshot of the pinger's beats (rank -> Beat), without waiting for it."""
+    def beats(self, fresh_within_s: float = 0.0) -> Beats:
+        """The newest snapshot of the pinger's beats (rank -> Beat), without waiting for it; with
+        `fresh_within_s`, one taken after this call, waited for up to that long. A snapshot is
+        the answer to the previous call's request: after a long wait elsewhere (a blocking poll
+        in a recovery), it describes the moment that wait began, and a node that went silent
+        during it still looks alive in it."""
+        t0 = time.monotonic()
+        self._read()
+        deadline = t0 + fresh_within_s
+        while self._dead is None and self._latest._now < t0 and time.monotonic() < deadline:
+            if not self._asked:
+                self._asked = True
+                self._send(("beats",))
+            ready = select.poll()
+            ready.register(self.proc.stdout.fileno(), select.POLLIN)
+            if ready.poll(max(0.0, min(0.05, deadline - time.monotonic())) * 1000):
+                self._read()
+        if not self._asked:
+            self._asked = True
+            self._send(("beats",))
+        return self._latest
+
+    def _read(self) -> None:
+        """Take the snapshots the pinger has written, the newest into `_latest`."""
         if self._dead is not None:
-            return self._latest
+            return
         fd = self.proc.stdout.fileno()
         ready = select.poll()
         ready.register(fd, select.POLLIN)
@@ -140,20 +162,14 @@ class PingerProcess:
             while ready.poll(0):
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
-                    self._gone(f"exited (code {self.proc.poll()})")
-                    return self._latest
+                    return self._gone(f"exited (code {self.proc.poll()})")
                 self._inbox += chunk
         except OSError as e:
-            self._gone(f"exited ({e})")
-            return self._latest
+            return self._gone(f"exited ({e})")
         for tokens, last, pending, now, sent, rounds, refused in _take_frames(self._inbox):
             self._tokens = self._tokens if tokens is None else tokens
             self._latest = Beats(self._targets, self._tokens, last, pending, now, refused)
             self._asked, self.pings_sent, self.rounds = False, sent, rounds
-        if not self._asked:
-            self._asked = True
-            self._send(("beats",))
-        return self._latest
 
     def close(self) -> None:
         if self.proc is not None:

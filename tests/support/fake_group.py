@@ -484,7 +484,7 @@ class FakeGroup:
     def control_traffic(self) -> dict[str, int]:
         return {"agent_polls": self._polls_sent, "direct_polls": 0, "heartbeat_pings": self._pings_sent}
 
-    def beats(self) -> dict:
+    def beats(self, fresh_within_s: float = 0.0) -> dict:  # always fresh here
         if not self.heartbeats:
             return {}
         t0 = time.perf_counter()
