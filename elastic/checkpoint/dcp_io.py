@@ -283,13 +283,12 @@ def staging_for(state: Any) -> Any:
     shapes and dtypes, so it may run while training changes them. A first snapshot into fresh
     memory took 1.35 s for the state of a 102.7 M-parameter MLP with AdamW on an idle core here,
     against 0.06 s into buffers already touched (`snapshot` reuse); in a training worker on a
-    shared core it stopped the checkpoint's step for seconds. A CPU DTensor gets a DTensor over a
-    buffer of its local shard's shape; a GPU one (copied whole by `snapshot`) and everything else
-    get None."""
+    shared core it stopped the checkpoint's step for seconds. DTensors (FSDP's shards) and
+    everything else get None: made ahead, a shard's buffers held 0.75 x state/N from the start,
+    long before the first checkpoint (a 1.5 GB model over 4 ranks capped at 1,400 MiB each ran
+    out of memory at step 2); its first snapshot makes them, and the next ones reuse them."""
     if isinstance(state, torch.Tensor):
         src = state.detach()
-        if _cpu_shard(src):
-            return _into_shard(src, None, touch=True)
         if type(src) is not torch.Tensor:
             return None
         buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
@@ -305,19 +304,15 @@ def _cpu_shard(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and t.device_mesh.device_type == "cpu"
 
 
-def _into_shard(src: DTensor, reuse: Any, touch: bool = False) -> DTensor:
+def _into_shard(src: DTensor, reuse: Any) -> DTensor:
     """A CPU DTensor like `src` (its mesh, placements, global shape) whose local shard is
-    `reuse`'s local memory where shape and dtype match, else fresh; filled with `src`'s values,
-    or, with `touch`, only zeroed (a staging buffer whose pages are faulted in now)."""
+    `reuse`'s local memory where shape and dtype match, else fresh; filled with `src`'s values."""
     local = src.to_local()
     buf = reuse.to_local() if isinstance(reuse, DTensor) else None
     fits = buf is not None and buf.shape == local.shape and buf.dtype == local.dtype
     if not fits or buf.device.type != "cpu":
         buf = torch.empty(local.shape, dtype=local.dtype)
-    if touch:
-        buf.zero_()
-    else:
-        buf.copy_(local)
+    buf.copy_(local)
     return DTensor.from_local(buf, src.device_mesh, src.placements, run_check=False,
                               shape=src.shape, stride=src.stride())
 
