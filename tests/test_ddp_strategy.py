@@ -2,11 +2,12 @@
 ranks (spawned processes), a parameter that gets no gradient included; the values handed to
 `reduce_gradients` come back summed over the world; a model without buffers issues no broadcast,
 and one with BatchNorm ends each step with the first rank's buffers, on both reduction paths."""
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.support.spawned import run_spawned
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,19 +73,8 @@ def reference(world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_gradients_are_the_mean_over_the_ranks(world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = torch.multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted(q.get(timeout=90) for _ in procs)
     results = [(r, [{n: torch.from_numpy(a) for n, a in step.items()} for step in steps], nb)
-               for r, steps, nb in results]
-    for p in procs:
-        p.join(30)
+               for r, steps, nb in run_spawned(_rank, world)]
     ref = reference(world)
     for rank, steps, num_buckets in results:
         assert num_buckets >= 3
@@ -137,17 +127,7 @@ def _bn_rank(rank, world, port, overlap, q):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_every_rank_ends_the_step_with_the_first_ranks_buffers(overlap):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = torch.multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_bn_rank, args=(r, 2, port, overlap, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    (_, first), (_, second) = sorted(q.get(timeout=90) for _ in procs)
-    for p in procs:
-        p.join(30)
+    (_, first), (_, second) = run_spawned(_bn_rank, 2, overlap)
     assert all(a[n].tobytes() == b[n].tobytes() for a, b in zip(first, second) for n in a)
     assert first[0]["bn.num_batches_tracked"] == 2 and first[1]["bn.num_batches_tracked"] == 4
     assert first[0]["bn.running_mean"].tobytes() != first[1]["bn.running_mean"].tobytes()  # they move

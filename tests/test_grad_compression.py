@@ -5,7 +5,6 @@ fresh strategy gives the next step's gradients bit for bit. The config refuses w
 apply, and a fault with rank-private state restores from storage (docs/grad-compression.md)."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from elastic.config import FailureConfig, TrainSpec
 from elastic.parallel.compression import PowerSgd, orthogonalize
 from elastic.policies.restore import FromPeer, FromStorage, choose_restore
+from tests.support.spawned import run_spawned
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,14 +63,14 @@ def _state(strat, model) -> tuple[dict, dict]:
     return _plain(shared), _plain(strat.own_state(model))
 
 
-def _rank(rank, port, mode, q):
+def _rank(rank, world, port, mode, q):
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic.parallel import ddp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+                            world_size=world)
     ddp.BUCKET_BYTES = 2048  # several buckets: a.weight (4 KiB) alone in one
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     strat, model = ddp.DataParallel(mesh, _spec(mode), seed=7), Net()
@@ -108,18 +108,7 @@ def _rank(rank, port, mode, q):
 
 
 def _run(mode: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = torch.multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, mode, q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = [o for _, o in sorted((q.get(timeout=150) for _ in procs), key=lambda o: o[0])]
-    for p in procs:
-        p.join(30)
-    return results
+    return [o for _, o in run_spawned(_rank, WORLD, mode, timeout_s=150)]
 
 
 def _equal(a: dict, b: dict) -> bool:
